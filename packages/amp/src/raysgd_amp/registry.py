@@ -1,0 +1,202 @@
+"""Choosing a backend: `get_precision(use_fp16)`, named backends and the `raysgd.amp` entry points.
+
+Resolution order: a `Precision` instance (or subclass) is used as given; booleans and built-in names
+map to the built-in backends; other names are looked up among `register_precision` registrations,
+then, lazily, among the entry points of group `raysgd.amp` of the installed distributions::
+
+    [project.entry-points."raysgd.amp"]
+    my_fp8 = "my_package.precision:Fp8Precision"
+
+A factory (or class) is called with those of the keyword arguments `device` and `apex_args` that
+its signature accepts, so a `Precision` subclass whose `__init__` takes no arguments works as is.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Mapping
+from importlib import metadata
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from .full import FullPrecision
+from .native import NativePrecision, resolve_device
+from .precision import Precision
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "PrecisionFactory",
+    "available_precisions",
+    "get_precision",
+    "register_precision",
+]
+
+logger = logging.getLogger("raysgd_amp")
+
+ENTRY_POINT_GROUP = "raysgd.amp"
+
+#: Builds a backend; called with the subset of `device=`, `apex_args=` that it accepts.
+PrecisionFactory = Callable[..., Precision]
+
+
+def _fp16(device: Optional[torch.device] = None) -> Precision:
+    device = resolve_device(device)
+    if device.type == "cpu":
+        # DESIGN.md section 5: asking for fp16 where there is no GPU runs rather than fails. bf16 is
+        # the reduced precision CPUs compute fast and it needs no loss scaling; fp16 on CPU stays
+        # available as NativePrecision("fp16", device="cpu") for whoever wants exactly that.
+        logger.warning("use_fp16='fp16' on CPU: running bf16 autocast instead (fp16 is for CUDA).")
+        return NativePrecision("bf16", device)
+    return NativePrecision("fp16", device)
+
+
+def _auto(device: Optional[torch.device] = None) -> Precision:
+    device = resolve_device(device)
+    if device.type == "cpu":
+        logger.info("use_fp16=True: no CUDA device, using native bf16 autocast on CPU.")
+        return NativePrecision("bf16", device)
+    logger.info("use_fp16=True: using native fp16 autocast with a GradScaler on %s.", device)
+    return NativePrecision("fp16", device)
+
+
+def _bf16(device: Optional[torch.device] = None) -> Precision:
+    return NativePrecision("bf16", device)
+
+
+def _apex(apex_args: Optional[Mapping[str, Any]] = None) -> Precision:
+    from .apex import ApexPrecision  # imports Apex itself, so only when asked for
+
+    return ApexPrecision(apex_args)
+
+
+_BUILTIN: dict[str, PrecisionFactory] = {
+    "full": FullPrecision,
+    "fp32": FullPrecision,
+    "fp16": _fp16,
+    "bf16": _bf16,
+    "apex": _apex,
+}
+_registry: dict[str, PrecisionFactory] = dict(_BUILTIN)
+
+
+def register_precision(name: str, factory: PrecisionFactory, *, replace: bool = False) -> None:
+    """Make `get_precision(name)` build a backend with `factory` (a `Precision` subclass or callable).
+
+    Names are case-insensitive. Registering a name that exists raises ValueError unless `replace`.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if not callable(factory):
+        raise TypeError(f"factory must be a Precision subclass or a callable, got {factory!r}")
+    key = name.strip().lower()
+    if key in _registry and not replace:
+        raise ValueError(
+            f"a precision backend named {key!r} is already registered (pass replace=True)"
+        )
+    _registry[key] = factory
+
+
+def _entry_points() -> list[Any]:
+    found = metadata.entry_points()
+    if hasattr(found, "select"):  # Python >= 3.10
+        return list(found.select(group=ENTRY_POINT_GROUP))
+    return list(found.get(ENTRY_POINT_GROUP, []))  # Python 3.9: a dict of groups
+
+
+def available_precisions() -> list[str]:
+    """Every name `get_precision` accepts: built-in, registered and entry-point backends."""
+    names = set(_registry) | {ep.name.lower() for ep in _entry_points()}
+    return sorted(names)
+
+
+def _build(name: str, factory: Any, device: Any, apex_args: Any) -> Precision:
+    if isinstance(factory, Precision):  # an entry point may name a ready instance
+        return factory
+    offered = {"device": device, "apex_args": apex_args}
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        params = {}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs = {k: v for k, v in offered.items() if takes_any or k in params}
+    backend = factory(**kwargs)
+    if not isinstance(backend, Precision):
+        raise TypeError(
+            f"precision backend {name!r} built {type(backend).__name__}, not a Precision"
+        )
+    return backend
+
+
+_INTERFACE = (
+    "setup",
+    "autocast",
+    "backward",
+    "unscale",
+    "step",
+    "clip_grad_norm",
+    "state_dict",
+    "load_state_dict",
+)
+
+
+def _implements_interface(obj: Any) -> bool:
+    """Duck typing for backends that do not subclass `Precision` but provide all of it."""
+    if isinstance(obj, (type, str, bool)) or obj is None:
+        return False
+    has_methods = all(callable(getattr(obj, m, None)) for m in _INTERFACE)
+    return has_methods and all(hasattr(obj, a) for a in ("name", "enabled", "dtype"))
+
+
+def _choices() -> str:
+    return f"False, True, a Precision instance, or one of {available_precisions()}"
+
+
+def get_precision(
+    use_fp16: Union[bool, str, Precision, type, None],
+    *,
+    device: Union[torch.device, str, None] = None,
+    apex_args: Optional[Mapping[str, Any]] = None,
+) -> Precision:
+    """Map RaySGD's `use_fp16` argument to a precision backend.
+
+    - `False` / `None` / "full" / "fp32": full precision.
+    - `True`: fp16 with a GradScaler on CUDA, bf16 autocast on CPU (one INFO log line says which).
+    - "fp16": native fp16 with a GradScaler; on CPU it runs bf16 instead, with a WARNING line.
+    - "bf16": native bf16 autocast, no loss scaling (CPU and CUDA).
+    - "apex": NVIDIA Apex with `apex_args` for `amp.initialize`.
+    - a `Precision` instance or subclass (or an object with the whole `Precision` interface);
+      any other name: `register_precision` or entry points.
+
+    `device` is where the model will run (default: CUDA if present, else CPU); call this where the
+    model lives or pass it. Bad values raise ValueError listing the choices; a missing Apex raises
+    `ApexNotAvailableError` (an ImportError).
+    """
+    if apex_args is not None and not isinstance(apex_args, Mapping):
+        raise TypeError(f"apex_args must be a dict, got {type(apex_args).__name__}")
+    if isinstance(use_fp16, Precision) or _implements_interface(use_fp16):
+        return use_fp16  # type: ignore[return-value]
+    if isinstance(use_fp16, type) and issubclass(use_fp16, Precision):
+        return _build(use_fp16.__name__, use_fp16, device, apex_args)
+    if use_fp16 is None or use_fp16 is False:
+        return FullPrecision()
+    if use_fp16 is True:
+        return _auto(None if device is None else resolve_device(device))
+    if not isinstance(use_fp16, str):
+        raise ValueError(f"use_fp16 must be {_choices()}; got {use_fp16!r}")
+    key = use_fp16.strip().lower()
+    dev = None if device is None else resolve_device(device)
+    if key in _registry:
+        return _build(key, _registry[key], dev, apex_args)
+    for ep in _entry_points():
+        if ep.name.lower() == key:
+            try:
+                factory = ep.load()
+            except Exception as exc:  # a broken plugin must say which one it is
+                raise ImportError(
+                    f"precision backend {key!r} (entry point {ep.value!r} in group "
+                    f"{ENTRY_POINT_GROUP!r}) failed to load: {exc}"
+                ) from exc
+            return _build(key, factory, dev, apex_args)
+    raise ValueError(f"use_fp16 must be {_choices()}; got {use_fp16!r}")
