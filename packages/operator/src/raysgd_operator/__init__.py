@@ -1,4 +1,23 @@
-"""TrainingOperator, creator adapter, metrics and BATCH_SIZE for raysgd."""
+"""TrainingOperator, OperatorRunner, metrics and BATCH_SIZE for raysgd (torch only, no Ray)."""
+
+from raysgd_operator.batch import BATCH_SIZE, split_batch_size
+from raysgd_operator.metrics import (
+    AverageMeter,
+    AverageMeterCollection,
+    TimerCollection,
+    reduce_worker_results,
+)
+from raysgd_operator.operator import TrainingOperator
+from raysgd_operator.runner import OperatorRunner
 
 __version__ = "0.1.0"
-__all__: list[str] = []
+__all__ = [
+    "BATCH_SIZE",
+    "AverageMeter",
+    "AverageMeterCollection",
+    "OperatorRunner",
+    "TimerCollection",
+    "TrainingOperator",
+    "reduce_worker_results",
+    "split_batch_size",
+]

@@ -1,0 +1,47 @@
+"""The global batch size key and its split over workers (RaySGD's ``BATCH_SIZE``)."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+__all__ = ["BATCH_SIZE", "split_batch_size"]
+
+logger = logging.getLogger(__name__)
+
+#: Config key holding the *global* batch size; every worker's config gets its share of it.
+BATCH_SIZE = "*batch_size"
+
+
+def split_batch_size(config: dict[str, Any], num_workers: int) -> tuple[dict[str, Any], int | None]:
+    """Split ``config[BATCH_SIZE]`` over ``num_workers``.
+
+    Returns ``(worker_config, global_batch_size)``: a copy of ``config`` whose ``BATCH_SIZE`` is the
+    per-worker share ``global // num_workers``, and the global size actually trained with
+    (``share * num_workers``; smaller than asked when it does not divide, which is warned about).
+    Without the key the config is returned (copied) unchanged and the global size is ``None``.
+    """
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    worker_config = dict(config)
+    if BATCH_SIZE not in config:
+        return worker_config, None
+    total = config[BATCH_SIZE]
+    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+        raise ValueError(f"config[BATCH_SIZE] must be a positive int, got {total!r}")
+    share = total // num_workers
+    if share < 1:
+        raise ValueError(
+            f"config[BATCH_SIZE]={total} is smaller than num_workers={num_workers}: "
+            "every worker needs at least one sample per batch"
+        )
+    if share * num_workers != total:
+        msg = (
+            f"config[BATCH_SIZE]={total} does not divide over {num_workers} workers; "
+            f"using {share} per worker, a global batch of {share * num_workers}"
+        )
+        warnings.warn(msg, stacklevel=2)
+        logger.warning(msg)
+    worker_config[BATCH_SIZE] = share
+    return worker_config, share * num_workers

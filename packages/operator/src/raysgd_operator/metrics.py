@@ -1,0 +1,131 @@
+"""Per-batch metric averaging, reduction across workers, and profiling timers (RaySGD semantics)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from numbers import Number
+from typing import Any
+
+__all__ = ["AverageMeter", "AverageMeterCollection", "TimerCollection", "reduce_worker_results"]
+
+
+class AverageMeter:
+    """Running sample-weighted mean of one value; ``val`` is the last value seen."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every value."""
+        self.val: float = 0.0
+        self.sum: float = 0.0
+        self.count: int = 0
+        self.avg: float = 0.0
+
+    def update(self, val: float, n: int = 1) -> None:
+        """Add ``val`` observed over ``n`` samples (NaN propagates into ``avg`` on purpose)."""
+        self.val = val
+        self.sum += val * n
+        self.count += n
+        self.avg = self.sum / self.count if self.count else 0.0
+
+
+class AverageMeterCollection:
+    """One `AverageMeter` per metric key, fed with the dicts a ``train_batch`` returns.
+
+    ``summary()`` gives ``batch_count``, ``num_samples`` (the sum of the ``n`` passed to ``update``),
+    each key's sample-weighted mean and ``last_<key>`` (the value of the last batch).
+    """
+
+    def __init__(self) -> None:
+        self._batch_count = 0
+        self.n = 0
+        self._meters: dict[str, AverageMeter] = {}
+
+    def update(self, metrics: Mapping[str, Any], n: int = 1) -> None:
+        """Record one batch's ``metrics`` (numbers) computed over ``n`` samples."""
+        self._batch_count += 1
+        self.n += n
+        for key, value in metrics.items():
+            self._meters.setdefault(key, AverageMeter()).update(value, n=n)
+
+    def summary(self) -> dict[str, Any]:
+        """The averaged metrics of every batch so far."""
+        stats: dict[str, Any] = {"batch_count": self._batch_count, "num_samples": self.n}
+        for key, meter in self._meters.items():
+            stats[key] = meter.avg
+            stats[f"last_{key}"] = meter.val
+        return stats
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, Number) and not isinstance(value, bool)
+
+
+# Keys that are counters rather than per-sample quantities: a plain mean across workers.
+_PLAIN_MEAN_KEYS = ("batch_count", "epoch")
+
+
+def reduce_worker_results(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Combine per-worker metric dicts into one.
+
+    ``num_samples`` is summed; ``batch_count`` and ``epoch`` are averaged plainly; every other number
+    (``last_*`` included) is averaged weighted by each worker's ``num_samples``, so that a worker that
+    saw more samples counts more; a NaN on any worker makes that key NaN. Anything else (the
+    ``profile`` dict, strings) is taken from worker 0.
+    """
+    if not results:
+        raise ValueError("reduce_worker_results needs at least one worker result")
+    weights = [float(r.get("num_samples", 1)) for r in results]
+    reduced: dict[str, Any] = {}
+    for key, first in results[0].items():
+        values = [r[key] for r in results if key in r]
+        if not all(_is_number(v) for v in values):
+            reduced[key] = first
+        elif key == "num_samples":
+            reduced[key] = sum(values)
+        elif key in _PLAIN_MEAN_KEYS:
+            # Keep an int when every worker agrees (the usual case for ``epoch``).
+            reduced[key] = first if all(v == first for v in values) else sum(values) / len(values)
+        else:
+            pairs = [(float(r[key]), w) for r, w in zip(results, weights) if key in r]
+            if any(math.isnan(v) for v, _ in pairs):
+                reduced[key] = float("nan")
+                continue
+            total = sum(w for _, w in pairs)
+            if total > 0:
+                reduced[key] = sum(v * w for v, w in pairs) / total
+            else:
+                reduced[key] = sum(v for v, _ in pairs) / len(pairs)
+    return reduced
+
+
+class TimerCollection:
+    """Named wall-clock timers for ``profile=True``; ``record`` does nothing while disabled."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._samples: dict[str, list[float]] = {}
+
+    def reset(self) -> None:
+        """Drop every sample (done at the start of each train/validate call)."""
+        self._samples = {}
+
+    @contextmanager
+    def record(self, key: str) -> Iterator[None]:
+        """Time the ``with`` body under ``key``."""
+        if not self.enabled:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._samples.setdefault(key, []).append(time.perf_counter() - start)
+
+    def stats(self) -> dict[str, float]:
+        """``{"mean_<key>_s": mean seconds}`` for every timer that recorded something."""
+        return {f"mean_{k}_s": sum(v) / len(v) for k, v in self._samples.items() if v}

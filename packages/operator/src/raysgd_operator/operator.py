@@ -1,0 +1,325 @@
+"""`TrainingOperator`: the user's training components and the per-batch/per-epoch loops."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any, Callable
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from raysgd_operator._internal.base import SCHEDULER_STEP_FREQS, OperatorBase
+from raysgd_operator._internal.precision import Precision, get_precision
+from raysgd_operator.creator import from_creators as _from_creators
+from raysgd_operator.metrics import AverageMeterCollection, TimerCollection
+
+__all__ = ["TrainingOperator"]
+
+
+def _length(iterator: Any) -> int | None:
+    try:
+        return len(iterator)
+    except TypeError:
+        return None
+
+
+class TrainingOperator(OperatorBase):
+    """Defines what one worker trains: subclass it and implement ``setup(config)``.
+
+    The runner constructs the operator (users never call ``__init__``); the constructor stores the
+    worker's settings and then calls ``setup(config)``, in which the user calls ``register`` and
+    ``register_data``. The loops ``train_epoch``/``train_batch``/``validate``/``validate_batch`` and
+    ``state_dict``/``load_state_dict`` may be overridden. Custom loops go through ``autocast``,
+    ``backward``, ``clip_grad_norm`` and ``optimizer_step`` so that the precision backend (loss
+    scaling, skipped steps) stays in charge.
+    """
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        *,
+        world_rank: int = 0,
+        local_rank: int = 0,
+        world_size: int = 1,
+        device: torch.device | str | None = None,
+        use_gpu: bool = False,
+        use_fp16: Any = False,
+        precision: Precision | None = None,
+        use_tqdm: bool = False,
+        wrap_ddp: bool = True,
+        add_dist_sampler: bool = True,
+        scheduler_step_freq: str | None = None,
+        accumulate_grad_batches: int = 1,
+        clip_grad_norm: float | None = None,
+    ) -> None:
+        if scheduler_step_freq is not None and scheduler_step_freq not in SCHEDULER_STEP_FREQS:
+            raise ValueError(
+                f"scheduler_step_freq must be one of {SCHEDULER_STEP_FREQS} or None, "
+                f"got {scheduler_step_freq!r}"
+            )
+        if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
+            raise ValueError(
+                f"accumulate_grad_batches must be an int >= 1, got {accumulate_grad_batches!r}"
+            )
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ValueError(
+                f"clip_grad_norm must be a positive number or None, got {clip_grad_norm!r}"
+            )
+        self._init_state()
+        self._config = config
+        self._world_rank, self._local_rank, self._world_size = world_rank, local_rank, world_size
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self._use_gpu = bool(use_gpu)
+        self._use_fp16 = use_fp16
+        self._precision = (
+            precision if precision is not None else get_precision(use_fp16, device=self._device)
+        )
+        self._use_tqdm = use_tqdm
+        self._wrap_ddp, self._add_dist_sampler = wrap_ddp, add_dist_sampler
+        self._scheduler_step_freq = scheduler_step_freq
+        self._accumulate = accumulate_grad_batches
+        self._max_grad_norm = clip_grad_norm
+        self.global_step = 0
+        self.timers = TimerCollection()
+        self.setup(config)
+
+    @classmethod
+    def from_creators(
+        cls,
+        model_creator: Callable[[dict[str, Any]], Any],
+        optimizer_creator: Callable[[Any, dict[str, Any]], Any],
+        data_creator: Callable[[dict[str, Any]], Any] | None = None,
+        loss_creator: Any = None,
+        scheduler_creator: Callable[[Any, dict[str, Any]], Any] | None = None,
+        serialize_data_creation: bool = True,
+    ) -> type[TrainingOperator]:
+        """An operator class built from RaySGD creator functions (see `raysgd_operator.creator`)."""
+        return _from_creators(
+            cls,
+            model_creator,
+            optimizer_creator,
+            data_creator,
+            loss_creator,
+            scheduler_creator,
+            serialize_data_creation,
+        )
+
+    def setup(self, config: dict[str, Any]) -> None:
+        """Create and ``register`` the models, optimizers, loss, schedulers and data."""
+        raise NotImplementedError("TrainingOperator subclasses must implement setup(config)")
+
+    # -- properties --------------------------------------------------------------------------
+    @property
+    def config(self) -> dict[str, Any]:
+        """This worker's config (``BATCH_SIZE`` already split)."""
+        return self._config
+
+    @property
+    def world_rank(self) -> int:
+        """Rank of this worker among all workers."""
+        return self._world_rank
+
+    @property
+    def local_rank(self) -> int:
+        """Rank of this worker among the workers on its node."""
+        return self._local_rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of workers."""
+        return self._world_size
+
+    @property
+    def device(self) -> torch.device:
+        """The device models and batches are put on."""
+        return self._device
+
+    @property
+    def device_ids(self) -> list[int] | None:
+        """``[device.index]`` on a GPU (what DDP wants), else None."""
+        return [self._device.index or 0] if self._device.type == "cuda" else None
+
+    @property
+    def use_gpu(self) -> bool:
+        """Whether this worker trains on a GPU."""
+        return self._use_gpu and torch.cuda.is_available()
+
+    @property
+    def use_fp16(self) -> Any:
+        """The ``use_fp16`` choice the trainer was given."""
+        return self._use_fp16
+
+    @property
+    def precision(self) -> Precision:
+        """The precision backend (autocast, loss scaling, optimizer steps)."""
+        return self._precision
+
+    @property
+    def use_tqdm(self) -> bool:
+        """Whether progress bars are shown (on rank 0)."""
+        return self._use_tqdm
+
+    @property
+    def scheduler_step_freq(self) -> str | None:
+        """``"batch"``, ``"epoch"``, ``"manual"`` or None."""
+        return self._scheduler_step_freq
+
+    @property
+    def accumulate_grad_batches(self) -> int:
+        """Batches whose gradients are summed before each optimizer step."""
+        return self._accumulate
+
+    # -- helpers for custom loops ---------------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Context for forward pass and loss under the precision backend."""
+        return self._precision.autocast()
+
+    def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """``loss.backward()`` through the backend (scaled when the backend scales)."""
+        self._precision.backward(loss, optimizer)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
+        """Step ``optimizer`` (default: the first) through the backend; False if the step was skipped."""
+        return bool(self._precision.step(optimizer if optimizer is not None else self.optimizer))
+
+    def clip_grad_norm(
+        self, max_norm: float, optimizer: torch.optim.Optimizer | None = None
+    ) -> torch.Tensor:
+        """Clip the gradients of ``optimizer``'s parameters to ``max_norm`` (unscaled first)."""
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return self._precision.clip_grad_norm(params, max_norm, optimizer)
+
+    def _to_device(self, batch: Any) -> Any:
+        if isinstance(batch, torch.Tensor):
+            return batch.to(self.device, non_blocking=True)
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self._to_device(b) for b in batch)
+        return batch
+
+    def _progress(self, iterator: Any, desc: str) -> Any:
+        """A tqdm bar on rank 0 when ``use_tqdm``; None otherwise."""
+        if not (self._use_tqdm and self._world_rank == 0):
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=_length(iterator), desc=desc, unit="batch", leave=False)
+
+    # -- default loops -----------------------------------------------------------------------
+    def train_epoch(self, iterator: Iterable[Any], info: dict[str, Any]) -> dict[str, Any]:
+        """Train over ``iterator`` (this call's batches) and return the averaged metrics.
+
+        Calls ``train_batch`` per batch, steps "batch" schedulers after each optimizer step and
+        "epoch" schedulers at the end, and averages the returned dicts weighted by their ``num_samples``.
+        """
+        for model in self._groups.get("models", ([], None))[0]:
+            model.train()
+        meters = AverageMeterCollection()
+        epoch_name = str(info.get("epoch_idx", 0) + 1)
+        if info.get("num_epochs"):
+            epoch_name += f"/{info['num_epochs']}"
+        bar = self._progress(iterator, f"{epoch_name}e")
+        try:
+            for batch_idx, batch in enumerate(iterator):
+                batch_info = {"batch_idx": batch_idx, "global_step": self.global_step, **info}
+                metrics = self.train_batch(batch, batch_info)
+                # With accumulation the optimizer steps every k batches, and so does the schedule.
+                stepped = (self.global_step + 1) % self._accumulate == 0
+                if self._scheduler_step_freq == "batch" and stepped:
+                    self._step_schedulers()
+                num_samples = metrics.pop("num_samples", 1)
+                meters.update(metrics, n=num_samples)
+                self.global_step += 1
+                if bar is not None:
+                    bar.update(1)
+                    if "train_loss" in metrics:
+                        bar.set_postfix(loss=metrics["train_loss"])
+        finally:
+            if bar is not None:
+                bar.close()
+        if self._scheduler_step_freq == "epoch":
+            self._step_schedulers()
+        return meters.summary()
+
+    def _step_schedulers(self) -> None:
+        for scheduler in self._groups.get("schedulers", ([], None))[0]:
+            scheduler.step()
+
+    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        """One optimization step on ``batch`` (``*features, target``): returns the loss and sample count.
+
+        With ``accumulate_grad_batches=k`` the loss is divided by k and the optimizer steps every
+        k-th global step; the batches in between skip DDP's gradient all-reduce (``no_sync``).
+        """
+        model, optimizer, criterion = self.model, self.optimizer, self.criterion
+        if criterion is None:
+            raise RuntimeError("the default train_batch needs a criterion: register(criterion=...)")
+        *features, target = self._to_device(batch)
+        k = self._accumulate
+        window_start = self.global_step % k == 0
+        will_step = (self.global_step + 1) % k == 0
+        sync = contextlib.nullcontext()
+        if not will_step and isinstance(model, DistributedDataParallel):
+            sync = model.no_sync()
+        if window_start:
+            optimizer.zero_grad()
+        with sync:
+            with self.timers.record("fwd"), self.autocast():
+                output = model(*features)
+                loss = criterion(output, target)
+            with self.timers.record("grad"):
+                self.backward(loss / k if k > 1 else loss, optimizer)
+        if will_step:
+            with self.timers.record("apply"):
+                if self._max_grad_norm is not None:
+                    self.clip_grad_norm(self._max_grad_norm, optimizer)
+                self.optimizer_step(optimizer)
+        return {"train_loss": loss.item(), "num_samples": target.size(0)}
+
+    def validate(self, val_iterator: Iterable[Any], info: dict[str, Any]) -> dict[str, Any]:
+        """Evaluate over ``val_iterator`` without gradients; averaged ``validate_batch`` results."""
+        for model in self._groups.get("models", ([], None))[0]:
+            model.eval()
+        meters = AverageMeterCollection()
+        bar = self._progress(val_iterator, "val")
+        try:
+            with torch.no_grad():
+                for batch_idx, batch in enumerate(val_iterator):
+                    metrics = self.validate_batch(batch, {"batch_idx": batch_idx, **info})
+                    meters.update(metrics, n=metrics.pop("num_samples", 1))
+                    if bar is not None:
+                        bar.update(1)
+                        if "val_loss" in metrics:
+                            bar.set_postfix(loss=metrics["val_loss"])
+        finally:
+            if bar is not None:
+                bar.close()
+        return meters.summary()
+
+    def validate_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        """Loss and argmax accuracy on one batch (``*features, target``)."""
+        model, criterion = self.model, self.criterion
+        if criterion is None:
+            raise RuntimeError(
+                "the default validate_batch needs a criterion: register(criterion=...)"
+            )
+        *features, target = self._to_device(batch)
+        with self.timers.record("eval_fwd"), self.autocast():
+            output = model(*features)
+            loss = criterion(output, target)
+        num_samples = target.size(0)
+        correct = (output.argmax(dim=1) == target).sum().item() if output.dim() > 1 else 0
+        return {
+            "val_loss": loss.item(),
+            "val_accuracy": correct / num_samples,
+            "num_samples": num_samples,
+        }
+
+    # -- extra state -------------------------------------------------------------------------
+    def state_dict(self) -> Any:
+        """Extra operator state to checkpoint (models, optimizers and schedulers are saved anyway)."""
+        return None
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore what ``state_dict`` returned."""

@@ -1,0 +1,260 @@
+"""`OperatorRunner`: the long-lived per-worker object that drives a `TrainingOperator`."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from raysgd_operator._internal.precision import get_precision
+from raysgd_operator._internal.stream import BatchStream
+from raysgd_operator.operator import TrainingOperator
+
+__all__ = ["OperatorRunner"]
+
+
+def _to_cpu_copy(obj: Any) -> Any:
+    """Detached CPU copies of every tensor, so the state is a snapshot (training goes on) and plain."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _missing_loader_error(kind: str) -> ValueError:
+    call = "train()" if kind == "train" else "validate()"
+    return ValueError(
+        f"{call} needs a {kind} loader: call self.register_data({kind}_loader=...) in setup() "
+        "(or return (train_loader, validation_loader) from data_creator)"
+    )
+
+
+class _MissingLoader:
+    """Stands in for the batches when no loader was registered: only iterating it is an error,
+    so that a custom loop that brings its own data still works."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __iter__(self) -> Any:
+        raise _missing_loader_error(self.kind)
+
+
+class OperatorRunner:
+    """Builds one worker's precision backend and operator, and runs its train/validate calls.
+
+    It owns the persistent train and validation iterators (``num_steps`` continues where the last
+    call stopped and wraps into a new epoch), the epoch counter, DistributedSampler ``set_epoch``,
+    profiling, and the state dict: ``epoch``, ``operator``, ``models``, ``optimizers``,
+    ``schedulers``, ``precision``, ``position`` and ``global_step``, all plain tensors and
+    containers (``torch.load(weights_only=True)`` reads them).
+    """
+
+    def __init__(
+        self,
+        operator_cls: type[TrainingOperator],
+        config: dict[str, Any],
+        *,
+        world_rank: int = 0,
+        local_rank: int = 0,
+        world_size: int = 1,
+        device: torch.device = torch.device("cpu"),
+        use_gpu: bool = False,
+        use_fp16: Any = False,
+        apex_args: dict[str, Any] | None = None,
+        use_tqdm: bool = False,
+        wrap_ddp: bool = True,
+        add_dist_sampler: bool = True,
+        scheduler_step_freq: str | None = None,
+        accumulate_grad_batches: int = 1,
+        clip_grad_norm: float | None = None,
+    ) -> None:
+        if not (isinstance(operator_cls, type) and issubclass(operator_cls, TrainingOperator)):
+            raise TypeError(
+                f"operator_cls must be a TrainingOperator subclass, got {operator_cls!r}"
+            )
+        if apex_args is not None and not isinstance(apex_args, dict):
+            raise ValueError(f"apex_args must be a dict, got {type(apex_args).__name__}")
+        self.precision = get_precision(use_fp16, device=device, apex_args=apex_args)
+        self.epoch = 0
+        self._train = BatchStream(lambda: self._loader("train"), self._on_train_pass)
+        self._val = BatchStream(lambda: self._loader("validation"), lambda resuming: None)
+        self.operator = operator_cls(
+            dict(config),
+            world_rank=world_rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            device=device,
+            use_gpu=use_gpu,
+            use_fp16=use_fp16,
+            precision=self.precision,
+            use_tqdm=use_tqdm,
+            wrap_ddp=wrap_ddp,
+            add_dist_sampler=add_dist_sampler,
+            scheduler_step_freq=scheduler_step_freq,
+            accumulate_grad_batches=accumulate_grad_batches,
+            clip_grad_norm=clip_grad_norm,
+        )
+
+    def _loader(self, kind: str) -> Any:
+        loader = self.operator._loaders.get(kind)
+        if loader is None:
+            raise _missing_loader_error(kind)
+        return loader
+
+    def _base_info(self, num_steps: int | None) -> dict[str, Any]:
+        # The dunder keys are the ones RaySGD 1.x operators read (its NUM_STEPS/USE_FP16 constants).
+        return {
+            "num_steps": num_steps,
+            "__num_steps__": num_steps,
+            "__use_fp16__": self.operator.use_fp16,
+        }
+
+    def _on_train_pass(self, resuming: bool) -> int:
+        if not resuming:
+            self.epoch += 1
+        return self.epoch
+
+    # -- calls -------------------------------------------------------------------------------
+    def train_epoch(
+        self,
+        num_steps: int | None = None,
+        profile: bool = False,
+        info: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Train ``num_steps`` batches (or the rest of the epoch); returns this worker's metrics."""
+        op = self.operator
+        op.timers.enabled = profile
+        op.timers.reset()
+        if op._loaders.get("train") is None:
+            # A custom train_epoch may bring its own data; each call is then one epoch.
+            self.epoch += 1
+            batches: Any = _MissingLoader("train")
+        else:
+            batches = self._train.begin_call(num_steps)
+        call_info = {**self._base_info(num_steps), "epoch_idx": self.epoch - 1, **(info or {})}
+        try:
+            with op.timers.record("train_epoch"):
+                metrics = dict(op.train_epoch(batches, call_info))
+        finally:
+            self._train.end_call(num_steps)
+        metrics["epoch"] = self.epoch
+        if profile:
+            metrics["profile"] = op.timers.stats()
+        return metrics
+
+    def validate(
+        self,
+        num_steps: int | None = None,
+        profile: bool = False,
+        info: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Validate ``num_steps`` batches (or the rest of the pass); returns this worker's metrics."""
+        op = self.operator
+        op.timers.enabled = profile
+        op.timers.reset()
+        if op._loaders.get("validation") is None:
+            batches: Any = _MissingLoader("validation")
+        else:
+            batches = self._val.begin_call(num_steps)
+        try:
+            with op.timers.record("validation"):
+                metrics = dict(op.validate(batches, {**self._base_info(num_steps), **(info or {})}))
+        finally:
+            self._val.end_call(num_steps)
+        if profile:
+            metrics["profile"] = op.timers.stats()
+        return metrics
+
+    # -- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """A CPU snapshot of everything needed to continue training exactly here."""
+        op = self.operator
+        schedulers = op._groups.get("schedulers", ([], None))[0]
+        return {
+            "epoch": self.epoch,
+            "position": self._train.consumed(),
+            "global_step": op.global_step,
+            "operator": _to_cpu_copy(op.state_dict()),
+            "models": [_to_cpu_copy(m.state_dict()) for m in op._original_models],
+            "optimizers": [
+                _to_cpu_copy(o.state_dict()) for o in op._groups.get("optimizers", ([], None))[0]
+            ],
+            "schedulers": [_to_cpu_copy(s.state_dict()) for s in schedulers],
+            "precision": _to_cpu_copy(self.precision.state_dict()),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict`; the next train call redoes the saved epoch from its position."""
+        op = self.operator
+        optimizers = op._groups.get("optimizers", ([], None))[0]
+        schedulers = op._groups.get("schedulers", ([], None))[0]
+        for key, have in (
+            ("models", op._original_models),
+            ("optimizers", optimizers),
+            ("schedulers", schedulers),
+        ):
+            if len(state.get(key, [])) != len(have):
+                raise ValueError(
+                    f"state has {len(state.get(key, []))} {key} but this operator registered {len(have)}"
+                )
+        for model, sd in zip(op._original_models, state["models"]):
+            model.load_state_dict(sd)
+        for opt, sd in zip(optimizers, state["optimizers"]):
+            opt.load_state_dict(sd)
+        for sched, sd in zip(schedulers, state["schedulers"]):
+            sched.load_state_dict(sd)
+        if state.get("precision") is not None:
+            self.precision.load_state_dict(state["precision"])
+        op.load_state_dict(state.get("operator"))
+        op.global_step = int(state.get("global_step", op.global_step))
+        self.epoch = int(state["epoch"])
+        self._train.reset(resume=int(state.get("position", 0)))
+        self._val.reset()
+
+    # -- misc --------------------------------------------------------------------------------
+    def get_models(self, to_cpu: bool = False) -> list[nn.Module]:
+        """The registered models, unwrapped (no DDP ``.module``); CPU copies with ``to_cpu``."""
+        models = [
+            getattr(m, "module", m) if isinstance(m, nn.parallel.DistributedDataParallel) else m
+            for m in self.operator._original_models
+        ]
+        return [copy.deepcopy(m).cpu() for m in models] if to_cpu else models
+
+    def update_scheduler(self, metric: Any) -> None:
+        """Step every registered scheduler with ``metric`` (for ``scheduler_step_freq="manual"``)."""
+        for scheduler in self.operator._groups.get("schedulers", ([], None))[0]:
+            scheduler.step(metric)
+
+    def apply_operator(self, fn: Callable[[TrainingOperator], Any]) -> Any:
+        """``fn(operator)``."""
+        return fn(self.operator)
+
+    def rebind(
+        self, *, world_rank: int, local_rank: int, world_size: int, config: dict[str, Any]
+    ) -> bool:
+        """Adopt a re-formed process group: re-wrap DDP, re-shard the loaders the runner built.
+
+        ``config`` is the new per-worker config (``BATCH_SIZE`` already split). Returns False when a
+        loader cannot follow (the user's own sampler or an IterableDataset whose batch size or
+        sharding would have to change); the caller should then build a new runner.
+        """
+        if not self.operator._rebind(
+            world_rank=world_rank, local_rank=local_rank, world_size=world_size, config=dict(config)
+        ):
+            return False
+        # Batches of another size or shard do not line up with the old position: the caller
+        # loads the last good state next, which sets the position it wants.
+        self._train.reset(resume=self._train.consumed())
+        self._val.reset()
+        return True
+
+    def shutdown(self) -> None:
+        """Drop the data iterators (and with them any DataLoader worker processes)."""
+        self._train.reset()
+        self._val.reset()

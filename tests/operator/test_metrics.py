@@ -1,0 +1,132 @@
+"""Metric averaging, reduction across workers, timers and the BATCH_SIZE split."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from raysgd_operator import (
+    BATCH_SIZE,
+    AverageMeter,
+    AverageMeterCollection,
+    TimerCollection,
+    reduce_worker_results,
+    split_batch_size,
+)
+
+
+def test_average_meter_is_sample_weighted() -> None:
+    meter = AverageMeter()
+    meter.update(1.0, n=1)
+    meter.update(4.0, n=3)
+    assert meter.val == 4.0
+    assert meter.count == 4
+    assert meter.avg == pytest.approx((1 + 12) / 4)
+
+
+def test_collection_summary_keys_and_values() -> None:
+    meters = AverageMeterCollection()
+    meters.update({"loss": 2.0, "score": 1.0}, n=2)
+    meters.update({"loss": 5.0, "score": 0.0}, n=6)
+    summary = meters.summary()
+    assert summary == {
+        "batch_count": 2,
+        "num_samples": 8,
+        "loss": pytest.approx((4 + 30) / 8),
+        "last_loss": 5.0,
+        "score": pytest.approx(2 / 8),
+        "last_score": 0.0,
+    }
+
+
+def test_collection_nan_propagates_to_mean_only() -> None:
+    meters = AverageMeterCollection()
+    meters.update({"loss": float("nan")}, n=1)
+    meters.update({"loss": 0.0}, n=1)
+    summary = meters.summary()
+    assert math.isnan(summary["loss"])
+    assert summary["last_loss"] == 0.0
+
+
+def test_reduce_worker_results_numbers() -> None:
+    results = [
+        {
+            "epoch": 3,
+            "batch_count": 4,
+            "num_samples": 10,
+            "loss": 1.0,
+            "last_loss": 2.0,
+            "name": "w0",
+            "profile": {"mean_fwd_s": 1.0},
+        },
+        {
+            "epoch": 3,
+            "batch_count": 2,
+            "num_samples": 30,
+            "loss": 3.0,
+            "last_loss": 4.0,
+            "name": "w1",
+            "profile": {"mean_fwd_s": 9.0},
+        },
+    ]
+    reduced = reduce_worker_results(results)
+    assert reduced["num_samples"] == 40
+    assert reduced["epoch"] == 3
+    assert reduced["batch_count"] == pytest.approx(3.0)
+    assert reduced["loss"] == pytest.approx((10 * 1 + 30 * 3) / 40)
+    assert reduced["last_loss"] == pytest.approx((10 * 2 + 30 * 4) / 40)
+    assert reduced["name"] == "w0"
+    assert reduced["profile"] == {"mean_fwd_s": 1.0}
+
+
+def test_reduce_worker_results_nan_on_one_worker() -> None:
+    reduced = reduce_worker_results(
+        [{"num_samples": 1, "score": float("nan")}, {"num_samples": 1, "score": 1.0}]
+    )
+    assert math.isnan(reduced["score"])
+    assert reduced["num_samples"] == 2
+    with pytest.raises(ValueError, match="at least one"):
+        reduce_worker_results([])
+
+
+def test_timer_collection_records_only_when_enabled() -> None:
+    timers = TimerCollection()
+    with timers.record("fwd"):
+        pass
+    assert timers.stats() == {}
+    timers.enabled = True
+    for _ in range(2):
+        with timers.record("fwd"):
+            time.sleep(0.001)
+    stats = timers.stats()
+    assert set(stats) == {"mean_fwd_s"}
+    assert stats["mean_fwd_s"] > 0
+    timers.reset()
+    assert timers.stats() == {}
+
+
+def test_split_batch_size_divides() -> None:
+    config = {BATCH_SIZE: 20, "lr": 0.1}
+    worker, total = split_batch_size(config, 2)
+    assert worker == {BATCH_SIZE: 10, "lr": 0.1}
+    assert total == 20
+    assert config[BATCH_SIZE] == 20  # the caller's dict is not modified
+
+
+def test_split_batch_size_rounds_down_with_warning() -> None:
+    with pytest.warns(UserWarning, match="does not divide"):
+        worker, total = split_batch_size({BATCH_SIZE: 21}, 2)
+    assert worker[BATCH_SIZE] == 10
+    assert total == 20
+
+
+def test_split_batch_size_without_key_and_bad_input() -> None:
+    assert split_batch_size({"lr": 1}, 4) == ({"lr": 1}, None)
+    with pytest.raises(ValueError, match="num_workers"):
+        split_batch_size({}, 0)
+    with pytest.raises(ValueError, match="smaller than num_workers"):
+        split_batch_size({BATCH_SIZE: 1}, 2)
+    with pytest.raises(ValueError, match="positive int"):
+        split_batch_size({BATCH_SIZE: "8"}, 2)

@@ -1,0 +1,129 @@
+"""State dicts: weights-only round trip, resuming mid-epoch, get_models."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from raysgd_operator import OperatorRunner, TrainingOperator
+
+
+class NoisyOperator(TrainingOperator):
+    """A small regression whose result depends on the order of batches."""
+
+    def setup(self, config: dict[str, Any]) -> None:
+        torch.manual_seed(config.get("seed", 0))
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)
+        self.register(
+            models=model, optimizers=optimizer, criterion=nn.MSELoss(), schedulers=scheduler
+        )
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(40, 4, generator=gen)
+        y = x.sum(dim=1, keepdim=True) ** 2
+        self.register_data(
+            train_loader=DataLoader(
+                TensorDataset(x, y), batch_size=4, shuffle=config.get("shuffle", False)
+            )
+        )
+
+
+def weights(runner: OperatorRunner) -> list[torch.Tensor]:
+    return [t.clone() for m in runner.get_models() for t in m.state_dict().values()]
+
+
+def reload(state: dict[str, Any]) -> dict[str, Any]:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"use_fp16": False},
+        {"use_fp16": "bf16"},
+        # A world of 2 told to this runner alone: it shards with a seeded, shuffling DistributedSampler.
+        {"use_fp16": False, "world_size": 2, "config": {"shuffle": True}},
+    ],
+)
+def test_resume_mid_epoch_redoes_the_same_steps(settings: dict[str, Any]) -> None:
+    config = settings.get("config", {})
+    kwargs = {"use_fp16": settings["use_fp16"], "world_size": settings.get("world_size", 1)}
+    kwargs["scheduler_step_freq"] = "batch"
+    straight = OperatorRunner(NoisyOperator, config, **kwargs)
+    straight.train_epoch(num_steps=3)
+    state = reload(straight.state_dict())
+    assert state["position"] == 3 and state["epoch"] == 1
+    assert set(state) >= {
+        "epoch",
+        "operator",
+        "models",
+        "optimizers",
+        "schedulers",
+        "precision",
+        "position",
+    }
+    straight.train_epoch()
+    straight.train_epoch(num_steps=4)
+    expected, expected_epoch = weights(straight), straight.epoch
+
+    resumed = OperatorRunner(NoisyOperator, {**config, "seed": 5}, **kwargs)
+    resumed.train_epoch(num_steps=2)  # progress that the load must discard
+    resumed.load_state_dict(state)
+    rest = resumed.train_epoch()
+    assert rest["batch_count"] == (10 if kwargs["world_size"] == 1 else 5) - 3
+    resumed.train_epoch(num_steps=4)
+    assert resumed.epoch == expected_epoch == 2
+    for a, b in zip(expected, weights(resumed)):
+        assert torch.equal(a, b)
+    if kwargs["world_size"] == 2:
+        sampler = resumed.operator._loaders["train"].sampler
+        assert isinstance(sampler, DistributedSampler) and sampler.epoch == 2
+
+
+def test_state_after_finished_epoch_starts_the_next_one() -> None:
+    runner = OperatorRunner(NoisyOperator, {}, scheduler_step_freq="epoch")
+    runner.train_epoch()
+    state = reload(runner.state_dict())
+    assert state["position"] == 0
+    other = OperatorRunner(NoisyOperator, {}, scheduler_step_freq="epoch")
+    other.load_state_dict(state)
+    result = other.train_epoch()
+    assert (result["epoch"], result["batch_count"]) == (2, 10)
+    assert other.operator.scheduler.last_epoch == 2
+
+
+def test_state_is_a_snapshot_and_load_checks_counts() -> None:
+    runner = OperatorRunner(NoisyOperator, {}, scheduler_step_freq="epoch")
+    state = runner.state_dict()
+    before = state["models"][0]["0.weight"].clone()
+    runner.train_epoch()
+    assert torch.equal(state["models"][0]["0.weight"], before)
+    with pytest.raises(ValueError, match="models"):
+        runner.load_state_dict({**state, "models": []})
+
+
+def test_get_models_unwrapped_and_cpu_copy() -> None:
+    runner = OperatorRunner(NoisyOperator, {}, scheduler_step_freq="epoch")
+    (live,) = runner.get_models()
+    assert live is runner.operator.model
+    (copy,) = runner.get_models(to_cpu=True)
+    assert copy is not live
+    assert all(p.device.type == "cpu" for p in copy.parameters())
+    assert torch.equal(copy[0].weight, live[0].weight)
+
+
+def test_apply_operator_and_shutdown() -> None:
+    runner = OperatorRunner(NoisyOperator, {}, scheduler_step_freq="epoch")
+    assert runner.apply_operator(lambda op: op.world_rank) == 0
+    runner.train_epoch(num_steps=2)
+    runner.shutdown()
+    assert runner.state_dict()["position"] == 0

@@ -1,0 +1,354 @@
+"""Training loops through `OperatorRunner` in one process (world of 1): learning, metrics, num_steps."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from raysgd_operator import BATCH_SIZE, OperatorRunner, TrainingOperator
+
+
+def linear_loaders(config: dict[str, Any]) -> tuple[DataLoader, DataLoader]:
+    """y = 2x + 5 on x in [-1, 1)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(256, 1, generator=gen) * 2 - 1
+    y = 2 * x + 5
+    batch = config.get(BATCH_SIZE, 32)
+    return (
+        DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True),
+        DataLoader(TensorDataset(x[:64], y[:64]), batch_size=batch),
+    )
+
+
+def model_creator(config: dict[str, Any]) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(1, 1)
+
+
+def optimizer_creator(model: nn.Module, config: dict[str, Any]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=config.get("lr", 0.1))
+
+
+class LinearOperator(TrainingOperator):
+    def setup(self, config: dict[str, Any]) -> None:
+        model = model_creator(config)
+        optimizer = optimizer_creator(model, config)
+        self.model, self.optimizer, self.criterion = self.register(
+            models=model, optimizers=optimizer, criterion=nn.MSELoss()
+        )
+        train, val = linear_loaders(config)
+        self.register_data(train_loader=train, validation_loader=val)
+
+
+def assert_learned_line(runner: OperatorRunner) -> None:
+    (model,) = runner.get_models()
+    assert model.weight.item() == pytest.approx(2.0, abs=0.15)
+    assert model.bias.item() == pytest.approx(5.0, abs=0.1)
+
+
+@pytest.mark.parametrize("style", ["operator", "creators"])
+def test_learns_linear_function(style: str) -> None:
+    if style == "operator":
+        cls: type[TrainingOperator] = LinearOperator
+    else:
+        cls = TrainingOperator.from_creators(
+            model_creator, optimizer_creator, linear_loaders, loss_creator=nn.MSELoss
+        )
+    runner = OperatorRunner(cls, {"lr": 0.1, BATCH_SIZE: 16})
+    first = runner.validate()["val_loss"]
+    for _ in range(20):
+        runner.train_epoch()
+    assert runner.validate()["val_loss"] < first / 100
+    assert_learned_line(runner)
+    assert runner.epoch == 20
+
+
+def test_default_metric_keys_and_values() -> None:
+    runner = OperatorRunner(LinearOperator, {BATCH_SIZE: 32})
+    train = runner.train_epoch()
+    assert set(train) == {"epoch", "batch_count", "num_samples", "train_loss", "last_train_loss"}
+    assert (train["epoch"], train["batch_count"], train["num_samples"]) == (1, 8, 256)
+    val = runner.validate()
+    assert set(val) == {
+        "batch_count",
+        "num_samples",
+        "val_loss",
+        "last_val_loss",
+        "val_accuracy",
+        "last_val_accuracy",
+    }
+    assert (val["batch_count"], val["num_samples"]) == (2, 64)
+    # The model outputs one column, so argmax is always 0 and no target (>= 5) equals it.
+    assert val["val_accuracy"] == 0.0
+    # val_loss is the sample-weighted mean of per-batch MSE, i.e. the MSE over the set here.
+    (model,) = runner.get_models()
+    x, y = runner.operator._loaders["validation"].dataset.tensors
+    with torch.no_grad():
+        assert val["val_loss"] == pytest.approx(
+            nn.functional.mse_loss(model(x), y).item(), rel=1e-5
+        )
+
+
+class ScoreOperator(TrainingOperator):
+    """Returns a custom metric: 1 on the first (size-3) batch, 0 on the later ones."""
+
+    def setup(self, config: dict[str, Any]) -> None:
+        model = nn.Linear(1, 1)
+        self.register(models=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.0))
+        data = torch.arange(float(config["n"])).unsqueeze(1)
+        self.register_data(
+            train_loader=DataLoader(data, batch_size=3),
+            validation_loader=DataLoader(data, batch_size=3),
+        )
+
+    def train_batch(self, batch: torch.Tensor, batch_info: dict[str, Any]) -> dict[str, Any]:
+        score = 1.0 if batch_info["batch_idx"] == 0 else 0.0
+        if self.config.get("nan") and batch_info["batch_idx"] == 1:
+            score = float("nan")
+        return {"score": score, "num_samples": len(batch)}
+
+    def validate_batch(self, batch: torch.Tensor, batch_info: dict[str, Any]) -> dict[str, Any]:
+        return {"score": float(batch.sum()), "num_samples": len(batch)}
+
+
+def test_custom_metrics_weighted_by_samples() -> None:
+    runner = OperatorRunner(ScoreOperator, {"n": 10})  # batches of 3, 3, 3, 1
+    result = runner.train_epoch()
+    assert result["score"] == pytest.approx(3 / 10)
+    assert result["last_score"] == 0.0
+    assert (result["num_samples"], result["batch_count"]) == (10, 4)
+    val = runner.validate()
+    # Per-batch sums 3, 12, 21, 9 weighted by 3, 3, 3, 1.
+    assert val["score"] == pytest.approx((3 * 3 + 12 * 3 + 21 * 3 + 9) / 10)
+
+
+def test_nan_metric_gives_nan_mean_but_last_stays() -> None:
+    result = OperatorRunner(ScoreOperator, {"n": 10, "nan": True}).train_epoch()
+    assert math.isnan(result["score"])
+    assert result["last_score"] == 0.0
+
+
+class MeanOperator(TrainingOperator):
+    """Reports the mean of each batch: the data is [0]*5 + [1]*5 with batches of one."""
+
+    def setup(self, config: dict[str, Any]) -> None:
+        model = nn.Linear(1, 1)
+        self.register(models=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.0))
+        data = torch.tensor([0.0] * 5 + [1.0] * 5)
+        self.register_data(
+            train_loader=DataLoader(data, batch_size=1),
+            validation_loader=DataLoader(data, batch_size=1),
+        )
+
+    def train_batch(self, batch: torch.Tensor, batch_info: dict[str, Any]) -> dict[str, Any]:
+        return {"average": float(batch.mean()), "num_samples": len(batch)}
+
+    validate_batch = train_batch
+
+
+def test_num_steps_continuation_and_wrap_around() -> None:
+    """RaySGD's test_num_steps: averages 0.5, 0, 1, 0.4, 5/7 at epochs 1, 2, 2, 3, 3."""
+    runner = OperatorRunner(MeanOperator, {})
+    expected = [(None, 0.5, 1), (5, 0.0, 2), (3, 1.0, 2), (5, 0.4, 3), (None, 5 / 7, 3)]
+    for num_steps, average, epoch in expected:
+        result = runner.train_epoch(num_steps=num_steps)
+        assert result["average"] == pytest.approx(average)
+        assert result["epoch"] == epoch
+    for num_steps, average, _ in expected:
+        result = runner.validate(num_steps=num_steps)
+        assert result["average"] == pytest.approx(average)
+        assert "epoch" not in result
+    assert runner.epoch == 3
+
+
+def test_batch_info_keys() -> None:
+    seen: list[dict[str, Any]] = []
+
+    class InfoOperator(MeanOperator):
+        def train_batch(self, batch: torch.Tensor, batch_info: dict[str, Any]) -> dict[str, Any]:
+            seen.append(dict(batch_info))
+            return super().train_batch(batch, batch_info)
+
+    runner = OperatorRunner(InfoOperator, {})
+    runner.train_epoch(num_steps=2, info={"custom": 7})
+    runner.train_epoch(num_steps=1)
+    assert [(i["batch_idx"], i["global_step"]) for i in seen] == [(0, 0), (1, 1), (0, 2)]
+    assert seen[0]["custom"] == 7 and "custom" not in seen[2]
+    assert (seen[0]["num_steps"], seen[0]["__num_steps__"], seen[0]["epoch_idx"]) == (2, 2, 0)
+    assert seen[0]["__use_fp16__"] is False
+
+
+def test_num_steps_one_and_exact_epoch_end() -> None:
+    runner = OperatorRunner(MeanOperator, {})
+    assert runner.train_epoch(num_steps=1)["batch_count"] == 1
+    assert runner.validate(num_steps=1)["batch_count"] == 1
+    assert runner.train_epoch(num_steps=9)["epoch"] == 1
+    # The epoch was used up exactly: a call without num_steps is a new, full epoch.
+    result = runner.train_epoch()
+    assert (result["epoch"], result["batch_count"]) == (2, 10)
+
+
+@pytest.mark.parametrize("freq", ["batch", "epoch", "manual"])
+def test_scheduler_step_frequencies(freq: str) -> None:
+    class SchedOperator(LinearOperator):
+        def setup(self, config: dict[str, Any]) -> None:
+            model = nn.Linear(1, 1)
+            optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+            self.register(
+                models=model, optimizers=optimizer, criterion=nn.MSELoss(), schedulers=scheduler
+            )
+            self.register_data(train_loader=linear_loaders({BATCH_SIZE: 64})[0])
+
+    runner = OperatorRunner(SchedOperator, {}, scheduler_step_freq=freq)
+    for _ in range(2):
+        runner.train_epoch()  # 4 batches per epoch
+    steps = {"batch": 8, "epoch": 2, "manual": 0}[freq]
+    assert runner.operator.scheduler.last_epoch == steps
+    runner.update_scheduler(None)
+    assert runner.operator.scheduler.last_epoch == steps + 1
+    assert runner.operator.optimizer.param_groups[0]["lr"] == pytest.approx(0.5 ** (steps + 1))
+
+
+def test_scheduler_without_frequency_is_value_error() -> None:
+    class SchedOperator(TrainingOperator):
+        def setup(self, config: dict[str, Any]) -> None:
+            model = nn.Linear(1, 1)
+            optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+            self.register(
+                models=model,
+                optimizers=optimizer,
+                schedulers=torch.optim.lr_scheduler.StepLR(optimizer, step_size=1),
+            )
+
+    with pytest.raises(ValueError, match="scheduler_step_freq"):
+        OperatorRunner(SchedOperator, {})
+    with pytest.raises(ValueError, match="scheduler_step_freq"):
+        OperatorRunner(SchedOperator, {}, scheduler_step_freq="sometimes")
+
+
+def test_reduce_on_plateau_manual_update() -> None:
+    class PlateauOperator(TrainingOperator):
+        def setup(self, config: dict[str, Any]) -> None:
+            model = nn.Linear(1, 1)
+            optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+            sched = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+            self.register(models=model, optimizers=optimizer, schedulers=sched)
+
+    runner = OperatorRunner(PlateauOperator, {}, scheduler_step_freq="manual")
+    runner.update_scheduler(0.5)
+    runner.update_scheduler(0.5)
+    assert runner.operator.scheduler.last_epoch == 2
+
+
+def test_profile_keys() -> None:
+    runner = OperatorRunner(LinearOperator, {})
+    assert "profile" not in runner.train_epoch()
+    train = runner.train_epoch(profile=True)
+    assert set(train["profile"]) == {
+        "mean_fwd_s",
+        "mean_grad_s",
+        "mean_apply_s",
+        "mean_train_epoch_s",
+    }
+    assert all(v > 0 for v in train["profile"].values())
+    val = runner.validate(profile=True)
+    assert set(val["profile"]) == {"mean_eval_fwd_s", "mean_validation_s"}
+
+
+def test_tqdm_bar_on_rank_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    runner = OperatorRunner(LinearOperator, {}, use_tqdm=True)
+    runner.train_epoch()
+    runner.train_epoch(num_steps=3)
+    runner.validate()
+    err = capsys.readouterr().err
+    assert "8/8" in err and "3/3" in err and "2/2" in err
+    assert "loss=" in err
+    quiet = OperatorRunner(LinearOperator, {}, use_tqdm=True, world_rank=1)
+    quiet.train_epoch()
+    assert "batch" not in capsys.readouterr().err
+
+
+def test_validate_without_validation_loader() -> None:
+    class TrainOnly(LinearOperator):
+        def setup(self, config: dict[str, Any]) -> None:
+            super().setup(config)
+            self.register_data(train_loader=linear_loaders(config)[0])
+
+    runner = OperatorRunner(TrainOnly, {})
+    with pytest.raises(ValueError, match="needs a validation loader"):
+        runner.validate()
+    assert runner.train_epoch()["num_samples"] == 256
+
+
+def test_custom_loop_without_loaders_counts_epochs() -> None:
+    class OwnData(TrainingOperator):
+        def setup(self, config: dict[str, Any]) -> None:
+            self.calls = 0
+
+        def train_epoch(self, iterator: Any, info: dict[str, Any]) -> dict[str, Any]:
+            self.calls += 1
+            return {"done": self.calls}
+
+    runner = OperatorRunner(OwnData, {})
+    assert [runner.train_epoch(num_steps=n)["epoch"] for n in (None, 1, None)] == [1, 2, 3]
+    with pytest.raises(ValueError, match="needs a validation loader"):
+        runner.validate()
+
+    class NoData(LinearOperator):
+        def setup(self, config: dict[str, Any]) -> None:
+            super().setup(config)
+            self.register_data()
+
+    with pytest.raises(ValueError, match="needs a train loader"):
+        OperatorRunner(NoData, {}).train_epoch()
+
+
+def test_clip_grad_norm_option_limits_the_update() -> None:
+    class BigStep(LinearOperator):
+        def setup(self, config: dict[str, Any]) -> None:
+            model = nn.Linear(1, 1)
+            optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+            self.register(models=model, optimizers=optimizer, criterion=nn.MSELoss())
+            self.register_data(train_loader=linear_loaders({})[0])
+
+    for clip, bound in ((0.01, 0.01), (None, 1.0)):
+        runner = OperatorRunner(BigStep, {}, clip_grad_norm=clip)
+        params = list(runner.operator.model.parameters())
+        before = torch.cat([p.detach().clone().flatten() for p in params])
+        runner.train_epoch(num_steps=1)
+        change = (torch.cat([p.detach().flatten() for p in params]) - before).norm().item()
+        if clip is None:
+            assert change > bound  # the unclipped gradient is large at the start
+        else:
+            assert change == pytest.approx(clip, rel=1e-4)
+
+
+def test_accumulation_in_one_process_equals_big_batch() -> None:
+    class Acc(TrainingOperator):
+        def setup(self, config: dict[str, Any]) -> None:
+            torch.manual_seed(0)
+            # Assigning before register must not hide what register returns (or wraps).
+            self.model = nn.Linear(1, 1)
+            self.register(
+                models=self.model,
+                optimizers=torch.optim.SGD(self.model.parameters(), lr=0.1),
+                criterion=nn.MSELoss(),
+            )
+            x = torch.linspace(-1, 1, 16).unsqueeze(1)
+            loader = DataLoader(TensorDataset(x, 2 * x + 5), batch_size=config["bs"])
+            self.register_data(train_loader=loader)
+
+    small = OperatorRunner(Acc, {"bs": 4}, accumulate_grad_batches=4)
+    small.train_epoch()
+    big = OperatorRunner(Acc, {"bs": 16})
+    big.train_epoch()
+    for a, b in zip(small.get_models()[0].parameters(), big.get_models()[0].parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert small.operator.global_step == 4 and small.operator.accumulate_grad_batches == 4
+    assert "model" not in small.operator._assigned
