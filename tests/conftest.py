@@ -27,6 +27,9 @@ def _start_local() -> None:
         return
     ray.shutdown()
     ray.init(
+        # "local" always starts a new cluster: without it ray.init joins whatever cluster
+        # /tmp/ray/ray_current_cluster names (another test session's, a leftover Cluster).
+        address="local",
         num_cpus=LOCAL_CPUS,
         include_dashboard=False,
         log_to_driver=True,

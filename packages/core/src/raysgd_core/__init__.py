@@ -1,4 +1,31 @@
-"""Ray worker pool with a ready torch.distributed process group."""
+"""raysgd-core: a Ray worker pool with a ready `torch.distributed` process group.
+
+`WorkerGroup(n).start()` places n Ray actors with a placement group, forms a process group over them
+(gloo, or nccl with GPUs) and runs functions on every rank with `execute`. Failures are typed
+(`WorkerDiedError`, `WorkerError`) and `recover` replaces lost workers while keeping the healthy ones.
+Nothing here knows about models or training; this package imports no other raysgd package.
+"""
+
+from raysgd_core.context import WorkerContext, get_context
+from raysgd_core.errors import (
+    ResourcesUnavailableError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerGroupError,
+)
+from raysgd_core.group import WorkerGroup
+from raysgd_core.info import RecoveryReport, WorkerInfo
 
 __version__ = "0.1.0"
-__all__: list[str] = []
+__all__ = [
+    "RecoveryReport",
+    "ResourcesUnavailableError",
+    "WorkerContext",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerGroup",
+    "WorkerGroupError",
+    "WorkerInfo",
+    "__version__",
+    "get_context",
+]

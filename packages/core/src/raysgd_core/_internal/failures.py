@@ -1,0 +1,150 @@
+"""Waiting for the ranks of one call and turning what went wrong into one typed error.
+
+The rule that keeps callers from hanging: results are awaited with `ray.wait`, so a dead actor is
+seen as soon as Ray knows (no collective timeout involved). Once any rank has failed, the others get
+a short grace to finish or fail on their own (a failing rank destroys its process group, which makes
+gloo peers fail at once); whoever is still running after the grace is killed and reported lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from raysgd_core._internal.runtime import Failure
+from raysgd_core.errors import WorkerDiedError, WorkerError
+
+__all__ = ["GRACE_S", "Outcome", "collect", "failure_to_error", "raise_for"]
+
+logger = logging.getLogger("raysgd_core")
+
+# How long peers of a failed rank may take to come back before they are killed. Gloo peers fail
+# within milliseconds of the failing rank destroying its group; Ray needs up to a few seconds to
+# report an actor death on a loaded machine.
+GRACE_S = 5.0
+
+
+@dataclass
+class Outcome:
+    """What came back from one call on several ranks."""
+
+    results: dict[int, Any] = field(default_factory=dict)
+    failures: list[Failure] = field(default_factory=list)
+    died: dict[int, str] = field(default_factory=dict)  # rank -> Ray's reason
+    killed: list[int] = field(default_factory=list)  # stuck after a failure, killed by us
+
+    @property
+    def ok(self) -> bool:
+        return not (self.failures or self.died or self.killed)
+
+    def add_failure(self, failure: Failure) -> None:
+        self.failures.append(failure)
+
+
+def collect(
+    pending: dict[Any, int],
+    outcome: Outcome,
+    *,
+    kill: Callable[[int], None],
+    grace_s: float = GRACE_S,
+) -> Outcome:
+    """Wait for every ref in `pending` (ref -> rank) and record results and failures in `outcome`."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    pending = dict(pending)
+    grace_end: Optional[float] = None if outcome.ok else time.monotonic() + grace_s
+    while pending:
+        timeout = None if grace_end is None else max(0.0, grace_end - time.monotonic())
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+        if not ready:
+            for rank in pending.values():
+                logger.warning(
+                    "rank %d still running %.1fs after a failure: killing it", rank, grace_s
+                )
+                kill(rank)
+                outcome.killed.append(rank)
+            break
+        for ref in ready:
+            rank = pending.pop(ref)
+            try:
+                value = ray.get(ref)
+            except RayActorError as exc:
+                outcome.died[rank] = _first_line(str(exc))
+            except Exception as exc:  # e.g. fn or an argument could not be unpickled there
+                outcome.add_failure(_failure_from_ray_error(rank, exc))
+            else:
+                if isinstance(value, Failure):
+                    value.rank = rank
+                    outcome.add_failure(value)
+                else:
+                    outcome.results[rank] = value
+        if grace_end is None and not outcome.ok:
+            grace_end = time.monotonic() + grace_s
+    return outcome
+
+
+def failure_to_error(failure: Failure, lost_ranks: Sequence[int] = ()) -> WorkerError:
+    """A `WorkerError` for `failure`, with the original exception as `__cause__` when possible."""
+    message = (
+        f"rank {failure.rank} (node {failure.node_id}) raised {failure.message}\n\n"
+        f"Traceback on the worker:\n{failure.traceback}"
+    )
+    if lost_ranks:
+        message += f"\nRanks {sorted(lost_ranks)} were lost after this failure; call recover()."
+    error = WorkerError(message, failure.rank, failure.node_id, failure.traceback, lost_ranks)
+    cause = failure.exception()
+    if cause is not None:
+        error.__cause__ = cause
+    return error
+
+
+def raise_for(outcome: Outcome, node_of: Callable[[int], str]) -> None:
+    """Raise the one error that best explains `outcome` (nothing when every rank succeeded).
+
+    A user exception explains everything else (peers' "connection closed" errors, ranks killed while
+    stuck), so it wins; then deaths; a lone process-group error (no other cause known) comes last.
+    """
+    if outcome.ok:
+        return
+    lost = sorted(set(outcome.died) | set(outcome.killed))
+    own = sorted((f for f in outcome.failures if not f.collateral), key=lambda f: f.time)
+    if own:
+        raise failure_to_error(own[0], lost)
+    if lost:
+        parts = [
+            f"rank {r} (node {node_of(r)}) died: {outcome.died[r]}" for r in sorted(outcome.died)
+        ]
+        if outcome.killed:
+            parts.append(
+                f"ranks {sorted(outcome.killed)} were stuck after the failure and were killed"
+            )
+        raise WorkerDiedError(
+            "Workers lost: " + "; ".join(parts) + ". Call recover() to replace them.",
+            lost,
+            [node_of(r) for r in lost],
+        )
+    first = min(outcome.failures, key=lambda f: f.time)
+    raise failure_to_error(first)
+
+
+def _failure_from_ray_error(rank: int, exc: Exception) -> Failure:
+    cause = getattr(exc, "cause", None)
+    return Failure(
+        rank=rank,
+        node_id="?",
+        type_name=type(cause or exc).__qualname__,
+        message=_first_line(str(exc)),
+        traceback=str(exc),
+        exception_bytes=None,
+        collateral=False,
+        time=time.time(),
+    )
+
+
+def _first_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[0] if lines else text

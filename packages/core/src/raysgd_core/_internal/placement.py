@@ -1,0 +1,161 @@
+"""Where workers go: one placement group per WorkerGroup, or a borrowed one (a Tune trial's).
+
+Every remote worker occupies a *slot*: a bundle of a placement group (or "any bundle with room" of a
+borrowed group). `start()` makes one group with a bundle per worker, so the strategy (SPREAD, PACK,
+...) holds for the whole set. Workers added later by `recover` first reuse free bundles (a killed
+actor gives its bundle back to the group, not to the cluster), then get a one-bundle group each, so
+that each of them starts or not on its own and the group can be sized by what actually starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = [
+    "Slot",
+    "SlotPool",
+    "describe_free_resources",
+    "describe_request",
+    "estimate_fitting",
+    "make_bundle",
+]
+
+logger = logging.getLogger("raysgd_core")
+
+
+def make_bundle(num_cpus: float, num_gpus: float, resources: Optional[dict[str, float]]) -> dict:
+    """One worker's resource bundle (zero entries left out: Ray rejects empty or zero bundles)."""
+    bundle = {k: float(v) for k, v in (resources or {}).items() if v}
+    if num_cpus:
+        bundle["CPU"] = float(num_cpus)
+    if num_gpus:
+        bundle["GPU"] = float(num_gpus)
+    return bundle
+
+
+def describe_request(n: int, bundle: dict, strategy: str) -> str:
+    """E.g. '4 workers x {CPU: 1} (SPREAD)'."""
+    return f"{n} workers x {_fmt(bundle)} ({strategy})"
+
+
+def describe_free_resources() -> str:
+    """What the cluster has free and in total, without Ray's internal node/group keys."""
+    import ray
+
+    def clean(res: dict) -> dict:
+        return {
+            k: v
+            for k, v in res.items()
+            if not k.startswith("node:")
+            and "_group_" not in k
+            and k not in ("memory", "object_store_memory")
+        }
+
+    return (
+        f"free {_fmt(clean(ray.available_resources()))} of {_fmt(clean(ray.cluster_resources()))}"
+    )
+
+
+def _fmt(res: dict) -> str:
+    items = ", ".join(
+        f"{k}: {int(v) if float(v).is_integer() else v}" for k, v in sorted(res.items())
+    )
+    return "{" + items + "}"
+
+
+@dataclass(eq=False)
+class Slot:
+    """Room for one worker: bundle `bundle_index` of `pg` (-1: any bundle with room)."""
+
+    pg: Any
+    bundle_index: int
+    owned: bool  # this WorkerGroup created `pg` and must remove it
+    single: bool  # `pg` holds only this slot (can be removed when the slot is free)
+
+    def strategy(self) -> Any:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.pg,
+            placement_group_bundle_index=self.bundle_index,
+        )
+
+
+class SlotPool:
+    """The slots of one WorkerGroup and the placement groups behind them."""
+
+    def __init__(self, bundle: dict, strategy: str, borrowed: Any = None) -> None:
+        self.bundle = bundle
+        self.strategy_name = strategy
+        self.borrowed = borrowed  # a placement group we may use but never remove
+        self.free: list[Slot] = []
+        self.owned_pgs: list[Any] = []
+
+    def create_main(self, bundles: list[dict]) -> list[Slot]:
+        """All slots for `start()`: one placement group with the given bundles, or borrowed ones."""
+        if self.borrowed is not None:
+            return [Slot(self.borrowed, -1, owned=False, single=False) for _ in bundles]
+        from ray.util.placement_group import placement_group
+
+        pg = placement_group(bundles, strategy=self.strategy_name)
+        self.owned_pgs.append(pg)
+        return [Slot(pg, i, owned=True, single=False) for i in range(len(bundles))]
+
+    def acquire(self) -> Slot:
+        """A slot for one more worker: a free bundle first, else a new one-bundle group."""
+        if self.borrowed is not None:
+            return Slot(self.borrowed, -1, owned=False, single=False)
+        if self.free:
+            return self.free.pop(0)
+        from ray.util.placement_group import placement_group
+
+        pg = placement_group([self.bundle], strategy="PACK")
+        self.owned_pgs.append(pg)
+        return Slot(pg, 0, owned=True, single=True)
+
+    def release(self, slot: Slot) -> None:
+        """Give a slot back: a one-bundle group is removed (its resources go back to the cluster),
+        a bundle of the main group is kept for the next worker."""
+        if not slot.owned:
+            return
+        if slot.single:
+            self._remove(slot.pg)
+        elif slot not in self.free:
+            self.free.append(slot)
+
+    def remove_all(self) -> None:
+        """Remove every placement group this pool created (killing anything still in them)."""
+        for pg in list(self.owned_pgs):
+            self._remove(pg)
+        self.free.clear()
+
+    def _remove(self, pg: Any) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        if pg in self.owned_pgs:
+            self.owned_pgs.remove(pg)
+        try:
+            remove_placement_group(pg)
+        except Exception:  # already gone (e.g. Ray shut down): nothing left to free
+            logger.debug("remove_placement_group failed", exc_info=True)
+
+
+def estimate_fitting(bundle: dict, pool: Optional[SlotPool]) -> int:
+    """How many more `bundle`s fit: free cluster resources (or the borrowed group's), plus the
+    free bundles of our own group. One reading of a changing number: a guess, not a promise."""
+    import ray
+
+    available = ray.available_resources()
+    suffix = ""
+    if pool is not None and pool.borrowed is not None:
+        # Resources reserved by a placement group show up as "<name>_group_<id>".
+        suffix = f"_group_{pool.borrowed.id.hex()}"
+    room = [
+        math.floor(available.get(key + suffix, 0.0) / amount + 1e-9)
+        for key, amount in bundle.items()
+    ]
+    free_slots = len(pool.free) if pool is not None else 0
+    return (min(room) if room else 0) + free_slots

@@ -1,0 +1,96 @@
+"""Forming and tearing down the `torch.distributed` process group inside one worker process.
+
+Rank 0 creates the rendezvous `TCPStore` itself, on port 0, before the other ranks are told where it
+is: the OS picks a free port and nobody can take it between "find a free port" and "bind it".
+The store gets the short formation timeout, so a peer that dies during formation makes the others
+fail within `formation_timeout_s` instead of the collective timeout (30 minutes by default).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any, Optional
+
+__all__ = ["destroy_process_group", "form_process_group", "make_master_store", "select_device"]
+
+logger = logging.getLogger("raysgd_core")
+
+
+def make_master_store(host: str, world_size: int, formation_timeout_s: float) -> Any:
+    """Create rank 0's `TCPStore` on a free port; its `.port` tells the others where to connect."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        host,
+        0,
+        world_size,
+        is_master=True,
+        timeout=timedelta(seconds=formation_timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def select_device(gpu_index: Optional[int]) -> Any:
+    """The worker's torch device: `cuda:<gpu_index>` (made current) or the CPU."""
+    import torch
+
+    if gpu_index is None:
+        return torch.device("cpu")
+    device = torch.device("cuda", gpu_index)
+    torch.cuda.set_device(device)
+    return device
+
+
+def form_process_group(
+    *,
+    backend: str,
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    formation_timeout_s: float,
+    master_store: Any = None,
+) -> None:
+    """Join the process group as `rank`, replacing any group this process had before."""
+    import torch.distributed as dist
+
+    destroy_process_group()
+    if rank == 0:
+        if master_store is None:
+            raise RuntimeError("rank 0 must create the rendezvous store first (make_master_store)")
+        store = master_store
+    else:
+        store = dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=False,
+            timeout=timedelta(seconds=formation_timeout_s),
+        )
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def destroy_process_group() -> bool:
+    """Destroy this process's default group if there is one; return whether there was.
+
+    With gloo this closes the worker's connections, which makes peers blocked in a collective with
+    it fail at once ("Connection closed by peer"; measured: well under a second with torch 2.13),
+    whereas `ProcessGroup.abort()` leaves them blocked until the process exits.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        dist.destroy_process_group()
+    except Exception:  # a broken group may fail to tear down; it is dropped either way
+        logger.debug("destroy_process_group failed", exc_info=True)
+    return True

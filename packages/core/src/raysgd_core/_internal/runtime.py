@@ -1,0 +1,183 @@
+"""The state of one worker process, shared by the Ray actor and the driver-local rank 0.
+
+A user exception never escapes `WorkerRuntime.run`: it comes back as a `Failure` value, so the driver
+can tell user errors from dead actors without unwrapping Ray's error types, and so the worker can
+first destroy its process group. That unblocks every peer that is waiting for it in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from raysgd_core import context as _ctx
+from raysgd_core._internal import process_group as _pg
+
+__all__ = ["Failure", "WorkerRuntime", "is_collateral"]
+
+# Errors a rank gets because a *peer* failed; the peer's own failure is the one to report.
+_COLLATERAL_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "Socket Timeout",
+)
+
+
+def is_collateral(message: str) -> bool:
+    """Whether an error message is a process-group failure caused by another rank."""
+    return any(marker in message for marker in _COLLATERAL_MARKERS)
+
+
+@dataclass
+class Failure:
+    """An exception raised by user code on one worker, in a form that always pickles."""
+
+    rank: int
+    node_id: str
+    type_name: str
+    message: str
+    traceback: str
+    exception_bytes: Optional[bytes]
+    collateral: bool
+    time: float
+
+    def exception(self) -> Optional[BaseException]:
+        """The original exception, when it could be pickled and unpickled."""
+        if self.exception_bytes is None:
+            return None
+        try:
+            import ray.cloudpickle as cloudpickle
+
+            return cloudpickle.loads(self.exception_bytes)
+        except Exception:
+            return None
+
+
+class WorkerRuntime:
+    """Per-process worker state: identity, the long-lived `store`, the current context."""
+
+    def __init__(self) -> None:
+        import ray
+
+        runtime = ray.get_runtime_context()
+        self.node_id: str = runtime.get_node_id()
+        self.node_ip: str = ray.util.get_node_ip_address()
+        self.pid = os.getpid()
+        self.store: dict[str, Any] = {}
+        self.context: Optional[_ctx.WorkerContext] = None
+        self.rank = -1
+        self._master_store: Any = None
+
+    def describe(self) -> dict:
+        """Identity of this worker (answered once the actor is up)."""
+        import ray
+
+        return {
+            "node_id": self.node_id,
+            "node_ip": self.node_ip,
+            "pid": self.pid,
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()] if _in_actor() else [],
+        }
+
+    def open_store(self, world_size: int, formation_timeout_s: float) -> tuple[str, int]:
+        """As the next rank 0: open the rendezvous store; return its (host, port)."""
+        self._master_store = _pg.make_master_store(self.node_ip, world_size, formation_timeout_s)
+        return self.node_ip, int(self._master_store.port)
+
+    def form(
+        self,
+        *,
+        backend: str,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        local_world_size: int,
+        timeout_s: float,
+        formation_timeout_s: float,
+        gpu_index: Optional[int],
+    ) -> str:
+        """Join a new process group (dropping the old one); return the device as a string."""
+        self.context = None
+        self.rank = rank
+        master, self._master_store = self._master_store, None
+        _pg.form_process_group(
+            backend=backend,
+            host=host,
+            port=port,
+            rank=rank,
+            world_size=world_size,
+            timeout_s=timeout_s,
+            formation_timeout_s=formation_timeout_s,
+            master_store=master,
+        )
+        device = _pg.select_device(gpu_index)
+        self.context = _ctx.WorkerContext(
+            world_rank=rank,
+            world_size=world_size,
+            local_rank=local_rank,
+            local_world_size=local_world_size,
+            node_id=self.node_id,
+            node_ip=self.node_ip,
+            device=device,
+            backend=backend,
+            store=self.store,
+        )
+        if _in_actor():
+            _ctx._process_default[0] = self.context
+        return str(device)
+
+    def destroy(self) -> bool:
+        """Leave the process group (the context stays readable until the next `form`)."""
+        return _pg.destroy_process_group()
+
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Call `fn` with this worker's context set; an exception comes back as a `Failure`."""
+        token = _ctx._current.set(self.context)
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as exc:
+            # Peers may be blocked in a collective waiting for this rank: closing our side of the
+            # group makes them fail at once instead of after the collective timeout.
+            self.destroy()
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)) and not _in_actor():
+                raise
+            return self._failure(exc)
+        finally:
+            _ctx._current.reset(token)
+
+    def _failure(self, exc: BaseException) -> Failure:
+        import ray.cloudpickle as cloudpickle
+
+        try:
+            payload: Optional[bytes] = cloudpickle.dumps(exc)
+            cloudpickle.loads(payload)  # an exception that pickles may still fail to unpickle
+        except Exception:
+            payload = None
+        message = f"{type(exc).__name__}: {exc}"
+        return Failure(
+            rank=self.rank,
+            node_id=self.node_id,
+            type_name=type(exc).__qualname__,
+            message=message,
+            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+            exception_bytes=payload,
+            collateral=is_collateral(message),
+            time=time.time(),
+        )
+
+
+def _in_actor() -> bool:
+    import ray
+
+    try:
+        return ray.get_runtime_context().get_actor_id() is not None
+    except Exception:
+        return False

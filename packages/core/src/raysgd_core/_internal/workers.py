@@ -1,0 +1,214 @@
+"""Starting remote workers and forming the process group over a list of workers."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from raysgd_core._internal.actor import remote_worker_class
+from raysgd_core._internal.failures import Outcome, collect, raise_for
+from raysgd_core._internal.local import LocalWorker
+from raysgd_core._internal.placement import Slot
+
+__all__ = [
+    "ActorSpec",
+    "Worker",
+    "await_started",
+    "form_group",
+    "kill_worker",
+    "run_hooks",
+    "spawn",
+    "wait_ready",
+]
+
+logger = logging.getLogger("raysgd_core")
+
+
+@dataclass
+class ActorSpec:
+    """How to start one remote worker."""
+
+    num_cpus: float
+    num_gpus: float
+    resources: dict[str, float]
+    env_vars: dict[str, str]
+    init_hook: Optional[Callable[[], Any]]
+
+
+@dataclass(eq=False)
+class Worker:
+    """The driver's record of one rank (remote actor, or the local rank 0 when `local` is set)."""
+
+    actor: Any = None
+    local: Optional[LocalWorker] = None
+    slot: Optional[Slot] = None
+    info: dict[str, Any] = field(default_factory=dict)
+    rank: int = -1
+    local_rank: int = 0
+    local_world_size: int = 1
+    device: str = "cpu"
+    alive: bool = True
+
+    @property
+    def node_id(self) -> str:
+        return self.info.get("node_id", "?")
+
+
+def spawn(slots: list[Slot], spec: ActorSpec) -> list[Worker]:
+    """Create one actor per slot without waiting; `await_started` collects them.
+
+    The init hook is queued right behind the start, so it runs with no extra round trip.
+    """
+    cls = remote_worker_class()
+    workers = []
+    for slot in slots:
+        actor = cls.options(
+            num_cpus=spec.num_cpus,
+            num_gpus=spec.num_gpus,
+            resources=spec.resources or None,
+            scheduling_strategy=slot.strategy(),
+        ).remote(spec.env_vars)
+        worker = Worker(actor=actor, slot=slot)
+        worker.info["describe_ref"] = actor.describe.remote()
+        if spec.init_hook is not None:
+            worker.info["hook_ref"] = actor.run.remote(spec.init_hook)
+        workers.append(worker)
+    return workers
+
+
+def await_started(workers: list[Worker], wait_s: float) -> tuple[list[Worker], list[Worker]]:
+    """Wait up to `wait_s` for spawned actors to come up: (started, not started)."""
+    import ray
+
+    refs = {w.info.pop("describe_ref"): w for w in workers}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s) if refs else ([], [])
+    started, missing = [], []
+    for ref, w in refs.items():
+        if ref not in ready:
+            missing.append(w)
+            continue
+        try:
+            w.info.update(ray.get(ref))
+            started.append(w)
+        except Exception as exc:  # died while starting (a bad env, its node went away, ...)
+            logger.warning("a worker died while starting: %s", exc)
+            w.info["start_error"] = str(exc)
+            missing.append(w)
+    return started, missing
+
+
+def run_hooks(
+    workers: list[Worker], local: Optional[LocalWorker], hook: Any, first_rank: int
+) -> None:
+    """Wait for the init hooks queued by `spawn` (and run it on the local rank, rank 0); raise on
+    error. `first_rank` is the rank `workers[0]` will get (errors name that rank)."""
+    outcome = Outcome()
+    if local is not None and hook is not None:
+        result = local.runtime.run(hook, (), {})
+        _record_local(outcome, 0, result)
+    by_index = {first_rank + i: w for i, w in enumerate(workers)}
+    pending = {w.info.pop("hook_ref"): i for i, w in by_index.items() if "hook_ref" in w.info}
+    collect(pending, outcome, kill=lambda i: kill_worker(by_index[i]))
+    raise_for(outcome, lambda i: by_index[i].node_id if i in by_index else "?")
+
+
+def form_group(
+    workers: list[Worker],
+    *,
+    backend: str,
+    timeout_s: float,
+    formation_timeout_s: float,
+    remote_gpu_index: Optional[int],
+) -> None:
+    """Form a new process group over `workers` (rank = position), replacing any old one."""
+
+    world_size = len(workers)
+    if world_size == 0:
+        return
+    per_node = Counter(w.node_id for w in workers)
+    seen: Counter = Counter()
+    for rank, w in enumerate(workers):
+        w.rank = rank
+        w.local_rank = seen[w.node_id]
+        w.local_world_size = per_node[w.node_id]
+        seen[w.node_id] += 1
+    node_of = lambda r: workers[r].node_id  # noqa: E731
+    head = workers[0]
+    if head.local is not None:
+        host, port = head.local.runtime.open_store(world_size, formation_timeout_s)
+    else:
+        outcome = Outcome()
+        collect(
+            {head.actor.open_store.remote(world_size, formation_timeout_s): 0},
+            outcome,
+            kill=lambda r: kill_worker(workers[r]),
+        )
+        raise_for(outcome, node_of)
+        host, port = outcome.results[0]
+
+    def kwargs(w: Worker, gpu_index: Optional[int]) -> dict:
+        return dict(
+            backend=backend,
+            host=host,
+            port=port,
+            rank=w.rank,
+            world_size=world_size,
+            local_rank=w.local_rank,
+            local_world_size=w.local_world_size,
+            timeout_s=timeout_s,
+            formation_timeout_s=formation_timeout_s,
+            gpu_index=gpu_index,
+        )
+
+    pending = {
+        w.actor.form.remote(**kwargs(w, remote_gpu_index)): w.rank
+        for w in workers
+        if w.local is None
+    }
+    outcome = Outcome()
+    if head.local is not None:
+        # Joining blocks until every rank has joined (bounded by the formation timeout), so the
+        # remote ranks were asked first.
+        local = head.local
+        result = local.runtime.run(local.runtime.form, (), kwargs(head, local.gpu_index))
+        _record_local(outcome, 0, result)
+    collect(pending, outcome, kill=lambda r: kill_worker(workers[r]))
+    raise_for(outcome, node_of)
+    for w in workers:
+        w.device = outcome.results[w.rank]
+
+
+def kill_worker(worker: Worker) -> None:
+    """Kill a remote worker's actor (no restart); the local rank is never killed."""
+    import ray
+
+    worker.alive = worker.local is not None
+    if worker.actor is not None:
+        try:
+            ray.kill(worker.actor, no_restart=True)
+        except Exception:
+            logger.debug("ray.kill failed", exc_info=True)
+
+
+def _record_local(outcome: Outcome, rank: int, result: Any) -> None:
+    from raysgd_core._internal.runtime import Failure
+
+    if isinstance(result, Failure):
+        result.rank = rank
+        outcome.add_failure(result)
+    else:
+        outcome.results[rank] = result
+
+
+def wait_ready(refs: list[Any], timeout_s: float) -> bool:
+    """Whether all `refs` (placement-group ready refs) complete within `timeout_s`."""
+    import ray
+
+    if not refs:
+        return True
+    deadline = time.monotonic() + timeout_s
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
+    return len(ready) == len(refs)

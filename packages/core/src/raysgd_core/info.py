@@ -1,0 +1,42 @@
+"""Records `WorkerGroup` hands out: where each rank runs, what a recovery did."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["RecoveryReport", "WorkerInfo"]
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Where one rank runs."""
+
+    rank: int
+    local_rank: int
+    local_world_size: int
+    node_id: str
+    node_ip: str
+    pid: int
+    device: str
+    is_local: bool = False  # rank 0 living in the calling process (use_local=True)
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    """What `WorkerGroup.recover` did.
+
+    Attributes:
+        path: "keep-healthy" (survivors kept their processes) or "full-restart" (all new actors).
+        kept: old rank -> new rank of every worker that survived.
+        started: new ranks of the workers started by this recovery.
+        world_size: the size of the re-formed group (0 when nothing could be started).
+        duration_s: wall time of the recovery.
+        lost: old ranks that were dead, stuck or dropped.
+    """
+
+    path: str
+    kept: dict[int, int]
+    started: list[int]
+    world_size: int
+    duration_s: float
+    lost: list[int]

@@ -1,0 +1,141 @@
+"""Failures are typed, never hang, and leave nothing behind; recover() re-forms the group."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import ray
+
+from raysgd_core import (
+    ResourcesUnavailableError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerGroup,
+    get_context,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class BadValueError(ValueError):
+    """A user exception type from the test module (shipped by value, comes back as __cause__)."""
+
+
+def _rank_and_pid() -> tuple[int, int]:
+    return get_context().world_rank, os.getpid()
+
+
+def _all_reduce_sum() -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(get_context().world_rank + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _rank1_raises_others_all_reduce() -> float:
+    import torch.distributed as dist
+
+    if get_context().world_rank == 1:
+        time.sleep(0.5)  # the others are inside the all_reduce by now
+        raise BadValueError("bad value on rank 1")
+    import torch
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _rank_exits_others_all_reduce(victim: int) -> float:
+    if get_context().world_rank == victim:
+        time.sleep(0.5)
+        os._exit(1)
+    return _all_reduce_sum()
+
+
+def test_too_few_resources_fails_fast_and_leaves_nothing(ray_local, wait_no_leftovers):
+    group = WorkerGroup(6, start_timeout_s=2.0)
+    with pytest.raises(ResourcesUnavailableError) as info:
+        group.start()
+    message = str(info.value)
+    assert "6 workers x {CPU: 1}" in message and "CPU: 4" in message
+    assert isinstance(info.value, TimeoutError)
+    assert wait_no_leftovers() == ([], [])
+
+
+def test_exception_carries_traceback_rank_and_cause(ray_local):
+    with WorkerGroup(3) as group:
+        with pytest.raises(WorkerError) as info:
+            group.execute(_rank1_raises_others_all_reduce)
+        error = info.value
+        assert error.rank == 1
+        assert "bad value on rank 1" in str(error)
+        assert "_rank1_raises_others_all_reduce" in error.remote_traceback
+        assert isinstance(error.__cause__, ValueError)
+        assert type(error.__cause__).__name__ == "BadValueError"
+        assert group.needs_recovery
+        with pytest.raises(RuntimeError, match="recover"):
+            group.execute(_all_reduce_sum)
+        pids = [pid for _, pid in [(w.rank, w.pid) for w in group.workers]]
+        # Every worker is still alive: recovery keeps them all and re-forms the group.
+        report = group.recover(3, timeout_s=30)
+        assert report.path == "keep-healthy"
+        assert report.kept == {0: 0, 1: 1, 2: 2} and report.started == []
+        assert [w.pid for w in group.workers] == pids
+        assert group.execute(_all_reduce_sum) == [6.0, 6.0, 6.0]
+
+
+def test_killed_actor_gives_worker_died_error_and_recover(ray_local, wait_no_leftovers):
+    group = WorkerGroup(3).start()
+    try:
+        before = group.execute(_rank_and_pid)
+        victim = group._workers[1].actor
+        ray.kill(victim)
+        with pytest.raises(WorkerDiedError) as info:
+            group.execute(_all_reduce_sum)
+        assert info.value.ranks == [1]
+        assert info.value.nodes == [group.workers[1].node_id]
+        assert "rank 1" in str(info.value)
+        report = group.recover(3, timeout_s=60)
+        assert report.path == "keep-healthy"
+        assert report.kept == {0: 0, 2: 1}
+        assert report.started == [2] and report.world_size == 3
+        after = group.execute(_rank_and_pid)
+        assert [pid for _, pid in after[:2]] == [before[0][1], before[2][1]]
+        assert after[2][1] not in {pid for _, pid in before}
+        assert group.execute(_all_reduce_sum) == [6.0, 6.0, 6.0]
+    finally:
+        group.shutdown()
+    assert wait_no_leftovers() == ([], [])
+
+
+def test_exit_inside_collective_gives_worker_died_error(ray_local):
+    with WorkerGroup(3) as group:
+        with pytest.raises(WorkerDiedError) as info:
+            group.execute(_rank_exits_others_all_reduce, 2)
+        assert info.value.ranks == [2]
+        # Shrink: recover to what is left without starting anybody.
+        report = group.recover(2, timeout_s=30)
+        assert report.world_size == 2 and report.started == []
+        assert group.execute(_all_reduce_sum) == [3.0, 3.0]
+
+
+def _rank1_raises_rank0_hangs() -> None:
+    if get_context().world_rank == 0:
+        time.sleep(600)  # stuck outside any collective: only killing it ends this
+    raise BadValueError("rank 1 failed")
+
+
+def test_stuck_peer_is_killed_after_grace_and_replaced(ray_local):
+    with WorkerGroup(2) as group:
+        stuck_pid = group.workers[0].pid
+        with pytest.raises(WorkerError) as info:
+            group.execute(_rank1_raises_rank0_hangs)
+        assert info.value.rank == 1 and info.value.lost_ranks == [0]
+        report = group.recover(2, timeout_s=60)
+        assert report.kept == {1: 0} and report.started == [1] and report.lost == [0]
+        assert stuck_pid not in [w.pid for w in group.workers]
+        assert group.execute(_all_reduce_sum) == [3.0, 3.0]

@@ -1,0 +1,127 @@
+"""WorkerGroup formation, execution, shipping and clean-up on the shared local cluster (4 CPUs)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import ray
+
+from raysgd_core import WorkerGroup, get_context
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _all_reduce_rank_plus_one() -> tuple[float, int, int]:
+    import torch
+    import torch.distributed as dist
+
+    ctx = get_context()
+    t = torch.tensor([float(ctx.world_rank + 1)])
+    dist.all_reduce(t)
+    return t.item(), ctx.world_rank, ctx.world_size
+
+
+class Scaler:
+    """Defined in the test module: reaches the workers only if shipped by value."""
+
+    def __init__(self, factor: int) -> None:
+        self.factor = factor
+
+    def apply(self, x: int) -> int:
+        return x * self.factor
+
+
+def _use_scaler(scaler: Scaler) -> int:
+    return scaler.apply(get_context().world_rank)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_formation_all_reduce_and_shutdown(ray_local, wait_no_leftovers, n):
+    free_before = _wait_for_cpus(4)
+    group = WorkerGroup(n)
+    with group:
+        assert group.world_size == n
+        assert ray.available_resources().get("CPU", 0) == free_before - n
+        results = group.execute(_all_reduce_rank_plus_one)
+        expected = n * (n + 1) / 2
+        assert results == [(expected, r, n) for r in range(n)]
+        infos = group.workers
+        assert [w.rank for w in infos] == list(range(n))
+        assert [w.local_rank for w in infos] == list(range(n))  # one node
+        assert all(w.device == "cpu" and w.pid != os.getpid() for w in infos)
+        assert len({w.pid for w in infos}) == n
+    group.shutdown()  # idempotent (the with block already shut it down)
+    # Every resource goes back to Ray: no actor, no placement group, all CPUs free.
+    assert wait_no_leftovers() == ([], [])
+    assert _wait_for_cpus(free_before) == free_before
+
+
+def _wait_for_cpus(expected: float, timeout_s: float = 20.0) -> float:
+    """Free CPUs once `expected` are free (or the timeout passed): freeing is asynchronous."""
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU", 0) < expected and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return ray.available_resources().get("CPU", 0)
+
+
+def test_context_env_hook_shipping_and_single(ray_local):
+    def hook() -> None:
+        os.environ["HOOK_RAN"] = "yes"
+
+    def read_env() -> tuple[str | None, str | None, str, int, int]:
+        ctx = get_context()
+        ctx.store["seen"] = ctx.store.get("seen", 0) + 1
+        return (
+            os.environ.get("RAYSGD_TEST_VAR"),
+            os.environ.get("HOOK_RAN"),
+            ctx.backend,
+            ctx.local_world_size,
+            ctx.store["seen"],
+        )
+
+    group = WorkerGroup(2, env_vars={"RAYSGD_TEST_VAR": "42"}, init_hook=hook)
+    with group:
+        assert group.execute(read_env) == [("42", "yes", "gloo", 2, 1)] * 2
+        # The store lives as long as the worker process.
+        assert group.execute(read_env)[1][4] == 2
+        # A class and a function from this test module are shipped by value.
+        assert group.execute(_use_scaler, Scaler(10)) == [0, 10]
+        assert group.execute_single(1, _use_scaler, scaler=Scaler(3)) == 3
+        # Top-level ObjectRef arguments are resolved on the workers.
+        ref = ray.put(Scaler(5))
+        assert group.execute(_use_scaler, ref) == [0, 5]
+        refs = group.execute_async(_use_scaler, Scaler(7))
+        assert ray.get(refs) == [0, 7]
+        with pytest.raises(ValueError, match="rank"):
+            group.execute_single(2, read_env)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="num_workers"):
+        WorkerGroup(0)
+    with pytest.raises(ValueError, match="placement_strategy"):
+        WorkerGroup(2, placement_strategy="RANDOM")
+    with pytest.raises(TypeError, match="init_hook"):
+        WorkerGroup(2, init_hook="not callable")  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="not started"):
+        WorkerGroup(2).execute(print)
+
+
+def test_get_context_outside_a_worker_fails_clearly():
+    with pytest.raises(RuntimeError, match="outside a worker"):
+        get_context()
+
+
+def test_import_is_light():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, raysgd_core; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in "
+        "('raysgd_operator', 'raysgd_amp', 'raysgd', 'torch')]; print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,79 @@
+"""use_local=True: rank 0 is the calling process and never stays blocked by a failed peer."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch.distributed as dist
+
+from raysgd_core import WorkerDiedError, WorkerError, WorkerGroup, get_context
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _all_reduce_info() -> tuple[int, int, float]:
+    import torch
+
+    ctx = get_context()
+    t = torch.tensor([float(ctx.world_rank + 1)])
+    dist.all_reduce(t)
+    return ctx.world_rank, os.getpid(), t.item()
+
+
+def _remote_exits_while_rank0_reduces() -> float:
+    import torch
+
+    if get_context().world_rank == 2:
+        time.sleep(0.5)
+        os._exit(1)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _rank0_raises() -> float:
+    import torch
+
+    if get_context().world_rank == 0:
+        time.sleep(0.5)
+        raise KeyError("local failure")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_local_rank0_and_remote_death(ray_local):
+    group = WorkerGroup(3, use_local=True).start()
+    try:
+        results = group.execute(_all_reduce_info)
+        assert [r for r, _, _ in results] == [0, 1, 2]
+        assert results[0][1] == os.getpid()
+        assert all(total == 6.0 for _, _, total in results)
+        assert group.workers[0].is_local and group.workers[0].pid == os.getpid()
+
+        with pytest.raises(RuntimeError, match="use_local"):
+            WorkerGroup(2, use_local=True).start()
+
+        # A remote rank dies while rank 0 (this thread) is inside an all_reduce.
+        with pytest.raises(WorkerDiedError) as info:
+            group.execute(_remote_exits_while_rank0_reduces)
+        assert info.value.ranks == [2]
+        report = group.recover(3, timeout_s=60)
+        assert report.kept == {0: 0, 1: 1} and report.started == [2]
+        results = group.execute(_all_reduce_info)
+        assert results[0][1] == os.getpid() and [t for _, _, t in results] == [6.0] * 3
+
+        # Rank 0 raising while the remote ranks are in a collective unblocks them.
+        with pytest.raises(WorkerError) as err:
+            group.execute(_rank0_raises)
+        assert err.value.rank == 0 and isinstance(err.value.__cause__, KeyError)
+        group.recover(3, timeout_s=60)
+        assert [t for _, _, t in group.execute(_all_reduce_info)] == [6.0] * 3
+    finally:
+        group.shutdown()
+    assert not dist.is_initialized()
+    # The process is free for another local group.
+    with WorkerGroup(1, use_local=True) as single:
+        assert single.execute(_all_reduce_info) == [(0, os.getpid(), 1.0)]

@@ -1,0 +1,46 @@
+"""Placement and local ranks on a two-node `ray.cluster_utils.Cluster` (2 CPUs per node)."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from raysgd_core import WorkerGroup, get_context
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def _where() -> tuple[int, int, int, str]:
+    import torch
+    import torch.distributed as dist
+
+    ctx = get_context()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return ctx.world_rank, ctx.local_rank, int(t.item()), ctx.node_id
+
+
+def test_two_nodes_spread_and_local_ranks(ray_multinode):
+    cluster = ray_multinode
+    for _ in range(2):
+        cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+
+    with WorkerGroup(2, placement_strategy="SPREAD") as spread:
+        nodes = {w.node_id for w in spread.workers}
+        assert len(nodes) == 2
+
+    with WorkerGroup(4, placement_strategy="PACK") as group:
+        results = group.execute(_where)
+        assert [r[2] for r in results] == [4, 4, 4, 4]
+        by_node: dict[str, list[tuple[int, int]]] = {}
+        for rank, local_rank, _, node in results:
+            by_node.setdefault(node, []).append((rank, local_rank))
+        assert len(by_node) == 2
+        for members in by_node.values():
+            assert [local for _, local in members] == [0, 1]  # counted per node in rank order
+        assert [w.local_world_size for w in group.workers] == [2, 2, 2, 2]
+        assert [(w.rank, w.local_rank) for w in group.workers] == [
+            (r, lr) for r, lr, _, _ in results
+        ]
