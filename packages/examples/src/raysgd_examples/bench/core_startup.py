@@ -1,0 +1,108 @@
+"""Worker pool start-up: `raysgd_core.WorkerGroup(2).start()` to the first finished all-reduce.
+
+- raysgd: on a warm local cluster (Ray up and settled), the clock runs from constructing the
+  `WorkerGroup` through `start()` to the end of the first `execute` of an all-reduce.
+- torchrun: ``torchrun --nproc_per_node=2`` on a script that only forms the gloo group and
+  all-reduces once; the whole process time.
+- ray_train: Ray Train `TorchTrainer.fit()` on the same trivial job, to its first reported step.
+
+Issue 2: torchrun about 3.6 s here, Ray Train about 14 s; goal for raysgd under 2 s warm.
+`--steps` is accepted for uniformity and ignored (one all-reduce).
+
+    hatch run bench:core [--quick] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from typing import Any
+
+from raysgd_examples.bench import _common
+
+__all__ = ["SIDES", "main", "measure"]
+
+SIDES = ("raysgd", "torchrun", "ray_train")
+_MODULE = "raysgd_examples.bench.core_startup"
+
+
+def _all_reduce_once() -> float:
+    """Runs on every rank: sum a one on each rank; returns the world size."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    return float(value.item())
+
+
+def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One run of one side (in a child process): ``{"first_allreduce_s": ...}``."""
+    if side == "torchrun":
+        seconds = _common.run_torchrun(
+            "raysgd_examples.bench._torchrun_worker",
+            ['{"mode": "allreduce"}'],
+            nproc=args.workers,
+            timeout=args.timeout,
+        )
+        return {"first_allreduce_s": seconds}
+    if side == "raysgd":
+        from raysgd_core import WorkerGroup
+
+        with _common.local_ray(settle=True):
+            start = time.perf_counter()
+            group = WorkerGroup(args.workers, num_cpus_per_worker=1, backend="gloo")
+            try:
+                group.start()
+                sums = group.execute(_all_reduce_once)
+                seconds = time.perf_counter() - start
+            finally:
+                group.shutdown()
+        if sums != [float(args.workers)] * args.workers:
+            raise RuntimeError(f"all-reduce gave {sums}")
+        return {"first_allreduce_s": seconds}
+    if side == "ray_train":
+        from raysgd_examples.bench import _ray_train
+        from raysgd_examples.bench._loop import first_step_time
+        from raysgd_examples.bench.workload import Timeline
+
+        with tempfile.TemporaryDirectory(prefix="raysgd_bench_") as tmp:
+            path = os.path.join(tmp, "timeline.jsonl")
+            with _common.local_ray(settle=True):
+                start = time.time()
+                _ray_train.fit({"mode": "allreduce", "timeline": path}, num_workers=args.workers)
+            return {"first_allreduce_s": first_step_time(Timeline(path)) - start}
+    raise ValueError(f"unknown side {side!r}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; print the table; write ``<out>/core_startup.json``."""
+    parser = _common.bench_parser(__doc__.splitlines()[0], sides=SIDES, repeats=5)
+    parser.add_argument("--workers", type=int, default=2)
+    args = _common.parse_args(parser, argv, steps=1, quick_steps=1)
+    if args.child:
+        _common.child_main(measure, args)
+        return {}
+    sides = _common.selected_sides(args, SIDES)
+    runs = _common.run_rounds(
+        lambda side: _common.run_child(_MODULE, side, args.argv, args.timeout),
+        sides,
+        args.repeats,
+    )
+    m = _common.metric(
+        "WorkerGroup start to first all-reduce",
+        "s",
+        False,
+        runs,
+        "first_allreduce_s",
+        note="raysgd: warm cluster; torchrun: whole process; Ray Train: fit() to first step",
+    )
+    _common.print_metric(m)
+    _common.write_results(args.out, "core_startup", [m], args)
+    return m
+
+
+if __name__ == "__main__":
+    main()

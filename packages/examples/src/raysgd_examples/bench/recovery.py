@@ -1,0 +1,121 @@
+"""Recovery time: a worker dies (``os._exit(1)`` at step k); seconds until the next finished step.
+
+Sides, all on the same 2-worker job (`workload.py`), each run in a fresh process:
+
+- raysgd: ``train(max_retries=1)``; rank 1 dies; the survivor is kept and re-joined ("keep-healthy",
+  the path the trainer takes when it can; the path it reports is recorded).
+- raysgd_all_killed: every rank dies at step k, so every worker is started anew. The trainer has
+  no switch to force its "full-restart" path (it falls back to it only when re-joining survivors
+  fails), so this is the cost of that path (new processes, imports, data) measured the only way a
+  user can cause it; the trainer then reports "keep-healthy" with no survivor kept.
+- ray_train: Ray Train `TorchTrainer` with ``FailureConfig(max_failures=1)``; rank 1 dies.
+- torchrun: ``torchrun --max-restarts=1``; rank 1 dies, the agent restarts both processes.
+
+The dying worker stamps the wall-clock time of its death in a timeline file; rank 0 (whichever
+process it is by then) stamps every finished step; the result is the gap between the two.
+Measured by the CEO on a small 2-worker job: Ray Train ~10.4 s, torchrun ~2.8 s. Goal: raysgd < 2 s.
+
+    hatch run bench:recovery [--quick] [--repeats N] [--steps N] [--kill-at K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from typing import Any
+
+from raysgd_examples.bench import _common
+
+__all__ = ["SIDES", "main", "measure"]
+
+SIDES = ("raysgd", "raysgd_all_killed", "torchrun", "ray_train")
+_MODULE = "raysgd_examples.bench.recovery"
+
+
+def _loop_config(args: argparse.Namespace) -> dict[str, Any]:
+    from raysgd_examples.bench.workload import Workload
+
+    workload = Workload.quick() if args.quick else Workload()
+    return {"workload": workload.to_dict(), "warmup": 0, "steps": args.steps}
+
+
+def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One run of one side (in a child process): ``{"recovery_s": ...}``."""
+    from raysgd_examples.bench._loop import recovery_from_timeline
+    from raysgd_examples.bench.workload import Timeline
+
+    cfg = _loop_config(args)
+    result: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="raysgd_bench_") as tmp:
+        cfg.update(
+            timeline=os.path.join(tmp, "timeline.jsonl"),
+            marker=os.path.join(tmp, "killed"),
+            kill_at=args.kill_at,
+            kill_rank="all" if side == "raysgd_all_killed" else 1,
+        )
+        if side == "torchrun":
+            _common.run_torchrun(
+                "raysgd_examples.bench._torchrun_worker",
+                [json.dumps(cfg)],
+                nproc=args.workers,
+                extra=["--max-restarts=1"],
+                timeout=args.timeout,
+            )
+        elif side == "ray_train":
+            from raysgd_examples.bench import _ray_train
+
+            with _common.local_ray(settle=True):
+                _ray_train.fit(cfg, num_workers=args.workers, max_failures=1)
+        elif side in ("raysgd", "raysgd_all_killed"):
+            from raysgd_examples.bench import _raysgd
+
+            with _common.local_ray(settle=True):
+                trainer = _raysgd.make_trainer(cfg, num_workers=args.workers)
+                try:
+                    trainer.train(num_steps=cfg["steps"], max_retries=1)
+                    paths = [e.path for e in trainer.recovery_events if getattr(e, "path", None)]
+                    result.update(path=",".join(paths), failures=trainer.failures)
+                finally:
+                    trainer.shutdown()
+        else:
+            raise ValueError(f"unknown side {side!r}")
+        result["recovery_s"] = recovery_from_timeline(Timeline(cfg["timeline"]))
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; print the table; write ``<out>/recovery.json``."""
+    parser = _common.bench_parser(__doc__.splitlines()[0], sides=SIDES, repeats=3)
+    parser.add_argument("--kill-at", type=int, default=None, help="step at which a rank dies")
+    parser.add_argument("--workers", type=int, default=2)
+    args = _common.parse_args(parser, argv, steps=10, quick_steps=4)
+    if args.kill_at is None:
+        args.kill_at = 1 if args.quick else 3
+    if not 0 <= args.kill_at < args.steps:
+        parser.error(f"--kill-at must be in [0, --steps), got {args.kill_at}")
+    if args.child:
+        _common.child_main(measure, args)
+        return {}
+    sides = _common.selected_sides(args, SIDES)
+    runs = _common.run_rounds(
+        lambda side: _common.run_child(_MODULE, side, args.argv, args.timeout),
+        sides,
+        args.repeats,
+    )
+    m = _common.metric(
+        "recovery after a worker is killed",
+        "s",
+        False,
+        runs,
+        "recovery_s",
+        note="kill -> next finished step; raysgd_all_killed: every rank killed",
+    )
+    _common.print_metric(m)
+    _common.write_results(args.out, "recovery", [m], args, workload=_loop_config(args))
+    return m
+
+
+if __name__ == "__main__":
+    main()

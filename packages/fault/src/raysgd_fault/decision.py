@@ -1,0 +1,152 @@
+"""What a failure policy is told (`FailureStatus`) and what it answers (`Decision`).
+
+Both are frozen value objects so that a decision can be logged, compared in tests and replayed: a
+policy is a pure function from one to the other.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["PHASES", "Action", "Decision", "FailureStatus", "describe"]
+
+#: "failure": workers were just lost; "grow": start of `train()` with fewer workers than wanted.
+PHASES = ("failure", "grow")
+
+
+def _check_count(name: str, value: object) -> None:
+    # bool is an int subclass; `True` workers is a bug in the caller, not a count.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+@dataclass(frozen=True)
+class FailureStatus:
+    """Everything a policy may look at when deciding what to do after a loss (or before a grow).
+
+    Attributes:
+        failures: Worker losses so far in the current `train()` call.
+        max_retries: The `max_retries` the user passed to `train()`.
+        workers_wanted: The `num_workers` the trainer was asked for (>= 1).
+        workers_alive: Workers that survived and are still usable (<= `workers_wanted`).
+        workers_fitting: Estimate of how many more workers could start right now.
+        attempt: Consecutive restart attempts that produced no worker (0 on the first try).
+        total_failures: Worker losses over the trainer's lifetime; defaults to `failures`.
+        seconds_since_last_failure: Time since the last loss, or None if there was none.
+        error: Short text of the last failure (shown in reasons and give-up errors).
+        phase: "failure" right after a loss, "grow" at the start of `train()` when fewer workers
+            than wanted are running.
+    """
+
+    failures: int
+    max_retries: int
+    workers_wanted: int
+    workers_alive: int = 0
+    workers_fitting: int = 0
+    attempt: int = 0
+    total_failures: Optional[int] = None
+    seconds_since_last_failure: Optional[float] = None
+    error: str = ""
+    phase: str = "failure"
+
+    def __post_init__(self) -> None:
+        for name in (
+            "failures",
+            "max_retries",
+            "workers_wanted",
+            "workers_alive",
+            "workers_fitting",
+            "attempt",
+        ):
+            _check_count(name, getattr(self, name))
+        if self.workers_wanted < 1:
+            raise ValueError(f"workers_wanted must be >= 1, got {self.workers_wanted}")
+        if self.workers_alive > self.workers_wanted:
+            raise ValueError(
+                f"workers_alive ({self.workers_alive}) cannot exceed "
+                f"workers_wanted ({self.workers_wanted})"
+            )
+        if self.total_failures is None:
+            # Frozen dataclass: the only way to fill a derived default is object.__setattr__.
+            object.__setattr__(self, "total_failures", self.failures)
+        else:
+            _check_count("total_failures", self.total_failures)
+            if self.total_failures < self.failures:
+                raise ValueError(
+                    f"total_failures ({self.total_failures}) cannot be less than "
+                    f"failures ({self.failures})"
+                )
+        since = self.seconds_since_last_failure
+        if since is not None:
+            if isinstance(since, bool) or not isinstance(since, (int, float)):
+                raise TypeError(
+                    "seconds_since_last_failure must be a float or None, "
+                    f"got {type(since).__name__}"
+                )
+            if math.isnan(since) or since < 0:
+                raise ValueError(f"seconds_since_last_failure must be >= 0, got {since}")
+        if not isinstance(self.error, str):
+            raise TypeError(f"error must be a str, got {type(self.error).__name__}")
+        if self.phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {self.phase!r}")
+
+
+class Action(str, enum.Enum):
+    """What the trainer should do next."""
+
+    #: (Re)start or resize the worker group to `Decision.num_workers` workers.
+    RETRY = "retry"
+    #: Sleep `Decision.wait_s` seconds, then ask the policy again with `attempt + 1`.
+    WAIT = "wait"
+    #: Stop and raise `RuntimeError(decision.reason)`.
+    GIVE_UP = "give_up"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A policy's answer, with the reason the trainer logs (and raises on GIVE_UP).
+
+    Attributes:
+        action: RETRY, WAIT or GIVE_UP.
+        num_workers: For RETRY, the group size to ask for (>= 1). In the "grow" phase a value equal
+            to `workers_alive` means "keep the group as it is". 0 for WAIT and GIVE_UP.
+        wait_s: For WAIT, seconds to sleep before asking again; 0 otherwise.
+        reason: Human-readable why; never empty.
+    """
+
+    action: Action
+    num_workers: int = 0
+    wait_s: float = 0.0
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.action, Action):
+            raise TypeError(f"action must be an Action, got {self.action!r}")
+        _check_count("num_workers", self.num_workers)
+        if self.action is Action.RETRY and self.num_workers < 1:
+            raise ValueError("num_workers must be >= 1 for a RETRY decision")
+        if isinstance(self.wait_s, bool) or not isinstance(self.wait_s, (int, float)):
+            raise TypeError(f"wait_s must be a float, got {type(self.wait_s).__name__}")
+        if math.isnan(self.wait_s) or self.wait_s < 0:
+            raise ValueError(f"wait_s must be >= 0, got {self.wait_s}")
+        if not isinstance(self.reason, str) or not self.reason.strip():
+            raise ValueError("reason must be a non-empty str: every decision is logged")
+
+    def __str__(self) -> str:
+        return describe(self)
+
+
+def describe(decision: Decision) -> str:
+    """One log line for `decision`, e.g. ``"RETRY with 2 worker(s): ..."``."""
+    if decision.action is Action.RETRY:
+        head = f"RETRY with {decision.num_workers} worker(s)"
+    elif decision.action is Action.WAIT:
+        head = f"WAIT {decision.wait_s:g} s"
+    else:
+        head = "GIVE_UP"
+    return f"{head}: {decision.reason}"

@@ -1,0 +1,242 @@
+"""Failure policies: pure functions from a `FailureStatus` to a `Decision`.
+
+The trainer owns every side effect (killing, starting, sleeping, logging at INFO); a policy only
+decides. That keeps the policies testable without Ray and lets users swap them by name or instance.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from typing import Any
+
+from raysgd_fault.decision import Action, Decision, FailureStatus
+
+__all__ = ["DefaultPolicy", "ElasticPolicy", "FailurePolicy", "NeverRetryPolicy"]
+
+logger = logging.getLogger(__name__)
+
+
+class FailurePolicy(abc.ABC):
+    """Decides what the trainer does after losing workers, and whether to grow back.
+
+    Subclasses implement `decide`; it must not block, sleep or touch Ray: the trainer performs the
+    decision (RETRY: resize to `num_workers`; WAIT: sleep `wait_s` then ask again with
+    `attempt + 1`; GIVE_UP: raise `RuntimeError(reason)`).
+    """
+
+    #: Registry name, shown in logs.
+    name: str = "custom"
+
+    @abc.abstractmethod
+    def decide(self, status: FailureStatus) -> Decision:
+        """Return the decision for `status`; `Decision.reason` says why."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _last_error(status: FailureStatus) -> str:
+    return f"; last error: {status.error}" if status.error else ""
+
+
+def _check_status(status: object) -> FailureStatus:
+    if not isinstance(status, FailureStatus):
+        raise TypeError(f"status must be a FailureStatus, got {type(status).__name__}")
+    return status
+
+
+def _keep(status: FailureStatus, why: str) -> Decision:
+    # "Keep" is a RETRY to the current size: the trainer sees there is nothing to change.
+    return Decision(
+        Action.RETRY,
+        num_workers=status.workers_alive,
+        reason=f"keep {status.workers_alive} of {status.workers_wanted} worker(s): {why}",
+    )
+
+
+class DefaultPolicy(FailurePolicy):
+    """RaySGD's behaviour: retry with as many workers as fit, back off while none does.
+
+    After a loss: give up once `failures > max_retries`; otherwise ask for
+    ``min(workers_wanted, workers_alive + workers_fitting)`` workers (at least one). When not even
+    one fits, wait ``base_wait_s * 2**attempt`` seconds (capped at `max_wait_s`) and give up after
+    `max_attempts` fruitless attempts. At the start of `train()` ("grow" phase), grow to as many as
+    fit when that is more than are running, else keep the group.
+
+    Args:
+        max_attempts: Consecutive restart attempts that start no worker before giving up.
+        base_wait_s: First backoff wait (attempt 0).
+        max_wait_s: Upper bound of a single wait.
+        grow_cooldown_s: Do not grow within this many seconds of the last failure (0: always try).
+    """
+
+    name = "default"
+
+    def __init__(
+        self,
+        *,
+        max_attempts: int = 10,
+        base_wait_s: float = 1.0,
+        max_wait_s: float = 60.0,
+        grow_cooldown_s: float = 0.0,
+    ) -> None:
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int):
+            raise TypeError(f"max_attempts must be an int, got {type(max_attempts).__name__}")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        for arg, value in (
+            ("base_wait_s", base_wait_s),
+            ("max_wait_s", max_wait_s),
+            ("grow_cooldown_s", grow_cooldown_s),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{arg} must be a number, got {type(value).__name__}")
+            if not value >= 0:  # also rejects NaN
+                raise ValueError(f"{arg} must be >= 0, got {value}")
+        self.max_attempts = max_attempts
+        self.base_wait_s = float(base_wait_s)
+        self.max_wait_s = float(max_wait_s)
+        self.grow_cooldown_s = float(grow_cooldown_s)
+
+    def min_workers(self, status: FailureStatus) -> int:
+        """The smallest group worth running; the default runs on a single survivor."""
+        return 1
+
+    def backoff_s(self, attempt: int) -> float:
+        """Seconds to wait before attempt `attempt + 1`: ``base * 2**attempt``, capped."""
+        if attempt >= 64:  # 2**64 s is far past any cap; avoid float overflow for silly inputs
+            return self.max_wait_s
+        return min(self.max_wait_s, self.base_wait_s * 2.0**attempt)
+
+    def decide(self, status: FailureStatus) -> Decision:
+        """See the class docstring."""
+        status = _check_status(status)
+        if status.phase == "grow" and status.workers_alive > 0:
+            decision = self._grow(status)
+        else:
+            decision = self._recover(status)
+        logger.debug("%s policy: %s -> %s", self.name, status, decision)
+        return decision
+
+    def _recover(self, status: FailureStatus) -> Decision:
+        seen = f"{status.failures} failure(s) in this train() call"
+        if status.failures > status.max_retries:
+            return Decision(
+                Action.GIVE_UP,
+                reason=f"{seen} exceed max_retries={status.max_retries}{_last_error(status)}",
+            )
+        return self._start_or_wait(status, seen)
+
+    def _grow(self, status: FailureStatus) -> Decision:
+        since = status.seconds_since_last_failure
+        if since is not None and since < self.grow_cooldown_s:
+            return _keep(
+                status,
+                f"last failure {since:.1f} s ago, within the {self.grow_cooldown_s:g} s cooldown",
+            )
+        target = min(status.workers_wanted, status.workers_alive + status.workers_fitting)
+        minimum = min(self.min_workers(status), status.workers_wanted)
+        if target > status.workers_alive and target >= minimum:
+            return Decision(
+                Action.RETRY,
+                num_workers=target,
+                reason=(
+                    f"grow from {status.workers_alive} to {target} of "
+                    f"{status.workers_wanted} worker(s) ({status.workers_fitting} more fit)"
+                ),
+            )
+        if status.workers_alive >= minimum:
+            return _keep(status, f"{status.workers_fitting} more fit")
+        # Fewer than the minimum are running and not enough can be added: same as after a loss.
+        return self._start_or_wait(status, f"{status.total_failures} failure(s) so far")
+
+    def _start_or_wait(self, status: FailureStatus, seen: str) -> Decision:
+        minimum = min(self.min_workers(status), status.workers_wanted)
+        if status.attempt >= self.max_attempts:
+            return Decision(
+                Action.GIVE_UP,
+                reason=(
+                    f"could not start at least {minimum} worker(s) in {status.attempt} "
+                    f"attempt(s) after {seen}{_last_error(status)}"
+                ),
+            )
+        target = min(status.workers_wanted, status.workers_alive + status.workers_fitting)
+        if target >= minimum:
+            return Decision(
+                Action.RETRY,
+                num_workers=target,
+                reason=(
+                    f"{seen} (max_retries={status.max_retries}); {status.workers_alive} alive + "
+                    f"{status.workers_fitting} fitting: ask for {target} of "
+                    f"{status.workers_wanted} worker(s)"
+                ),
+            )
+        wait_s = self.backoff_s(status.attempt)
+        return Decision(
+            Action.WAIT,
+            wait_s=wait_s,
+            reason=(
+                f"{seen}; only {target} worker(s) available, {minimum} needed: back off "
+                f"{wait_s:g} s (attempt {status.attempt + 1} of {self.max_attempts})"
+            ),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(max_attempts={self.max_attempts}, "
+            f"base_wait_s={self.base_wait_s:g}, max_wait_s={self.max_wait_s:g}, "
+            f"grow_cooldown_s={self.grow_cooldown_s:g})"
+        )
+
+
+class ElasticPolicy(DefaultPolicy):
+    """Like the default, but only (re)starts or grows when at least `min_workers` can be had.
+
+    Below the minimum it backs off (and eventually gives up) instead of limping on with too few
+    workers. A `min_workers` above `workers_wanted` is clamped to `workers_wanted`.
+
+    Args:
+        min_workers: The smallest group worth training on (>= 1).
+        **kwargs: `max_attempts`, `base_wait_s`, `max_wait_s`, `grow_cooldown_s` as for
+            `DefaultPolicy`.
+    """
+
+    name = "elastic"
+
+    def __init__(self, min_workers: int = 1, **kwargs: Any) -> None:
+        if isinstance(min_workers, bool) or not isinstance(min_workers, int):
+            raise TypeError(f"min_workers must be an int, got {type(min_workers).__name__}")
+        if min_workers < 1:
+            raise ValueError(f"min_workers must be >= 1, got {min_workers}")
+        super().__init__(**kwargs)
+        self._min_workers = min_workers
+
+    def min_workers(self, status: FailureStatus) -> int:
+        """The configured minimum."""
+        return self._min_workers
+
+    def __repr__(self) -> str:
+        return super().__repr__().replace("(", f"(min_workers={self._min_workers}, ", 1)
+
+
+class NeverRetryPolicy(FailurePolicy):
+    """Never recovers: the first loss ends `train()`. At a "grow" it keeps the group as it is."""
+
+    name = "never"
+
+    def decide(self, status: FailureStatus) -> Decision:
+        """GIVE_UP after a loss; keep the running group in the "grow" phase."""
+        status = _check_status(status)
+        if status.phase == "grow" and status.workers_alive > 0:
+            decision = _keep(status, "the 'never' policy does not resize")
+        else:
+            decision = Decision(
+                Action.GIVE_UP,
+                reason=(
+                    f"retries are disabled by the 'never' policy; {status.failures} failure(s) "
+                    f"in this train() call{_last_error(status)}"
+                ),
+            )
+        logger.debug("%s policy: %s -> %s", self.name, status, decision)
+        return decision
