@@ -2,9 +2,9 @@
 
 Every side runs the same work per Tune iteration (one epoch of a small regression model on the same
 synthetic data, then a validation pass) in `--trials` trials, one at a time, and records for each
-trial the wall time from its start (trials run one at a time: the moment the previous trial has given
-all its resources back) to its first result, with a Tune `Callback` on the driver; the previous
-trial's teardown (its end until its resources are back) is reported apart. Sides:
+trial the wall time from its start (trials run one at a time: when the previous trial completed) to
+its first result, with a Tune `Callback` on the driver. The first trial, which also pays for Tune
+starting the experiment, is left out of the median when there are three or more. Sides:
 
 - `plain_tune`: a plain Tune function trainable, training in the trial process (the reference);
 - `as_trainable`: `TorchTrainer.as_trainable(...)` with `--workers` workers per trial;
@@ -128,39 +128,30 @@ def _trainable(side: str, args: argparse.Namespace) -> Any:
 
 def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
     """One run of one side (in a child process): median seconds from trial start to first result."""
-    import ray
     from ray import tune
 
     total_cpus = args.workers + 1
 
     class FirstResultTimer(tune.Callback):
-        """A trial starts when the cluster is all free again after the previous one (trials run one
-        at a time), so the previous trial's teardown is timed apart (`teardown_s`).
+        """A trial starts when the previous one has completed (trials run one at a time), or when
+        fit() began for the first trial, so the previous trial's teardown counts too.
 
         Tune's own `on_trial_start` comes only after a class trainable's `setup`, which would hide
         exactly the set-up cost measured here, so it is not used.
         """
 
         def __init__(self) -> None:
-            self.ready_at: float | None = None
-            self.completed_at = time.perf_counter()
+            self.ready_at = time.perf_counter()
             self.first: dict[str, float] = {}
-            self.teardown: list[float] = []
-
-        def on_step_begin(self, iteration: int, trials: list, **info: Any) -> None:
-            if self.ready_at is None and ray.available_resources().get("CPU", 0) >= total_cpus:
-                self.ready_at = time.perf_counter()
-                self.teardown.append(self.ready_at - self.completed_at)
 
         def on_trial_result(
             self, iteration: int, trials: list, trial: Any, result: dict, **info: Any
         ) -> None:
-            if trial.trial_id not in self.first and self.ready_at is not None:
+            if trial.trial_id not in self.first:
                 self.first[trial.trial_id] = time.perf_counter() - self.ready_at
 
         def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-            self.completed_at = time.perf_counter()
-            self.ready_at = None
+            self.ready_at = time.perf_counter()
 
     config = {
         "samples": args.samples,
@@ -189,13 +180,7 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
     # The first trial also pays for Tune starting the experiment; leave it out when there are
     # enough others for a median.
     steady = values[1:] if len(values) >= 3 else values
-    # teardown[0] is the experiment's start (nothing to tear down yet).
-    teardown = timer.teardown[1:] or [0.0]
-    return {
-        "first_result_s": statistics.median(steady),
-        "teardown_s": statistics.median(teardown),
-        "per_trial_s": values,
-    }
+    return {"first_result_s": statistics.median(steady), "per_trial_s": values}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -223,7 +208,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "trial start to first result", "s", False, runs, "first_result_s",
         note="no torchrun side here: see overhead_vs_plain_tune",
     )  # fmt: skip
-    teardown = _common.metric("trial teardown", "s", False, runs, "teardown_s")
     ref = m["sides"].get(REFERENCE_SIDE, {}).get("median")
     overhead = {
         side: s["median"] - ref
@@ -231,12 +215,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if side != REFERENCE_SIDE and "median" in s and ref is not None
     }
     _common.print_metric(m)
-    _common.print_metric(teardown)
     for side, extra_s in overhead.items():
         print(f"  {side:<22} +{extra_s:.3f} s per trial over {REFERENCE_SIDE}")
-    _common.write_results(
-        args.out, "tune_overhead", [m, teardown], args, overhead_vs_plain_tune=overhead
-    )
+    _common.write_results(args.out, "tune_overhead", [m], args, overhead_vs_plain_tune=overhead)
     return m
 
 

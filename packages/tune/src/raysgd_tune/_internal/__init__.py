@@ -1,0 +1,4 @@
+"""Private helpers of raysgd_tune: resource requests, code shipping, the worker side of
+`DistributedTrainableCreator`. No stable API."""
+
+__all__: list[str] = []

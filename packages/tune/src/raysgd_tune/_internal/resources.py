@@ -1,0 +1,70 @@
+"""Resource requests for Tune trials that start their own workers.
+
+A trial that starts Ray actors has to reserve room for them in its own placement group: Tune creates
+the group from the trial's `PlacementGroupFactory` and, because it captures child tasks, every actor
+the trial starts lands in it. Bundle 0 belongs to the trial process itself; the workers take the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from ray.tune import PlacementGroupFactory
+
+__all__ = ["resolve_use_gpu", "worker_bundles_request"]
+
+
+def resolve_use_gpu(use_gpu: Any) -> bool:
+    """Turn RaySGD's `use_gpu` ("auto" | bool | None) into a bool.
+
+    RaySGD 1.x did `int(use_gpu)`, so "auto" crashed the resource request; here "auto" (and None)
+    mean "use a GPU when this machine sees one", the same rule the trainer applies.
+    """
+    if use_gpu is None or use_gpu == "auto":
+        return torch.cuda.is_available()
+    if isinstance(use_gpu, bool):
+        return use_gpu
+    if isinstance(use_gpu, int) and use_gpu in (0, 1):
+        return bool(use_gpu)
+    raise ValueError(f"use_gpu must be True, False or 'auto', got {use_gpu!r}")
+
+
+def _positive(name: str, value: Any, *, integer: bool) -> Any:
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+        what = "a positive integer" if integer else "a positive number"
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return value
+
+
+def worker_bundles_request(
+    *,
+    num_workers: int,
+    num_cpus_per_worker: float,
+    num_gpus_per_worker: float,
+    head_bundle: dict[str, float] | None,
+    workers_per_bundle: int = 1,
+    strategy: str = "PACK",
+    local_rank0: bool = False,
+) -> PlacementGroupFactory:
+    """One bundle for the trial process (`head_bundle`; empty or None: it needs nothing) and one per
+    `workers_per_bundle` workers.
+
+    An empty head bundle is dropped by Tune, which shifts the worker bundles' indexes down by one;
+    raysgd's workers never name a bundle index (they ask for "any bundle with room"), so that shift
+    does not matter to them. With `local_rank0`, rank 0 lives in the trial process: the first worker
+    bundle becomes the trial's own and `head_bundle` is ignored.
+    """
+    _positive("num_workers", num_workers, integer=True)
+    _positive("num_cpus_per_worker", num_cpus_per_worker, integer=False)
+    if num_gpus_per_worker < 0:
+        raise ValueError(f"num_gpus_per_worker must be >= 0, got {num_gpus_per_worker!r}")
+    bundle = {
+        "CPU": num_cpus_per_worker * workers_per_bundle,
+        "GPU": num_gpus_per_worker * workers_per_bundle,
+    }
+    worker_bundles = [dict(bundle) for _ in range(num_workers // workers_per_bundle)]
+    if local_rank0:
+        return PlacementGroupFactory(worker_bundles, strategy=strategy)
+    return PlacementGroupFactory([dict(head_bundle or {}), *worker_bundles], strategy=strategy)

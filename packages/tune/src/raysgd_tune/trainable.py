@@ -1,0 +1,193 @@
+"""Tune's class API around a raysgd `TorchTrainer`: one trainer (and its workers) per trial.
+
+`make_trainable` (what `TorchTrainer.as_trainable` calls) returns a subclass of `BaseTorchTrainable`
+that knows how to build the trainer. Tune then drives it: `setup` builds the trainer inside the trial's
+placement group, every `step` is one epoch of training plus validation, and checkpoints are the
+trainer's own state file, so Tune's schedulers (PBT, ASHA) and `FailureConfig` work unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+from ray import tune
+from ray.tune import PlacementGroupFactory
+
+from raysgd_tune._internal.resources import resolve_use_gpu, worker_bundles_request
+from raysgd_tune._internal.shipping import ship_by_value
+
+__all__ = ["CHECKPOINT_FILE", "BaseTorchTrainable", "make_trainable", "trainer_resource_request"]
+
+#: File name of the trainer state inside a Tune checkpoint directory (RaySGD 1.x's name).
+CHECKPOINT_FILE = "trainer.checkpoint"
+
+# Trainer arguments that also size the trial's resource request; a Tune config may set them.
+_RESOURCE_KEYS = ("num_workers", "num_cpus_per_worker", "use_gpu", "use_local")
+_DEFAULTS: dict[str, Any] = {
+    "num_workers": 1,
+    "num_cpus_per_worker": 1,
+    "use_gpu": "auto",
+    "use_local": False,
+}
+
+TuneStep = Callable[[Any, dict[str, Any]], Mapping[str, Any]]
+
+
+def _merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """Nested merge: `update` wins on plain keys, nested dicts (`profile`) are merged."""
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+class BaseTorchTrainable(tune.Trainable):
+    """A Tune trainable that runs one raysgd `TorchTrainer` per trial.
+
+    Subclasses implement `_create_trainer(tune_config)` (`make_trainable` writes one for you). Each
+    `step()` trains one epoch (`train(max_retries=0, profile=True)`; Tune's own `FailureConfig`
+    handles failures by restarting the trial from its last checkpoint) and validates once, and
+    returns both result dicts merged (`train_loss`, `val_loss`, `val_accuracy`, `epoch`, `profile`,
+    ...; on the shared keys `batch_count` and `num_samples` the validation values win, as in RaySGD).
+    """
+
+    _trainer: Any = None
+
+    def setup(self, config: dict[str, Any]) -> None:
+        """Build the trainer; its workers go into this trial's placement group."""
+        self._trainer = self._create_trainer(config)
+
+    def _create_trainer(self, tune_config: dict[str, Any]) -> Any:
+        """Return a started `TorchTrainer` for this trial. Subclasses must override it."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement _create_trainer(tune_config), "
+            "or be made with TorchTrainer.as_trainable(...)"
+        )
+
+    @property
+    def trainer(self) -> Any:
+        """The `TorchTrainer` of this trial."""
+        if self._trainer is None:
+            raise RuntimeError("the trainer exists only between setup() and cleanup()")
+        return self._trainer
+
+    def step(self) -> dict[str, Any]:
+        """One epoch of training and one pass of validation."""
+        train_stats = self.trainer.train(max_retries=0, profile=True)
+        val_stats = self.trainer.validate(profile=True)
+        return _merge(train_stats, val_stats)
+
+    def save_checkpoint(self, checkpoint_dir: str) -> str:
+        """Write the trainer's state (models, optimizers, schedulers, epoch, precision) to
+        `checkpoint_dir/trainer.checkpoint`."""
+        self.trainer.save(os.path.join(checkpoint_dir, CHECKPOINT_FILE))
+        return checkpoint_dir
+
+    def load_checkpoint(self, checkpoint: str | dict[str, Any]) -> None:
+        """Restore the trainer from a directory written by `save_checkpoint`."""
+        if not isinstance(checkpoint, str):
+            raise TypeError(
+                f"expected a checkpoint directory written by save_checkpoint, got {type(checkpoint)}"
+            )
+        self.trainer.load(os.path.join(checkpoint, CHECKPOINT_FILE))
+
+    def cleanup(self) -> None:
+        """Stop the trainer's workers; Tune then releases the trial's placement group."""
+        if self._trainer is not None:
+            trainer, self._trainer = self._trainer, None
+            trainer.shutdown()
+
+
+def trainer_resource_request(
+    *, num_workers: int, num_cpus_per_worker: float, use_gpu: Any, use_local: bool
+) -> PlacementGroupFactory:
+    """The placement group a trial running one `TorchTrainer` needs: PACK, one bundle of one CPU
+    for the trial process plus one per worker (`{"CPU": num_cpus_per_worker, "GPU": 0 or 1}`).
+    With `use_local`, rank 0 runs in the trial process, so the trial's own bundle is a worker's."""
+    gpus = int(resolve_use_gpu(use_gpu))
+    return worker_bundles_request(
+        num_workers=num_workers,
+        num_cpus_per_worker=num_cpus_per_worker,
+        num_gpus_per_worker=gpus,
+        head_bundle=None if use_local else {"CPU": 1},
+        local_rank0=bool(use_local),
+    )
+
+
+def _check_tune_step(override_tune_step: TuneStep | None) -> None:
+    if override_tune_step is None:
+        return
+    if not callable(override_tune_step):
+        raise TypeError(f"override_tune_step must be callable, got {override_tune_step!r}")
+    params = inspect.signature(override_tune_step).parameters
+    if len(params) != 2:
+        raise ValueError(
+            "override_tune_step must take exactly two parameters, (trainer, info); "
+            f"{getattr(override_tune_step, '__name__', override_tune_step)!r} takes {len(params)}"
+        )
+
+
+def make_trainable(
+    trainer_cls: type,
+    *args: Any,
+    override_tune_step: TuneStep | None = None,
+    **kwargs: Any,
+) -> type[BaseTorchTrainable]:
+    """Return a Tune trainable class that builds `trainer_cls(*args, **kwargs)` in each trial.
+
+    The trial's `config` is merged over `kwargs["config"]` (Tune's values win). `num_workers`,
+    `num_cpus_per_worker`, `use_gpu` and `use_local` are read from the Tune config first, then from
+    `kwargs`, both for the resource request and for the trainer, so the reservation always matches
+    what the trainer starts. The request is a PACK placement group of one bundle for the trial (with
+    `use_local`, the trial process is rank 0 and its bundle is a worker's) plus one per remote worker.
+
+    `override_tune_step(trainer, {"iteration": n})`, if given, replaces the default step and returns
+    the metrics to report. It must take exactly two parameters (`ValueError` otherwise).
+    """
+    if not isinstance(trainer_cls, type):
+        raise TypeError(f"trainer_cls must be a class, got {trainer_cls!r}")
+    _check_tune_step(override_tune_step)
+    # Freeze the arguments: Tune pickles the class once and trials must not see each other's edits.
+    frozen_args = tuple(args)
+    frozen_kwargs = dict(kwargs)
+    ship_by_value([trainer_cls, *frozen_args, *frozen_kwargs.values(), override_tune_step])
+
+    def setting(config: Mapping[str, Any], key: str) -> Any:
+        if key in config:
+            return config[key]
+        if key == "num_workers" and "num_replicas" in frozen_kwargs:  # PyTorchTrainer's name
+            return frozen_kwargs["num_replicas"]
+        return frozen_kwargs.get(key, _DEFAULTS[key])
+
+    class _Trainable(BaseTorchTrainable):
+        _trainer_cls: ClassVar[type] = trainer_cls
+        _tune_step: ClassVar[TuneStep | None] = override_tune_step
+
+        @classmethod
+        def default_resource_request(cls, config: dict[str, Any]) -> PlacementGroupFactory:
+            return trainer_resource_request(**{key: setting(config, key) for key in _RESOURCE_KEYS})
+
+        def _create_trainer(self, tune_config: dict[str, Any]) -> Any:
+            trainer_kwargs = dict(frozen_kwargs)
+            trainer_kwargs["config"] = {**(frozen_kwargs.get("config") or {}), **tune_config}
+            for key in _RESOURCE_KEYS:
+                if key in tune_config:
+                    trainer_kwargs[key] = tune_config[key]
+                    if key == "num_workers":
+                        trainer_kwargs.pop("num_replicas", None)
+            return trainer_cls(*frozen_args, **trainer_kwargs)
+
+        def step(self) -> dict[str, Any]:
+            tune_step = type(self)._tune_step
+            if tune_step is None:
+                return super().step()
+            return dict(tune_step(self.trainer, {"iteration": self.training_iteration}))
+
+    _Trainable.__name__ = _Trainable.__qualname__ = f"{trainer_cls.__name__}Trainable"
+    return _Trainable
