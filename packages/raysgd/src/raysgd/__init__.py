@@ -1,4 +1,18 @@
-"""Distributed PyTorch training on Ray: the RaySGD TorchTrainer, back on today's Ray and PyTorch."""
+"""Distributed PyTorch training on Ray: the RaySGD TorchTrainer, back on today's Ray and PyTorch.
+
+A RaySGD script migrates by replacing ``ray.util.sgd`` with ``raysgd`` in its imports::
+
+    from raysgd import TorchTrainer
+    from raysgd.torch import TrainingOperator
+    from raysgd.utils import BATCH_SIZE
+
+Importing raysgd does not import Ray Tune; the Tune names (``raysgd.torch.BaseTorchTrainable``, ...)
+load it when first used.
+"""
+
+from raysgd.compat import PyTorchTrainer
+from raysgd.trainer import TorchTrainer
+from raysgd_operator import BATCH_SIZE, TrainingOperator
 
 __version__ = "0.1.0"
-__all__: list[str] = []
+__all__ = ["BATCH_SIZE", "PyTorchTrainer", "TorchTrainer", "TrainingOperator", "__version__"]

@@ -1,0 +1,3 @@
+"""Private pieces of the trainer: worker-side functions, recovery, checkpoints, TensorBoard."""
+
+__all__: list[str] = []

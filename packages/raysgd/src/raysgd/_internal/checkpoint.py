@@ -1,0 +1,72 @@
+"""The trainer's state as bytes and as files.
+
+The state is the dict of `OperatorRunner.state_dict()` (`epoch`, `operator`, `models`, `optimizers`,
+`schedulers`, `precision`, `position`), serialised with `torch.save`. Reading never runs code from the
+bytes (`torch.load(weights_only=True)`), and files are written atomically so that a crash mid-write
+leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from typing import Any, Union
+
+import torch
+
+__all__ = ["CHECKPOINT_KEYS", "read_file", "state_from_bytes", "state_to_bytes", "write_file"]
+
+#: Keys every raysgd (and RaySGD 1.x) checkpoint has; used to tell a checkpoint from another file.
+CHECKPOINT_KEYS = ("models",)
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def state_to_bytes(state: dict[str, Any]) -> bytes:
+    """`torch.save` into memory."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def state_from_bytes(data: bytes, *, source: str = "state") -> dict[str, Any]:
+    """Load a state dict safely onto the CPU; anything that is not one is a ValueError."""
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # unpickling errors come in many types; all mean "not a checkpoint"
+        raise ValueError(
+            f"{source} is not a raysgd checkpoint that can be loaded safely: {exc}"
+        ) from None
+    if not isinstance(state, dict) or any(key not in state for key in CHECKPOINT_KEYS):
+        raise ValueError(
+            f"{source} is not a raysgd checkpoint: expected a dict with keys {CHECKPOINT_KEYS}"
+        )
+    return state
+
+
+def write_file(path: PathLike, data: bytes) -> str:
+    """Write `data` to `path` atomically (a temp file in the same folder, then `os.replace`)."""
+    path = os.path.abspath(os.fspath(path))
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".raysgd-ckpt-", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def read_file(path: PathLike) -> tuple[bytes, dict[str, Any]]:
+    """The bytes of a checkpoint file and the state they hold (validated, loaded safely)."""
+    path = os.fspath(path)
+    with open(path, "rb") as handle:
+        data = handle.read()
+    return data, state_from_bytes(data, source=f"file {path!r}")

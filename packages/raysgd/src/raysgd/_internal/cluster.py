@@ -1,0 +1,57 @@
+"""Starting (or joining) Ray and checking what the cluster offers, on the driver."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Union
+
+import ray
+import torch
+
+__all__ = ["LOCAL_RAY_OPTIONS", "ensure_ray", "resolve_use_gpu"]
+
+logger = logging.getLogger("raysgd")
+
+#: Options of the local instance raysgd starts when Ray is not initialised. Nothing reads a web UI or
+#: metrics there, so the dashboard and the per-process metrics export are off: they compete with the
+#: workers for CPU on small machines. Worker logs are still forwarded to the driver (RaySGD users read
+#: their prints there).
+LOCAL_RAY_OPTIONS: dict[str, Any] = {
+    "include_dashboard": False,
+    "log_to_driver": True,
+    "_system_config": {"enable_metrics_collection": False},
+}
+
+
+def ensure_ray() -> bool:
+    """Start a local Ray instance unless one is initialised; True when this call started it.
+
+    `ray.init(address="auto")` before constructing the trainer joins a running cluster instead.
+    """
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        # Set by `ray job submit` and by users who mean a cluster: join it, as ray.init() would.
+        logger.info("Ray is not initialised: joining RAY_ADDRESS=%s", os.environ["RAY_ADDRESS"])
+        ray.init(log_to_driver=True)
+        return True
+    logger.info(
+        "Ray is not initialised: starting a local instance (call ray.init first to join a cluster)"
+    )
+    # address="local": a plain ray.init() would silently join any cluster some other process
+    # started on this machine with `ray start`, which is not what an embedded default means.
+    ray.init(address="local", **LOCAL_RAY_OPTIONS)
+    return True
+
+
+def resolve_use_gpu(use_gpu: Union[bool, str]) -> bool:
+    """'auto' means "CUDA on the driver" (RaySGD's rule); True on a cluster without GPUs is an error."""
+    if use_gpu == "auto":
+        use_gpu = torch.cuda.is_available()
+    if use_gpu and ray.cluster_resources().get("GPU", 0) < 1:
+        raise ValueError(
+            "use_gpu=True, but the Ray cluster has no GPUs: pass use_gpu=False (or 'auto'), "
+            "or start Ray on machines with GPUs"
+        )
+    return bool(use_gpu)

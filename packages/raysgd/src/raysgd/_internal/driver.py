@@ -1,0 +1,192 @@
+"""The driver side of a `TorchTrainer`: its workers, their runners and the last good state.
+
+`TorchTrainer` inherits from `TrainerDriver`, which keeps the plumbing out of the public class: starting
+the group and the per-worker runners, calling functions on the workers with typed errors, keeping
+`_last_state` (rank 0's state as bytes) current, and the seam the recovery loop uses after a resize.
+Attributes are set by `TorchTrainer.__init__` (see there).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any, Optional, Union
+
+import ray
+
+from raysgd._internal import worker
+from raysgd._internal.checkpoint import write_file
+from raysgd._internal.tensorboard import ScalarLogger
+from raysgd_core import WorkerDiedError, WorkerError, WorkerGroup
+from raysgd_operator import BATCH_SIZE, reduce_worker_results, split_batch_size
+
+__all__ = ["AUTO_CHECKPOINT_NAME", "TrainerDriver"]
+
+logger = logging.getLogger("raysgd")
+
+#: File name of the `checkpoint="auto"` state inside `checkpoint_dir`.
+AUTO_CHECKPOINT_NAME = "raysgd_checkpoint.pt"
+
+
+class TrainerDriver:
+    """Driver-side plumbing shared by `TorchTrainer`'s methods (private)."""
+
+    _group: WorkerGroup
+    _num_workers: int
+    _operator_cls: type
+    _options: dict[str, Any]
+    _user_code: tuple[Any, ...]
+    _user_config: dict[str, Any]
+    _config: dict[str, Any]
+    _use_local: bool
+    _checkpoint_dir: Optional[str]
+    _tensorboard: Optional[ScalarLogger]
+    _recovery: Any
+    # The last good state (bytes of rank 0's state dict) and whether it matches the workers now.
+    _last_state: bytes = b""
+    _state_fresh: bool = False
+    _shut_down: bool = False
+
+    # ----------------------------------------------------------------------------------- set-up
+    def _start_workers(self) -> None:
+        """Start the group and build every worker's runner; on any error release everything."""
+        started = time.monotonic()
+        try:
+            self._group.start()
+            group_ready = time.monotonic()
+            worker_config = self._split_config(self._group_size())
+            states = self._group.execute(
+                worker.create_runner,
+                self._operator_cls,
+                worker_config,
+                self._options,
+                True,
+                self._user_code,
+            )
+        except BaseException as exc:
+            self._group.shutdown()
+            self._shut_down = True
+            if self._tensorboard is not None:
+                self._tensorboard.close()
+            if isinstance(exc, WorkerError) and isinstance(exc.__cause__, (ValueError, TypeError)):
+                # A bad creator or operator set-up is the user's input error: show it as such,
+                # not as a worker traceback.
+                raise exc.__cause__ from None
+            raise
+        self._last_state, self._state_fresh = states[0], True
+        done = time.monotonic()
+        logger.debug(
+            "trainer ready in %.2fs (workers %.2fs, operator set-up %.2fs)",
+            done - started,
+            group_ready - started,
+            done - group_ready,
+        )
+
+    def _split_config(self, size: int) -> dict[str, Any]:
+        """Each worker's config for a group of `size`; updates `config[BATCH_SIZE]` (rounded)."""
+        worker_config, global_batch = split_batch_size(self._user_config, size)
+        if global_batch is not None:
+            self._config[BATCH_SIZE] = global_batch
+        return worker_config
+
+    def _group_size(self) -> int:
+        return int(self._group.world_size)
+
+    def _restore_after_resize(self, report: Any = None) -> None:
+        """Seam for the recovery loop: make every worker of the re-formed group ready to train.
+
+        Kept workers re-bind their runner to the new ranks and size (rebuilt when that is not
+        possible), new workers build one, the global batch is re-split, and all load `_last_state`.
+        When `_last_state` is not current (train() skipped the snapshot, e.g. max_retries=0), it is
+        first read from rank 0, a survivor of the old group when there is one.
+        """
+        if not self._state_fresh:
+            if getattr(report, "kept", None):
+                self._last_state = self._group.execute_single(0, worker.state_bytes)
+            else:
+                logger.warning("no worker survived: restoring the last state the driver holds")
+            self._state_fresh = True
+        worker_config = self._split_config(self._group_size())
+        state_ref = ray.put(self._last_state)
+        self._group.execute(
+            worker.restore_runner,
+            self._operator_cls,
+            worker_config,
+            self._options,
+            state_ref,
+            self._user_code,
+        )
+
+    def _grow_if_possible(self) -> None:
+        """Seam for the recovery loop: grow back to `num_workers` when the cluster has room."""
+        self._recovery.maybe_grow()
+
+    # ------------------------------------------------------------------------------- internals
+    def _check_alive(self) -> None:
+        if self._shut_down:
+            raise RuntimeError("This TorchTrainer has been shut down; create a new one.")
+
+    def _call(self, fn: Callable[..., Any], *args: Any, rank: Optional[int] = None) -> Any:
+        """`fn(*args)` on every worker (or on `rank`); a user exception comes back as its own type.
+
+        The last good state is made current first, so that a call failing part-way (one rank
+        loaded a state, another raised) can be undone: the group is repaired and rolled back to it.
+        """
+        self._capture_state()
+        try:
+            if rank is None:
+                return self._group.execute(fn, *args)
+            return self._group.execute_single(rank, fn, *args)
+        except (WorkerError, WorkerDiedError) as exc:
+            self._repair()
+            if isinstance(exc, WorkerError) and isinstance(exc.__cause__, Exception):
+                raise exc.__cause__ from exc
+            raise
+
+    def _repair(self) -> None:
+        """After a failed non-train call: re-form the group at its size and restore the last state."""
+        if not self._group.needs_recovery:
+            return
+        try:
+            report = self._group.recover(max(1, self._group_size()))
+            self._restore_after_resize(report)
+        except Exception:  # the original error matters more; the next train() recovers again
+            logger.warning("could not repair the worker group after a failed call", exc_info=True)
+
+    def _capture_state(self) -> None:
+        """Make `_last_state` current: rank 0's state, unless nothing changed since the last read."""
+        if self._state_fresh:
+            return
+        try:
+            self._last_state = self._group.execute_single(0, worker.state_bytes)
+        except WorkerDiedError:
+            self._recover_between_calls()
+        self._state_fresh = True
+
+    def _recover_between_calls(self) -> None:
+        """Rank 0 was lost since the last call, with the state it held. Survivors hold the same
+        state (DDP keeps replicas equal): re-form the group around them, read it from the new
+        rank 0 (a survivor), then bring every worker to it."""
+        self._restore_after_resize(self._group.recover(max(1, self._group_size())))
+
+    def _load_bytes(self, data: bytes) -> None:
+        # One object-store copy for all workers instead of one serialisation per worker.
+        self._call(worker.load_state, ray.put(data))
+        self._last_state, self._state_fresh = data, True
+
+    def _write_checkpoint(self, checkpoint: Union[str, os.PathLike]) -> str:
+        if checkpoint == "auto":
+            if self._checkpoint_dir is None:
+                self._checkpoint_dir = tempfile.mkdtemp(prefix="raysgd-checkpoints-")
+                logger.info("checkpoint='auto' writes to %s", self._checkpoint_dir)
+            checkpoint = os.path.join(self._checkpoint_dir, AUTO_CHECKPOINT_NAME)
+        return write_file(checkpoint, self._last_state)
+
+    def _results(self, kind: str, results: list[dict], reduce_results: bool) -> Any:
+        reduced = reduce_worker_results(results) if reduce_results or self._tensorboard else None
+        if self._tensorboard is not None:
+            self._tensorboard.log(kind, reduced)
+        return reduced if reduce_results else results

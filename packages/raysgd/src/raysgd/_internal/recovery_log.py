@@ -1,0 +1,157 @@
+"""What the recovery loop saw and did: structured events, their log lines, the give-up message.
+
+Every failure, decision and resize becomes one `RecoveryEvent` (kept on the trainer for tests, the
+fault demo and post-mortems) and one line on the ``raysgd.recovery`` logger. The events are the single
+source for both, so the log and the structured record never disagree.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from raysgd_core import WorkerDiedError, WorkerError
+
+if TYPE_CHECKING:
+    from raysgd_core import RecoveryReport
+
+__all__ = [
+    "EventKind",
+    "FailureRecord",
+    "RecoveryEvent",
+    "RecoveryLog",
+    "describe_report",
+    "give_up_message",
+    "short_error",
+    "short_node",
+    "where_lost",
+]
+
+logger = logging.getLogger("raysgd.recovery")
+
+
+class EventKind:
+    """The `RecoveryEvent.kind` values (plain strings, so events print and compare simply)."""
+
+    #: Workers were lost while training (`WorkerDiedError` from a train call).
+    FAILURE = "failure"
+    #: A restart (re-forming the group, starting workers, restoring state) went wrong.
+    RESTART_FAILED = "restart_failed"
+    #: The failure policy answered; `action` holds RETRY / WAIT / GIVE_UP.
+    DECISION = "decision"
+    #: The group changed: `num_workers_before` -> `num_workers_after`, via `path`.
+    RESIZE = "resize"
+    #: User code raised inside a worker; never retried.
+    USER_ERROR = "user_error"
+    #: The interrupted work was redone successfully after a recovery.
+    RECOVERED = "recovered"
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """One loss the give-up error names: which ranks on which nodes, and the error text."""
+
+    ranks: tuple[int, ...]
+    nodes: tuple[str, ...]
+    error: str
+    during_restart: bool = False
+
+    def describe(self) -> str:
+        """E.g. ``"rank(s) [1] on node(s) [ab12cd34] lost: ..."``."""
+        where = "restart" if self.during_restart else "training"
+        ranks = list(self.ranks) if self.ranks else "?"
+        nodes = [short_node(n) for n in self.nodes] if self.nodes else "?"
+        return f"rank(s) {ranks} on node(s) {nodes} lost during {where}: {self.error}"
+
+
+@dataclass(frozen=True)
+class RecoveryEvent:
+    """One entry of `TorchTrainer.recovery_events`.
+
+    Attributes:
+        kind: One of the `EventKind` values.
+        message: The log line written for this event.
+        timestamp: Wall-clock time (``time.time()``) when the event was recorded.
+        duration_s: How long the step took (a resize, a wait); 0 when not meaningful.
+        num_workers_before: Group size before the event, when known.
+        num_workers_after: Group size after the event, when known.
+        ranks: Ranks involved (lost ranks for a failure, the raising rank for a user error).
+        nodes: Node ids involved.
+        path: For a resize, "keep-healthy" or "full-restart" as reported by the worker group.
+        action: For a decision, the policy's action ("retry", "wait", "give_up").
+        error: Error text for failures and user errors.
+    """
+
+    kind: str
+    message: str
+    timestamp: float
+    duration_s: float = 0.0
+    num_workers_before: Optional[int] = None
+    num_workers_after: Optional[int] = None
+    ranks: tuple[int, ...] = ()
+    nodes: tuple[str, ...] = ()
+    path: Optional[str] = None
+    action: Optional[str] = None
+    error: Optional[str] = None
+
+
+class RecoveryLog:
+    """Append-only list of `RecoveryEvent`s that also writes each one to the logger."""
+
+    def __init__(self) -> None:
+        self.events: list[RecoveryEvent] = []
+
+    def record(
+        self,
+        kind: str,
+        message: str,
+        *,
+        level: int = logging.INFO,
+        **fields: object,
+    ) -> RecoveryEvent:
+        """Store an event built from `fields` (see `RecoveryEvent`) and log `message` at `level`."""
+        event = RecoveryEvent(kind=kind, message=message, timestamp=time.time(), **fields)  # type: ignore[arg-type]
+        self.events.append(event)
+        logger.log(level, "%s", message)
+        return event
+
+
+def give_up_message(failures: Sequence[FailureRecord], reason: str, *, max_retries: int) -> str:
+    """The `RuntimeError` text when recovery stops: why, and every loss seen in this call."""
+    lines = [
+        f"Training failed after {len(failures)} worker failure(s) (max_retries={max_retries}): "
+        f"{reason}"
+    ]
+    lines += [f"  {i}. {f.describe()}" for i, f in enumerate(failures, start=1)]
+    return "\n".join(lines)
+
+
+def short_error(exc: BaseException, limit: int = 300) -> str:
+    """First line-ish of an exception for log lines: type name and a bounded message."""
+    text = f"{type(exc).__name__}: {exc}".strip()
+    text = " ".join(text.split())  # collapse tracebacks embedded in messages to one line
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def short_node(node_id: str) -> str:
+    """The first 8 characters of a node id, "?" when unknown."""
+    # Ray node ids are 56 hex chars; 8 are enough to tell nodes apart in a log line.
+    return node_id[:8] if node_id else "?"
+
+
+def describe_report(report: RecoveryReport) -> str:
+    """Who was kept (old rank -> new rank), started and lost, for the resize log line."""
+    kept = ", ".join(f"{old}->{new}" for old, new in sorted(report.kept.items())) or "none"
+    return f"kept {kept}; started {list(report.started)}; lost {list(report.lost)}"
+
+
+def where_lost(err: BaseException) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Ranks and nodes a core error names (empty for other errors)."""
+    if isinstance(err, WorkerDiedError):
+        return tuple(err.ranks), tuple(err.nodes)
+    if isinstance(err, WorkerError):
+        return (err.rank,), ((err.node_id,) if err.node_id else ())
+    return (), ()

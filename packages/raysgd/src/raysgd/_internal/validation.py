@@ -1,0 +1,203 @@
+"""Constructor argument checks for `TorchTrainer`.
+
+Everything here runs on the driver before a single worker starts, so that bad input costs nothing and
+fails with an error that names the argument (RaySGD 1.x let most of these surface as worker tracebacks).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, Optional
+
+from raysgd_operator import TrainingOperator
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "SCHEDULER_STEP_FREQS",
+    "check_fp16",
+    "check_optional_args",
+    "check_positive_int",
+    "check_train_args",
+    "resolve_backend",
+    "resolve_operator_cls",
+    "resolve_timeout",
+    "start_timeout",
+]
+
+#: `dist.init_process_group` timeout when neither `timeout_s` nor `NCCL_TIMEOUT_S` is set (RaySGD's).
+DEFAULT_TIMEOUT_S = 1800
+SCHEDULER_STEP_FREQS = ("batch", "epoch", "manual")
+_BACKENDS = ("auto", "gloo", "nccl")
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """`value` as an int >= 1, else a ValueError/TypeError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def check_fp16(use_fp16: Any) -> None:
+    """Reject values that no precision backend could mean; names are checked by `raysgd_amp`."""
+    if isinstance(use_fp16, (bool, str)):
+        return
+    # A precision backend instance: duck-typed so that third-party backends need not subclass.
+    if all(hasattr(use_fp16, attr) for attr in ("setup", "backward", "step")):
+        return
+    raise ValueError(
+        "use_fp16 must be False, True, 'fp16', 'bf16', 'apex', a registered backend name or a "
+        f"raysgd_amp.Precision instance, got {use_fp16!r}"
+    )
+
+
+def resolve_backend(backend: Any, use_gpu: bool) -> str:
+    """'auto' -> 'nccl' with GPUs, else 'gloo' (RaySGD's rule)."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "nccl" if use_gpu else "gloo"
+    return str(backend)
+
+
+def resolve_timeout(timeout_s: Optional[float]) -> float:
+    """The user's value, else `NCCL_TIMEOUT_S` from the environment (seed 000's advice), else 1800."""
+    if timeout_s is None:
+        raw = os.environ.get("NCCL_TIMEOUT_S")
+        if raw is None:
+            return float(DEFAULT_TIMEOUT_S)
+        try:
+            timeout_s = float(raw)
+        except ValueError:
+            raise ValueError(f"NCCL_TIMEOUT_S must be a number of seconds, got {raw!r}") from None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def start_timeout() -> dict[str, float]:
+    """`start_timeout_s` for the worker group from RaySGD's `SGD_PLACEMENT_GROUP_TIMEOUT_S`, if set."""
+    raw = os.environ.get("SGD_PLACEMENT_GROUP_TIMEOUT_S")
+    if not raw:
+        return {}
+    try:
+        return {"start_timeout_s": float(raw)}
+    except ValueError:
+        raise ValueError(f"SGD_PLACEMENT_GROUP_TIMEOUT_S must be seconds, got {raw!r}") from None
+
+
+def check_optional_args(
+    *,
+    config: Any,
+    num_cpus_per_worker: Any,
+    use_gpu: Any,
+    backend: Any,
+    scheduler_step_freq: Any,
+    initialization_hook: Any,
+    apex_args: Any,
+    accumulate_grad_batches: Any,
+    clip_grad_norm: Any,
+) -> None:
+    """Type and range checks of the remaining constructor arguments."""
+    if config is not None and not isinstance(config, Mapping):
+        raise TypeError(f"config must be a dict, got {type(config).__name__}")
+    if (
+        isinstance(num_cpus_per_worker, bool)
+        or not isinstance(num_cpus_per_worker, (int, float))
+        or num_cpus_per_worker <= 0
+    ):
+        raise ValueError(
+            f"num_cpus_per_worker must be a positive number, got {num_cpus_per_worker!r}"
+        )
+    if use_gpu != "auto" and not isinstance(use_gpu, bool):
+        raise ValueError(f"use_gpu must be 'auto', True or False, got {use_gpu!r}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if scheduler_step_freq is not None and scheduler_step_freq not in SCHEDULER_STEP_FREQS:
+        raise ValueError(
+            f"scheduler_step_freq must be one of {SCHEDULER_STEP_FREQS} or None, "
+            f"got {scheduler_step_freq!r}"
+        )
+    if initialization_hook is not None and not callable(initialization_hook):
+        raise TypeError("initialization_hook must be a zero-argument callable")
+    if apex_args is not None and not isinstance(apex_args, Mapping):
+        raise TypeError(f"apex_args must be a dict, got {type(apex_args).__name__}")
+    check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
+    if clip_grad_norm is not None and (
+        isinstance(clip_grad_norm, bool)
+        or not isinstance(clip_grad_norm, (int, float))
+        or clip_grad_norm <= 0
+    ):
+        raise ValueError(
+            f"clip_grad_norm must be None or a positive number, got {clip_grad_norm!r}"
+        )
+
+
+def resolve_operator_cls(
+    training_operator_cls: Optional[type],
+    *,
+    model_creator: Optional[Callable[..., Any]],
+    data_creator: Optional[Callable[..., Any]],
+    optimizer_creator: Optional[Callable[..., Any]],
+    loss_creator: Optional[Any],
+    scheduler_creator: Optional[Callable[..., Any]],
+    serialize_data_creation: bool,
+) -> type:
+    """The operator class to ship: the user's, or one built from creator functions.
+
+    A custom operator given together with creators (seed 000's GANOperator) gets the creators through
+    its own `from_creators`, so its overridden loops run on the models the creators build.
+    """
+    creators = {
+        "model_creator": model_creator,
+        "data_creator": data_creator,
+        "optimizer_creator": optimizer_creator,
+        "loss_creator": loss_creator,
+        "scheduler_creator": scheduler_creator,
+    }
+    if training_operator_cls is not None and not (
+        isinstance(training_operator_cls, type)
+        and issubclass(training_operator_cls, TrainingOperator)
+    ):
+        raise TypeError(
+            "training_operator_cls must be a subclass of raysgd.TrainingOperator, "
+            f"got {training_operator_cls!r}"
+        )
+    given = {name: fn for name, fn in creators.items() if fn is not None}
+    if not given:
+        if training_operator_cls is None:
+            raise ValueError(
+                "TorchTrainer needs either training_operator_cls=... or the creator functions "
+                "model_creator=, data_creator= and optimizer_creator="
+            )
+        return training_operator_cls
+    missing = [n for n in ("model_creator", "data_creator", "optimizer_creator") if n not in given]
+    if missing:
+        raise ValueError(
+            f"creator-style construction needs model_creator, data_creator and optimizer_creator; "
+            f"missing: {', '.join(missing)}"
+        )
+    for name, fn in given.items():
+        if not callable(fn):
+            raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+    base = training_operator_cls or TrainingOperator
+    return base.from_creators(
+        model_creator=model_creator,
+        optimizer_creator=optimizer_creator,
+        data_creator=data_creator,
+        loss_creator=loss_creator,
+        scheduler_creator=scheduler_creator,
+        serialize_data_creation=serialize_data_creation,
+    )
+
+
+def check_train_args(max_retries: Any, checkpoint: Any, num_steps: Any) -> None:
+    """Arguments of `TorchTrainer.train` that are checked on the driver."""
+    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+        raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
+    if checkpoint not in (None, False, "auto") and not isinstance(checkpoint, (str, os.PathLike)):
+        raise ValueError(f"checkpoint must be None, 'auto' or a file path, got {checkpoint!r}")
+    if num_steps is not None:
+        check_positive_int("num_steps", num_steps)

@@ -1,0 +1,166 @@
+"""Functions the trainer runs on its workers through `WorkerGroup.execute`.
+
+Each worker keeps one long-lived `OperatorRunner` in its `get_context().store` (the operator, its data
+iterators, epoch and step counters), so every call after construction ships only its own arguments.
+These functions are module-level and importable on the workers (raysgd is installed there), so Ray
+pickles them by reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Optional
+
+import torch
+
+from raysgd._internal.checkpoint import state_from_bytes, state_to_bytes
+from raysgd_core import get_context
+from raysgd_operator import OperatorRunner
+
+__all__ = [
+    "RUNNER_KEY",
+    "apply_fn",
+    "apply_operator",
+    "create_runner",
+    "drop_runner",
+    "get_models",
+    "get_operator",
+    "load_state",
+    "restore_runner",
+    "state_bytes",
+    "train_epoch",
+    "update_scheduler",
+    "validate",
+]
+
+#: Key of the runner in the worker's `store` (namespaced: the store is shared with other libraries).
+RUNNER_KEY = "raysgd.runner"
+
+
+def _runner() -> OperatorRunner:
+    runner = get_context().store.get(RUNNER_KEY)
+    if runner is None:
+        raise RuntimeError("this worker has no raysgd runner (it was shut down or never set up)")
+    return runner
+
+
+def _build(
+    operator_cls: type, config: Mapping[str, Any], options: Mapping[str, Any]
+) -> OperatorRunner:
+    ctx = get_context()
+    # One intra-op thread pool per CPU the worker reserved: workers sharing a node do not
+    # oversubscribe its cores (the same setting torchrun users get from OMP_NUM_THREADS).
+    torch.set_num_threads(max(1, int(options["num_threads"])))
+    kwargs = {k: v for k, v in options.items() if k != "num_threads"}
+    runner = OperatorRunner(
+        operator_cls,
+        dict(config),
+        world_rank=ctx.world_rank,
+        local_rank=ctx.local_rank,
+        world_size=ctx.world_size,
+        device=ctx.device,
+        **kwargs,
+    )
+    ctx.store[RUNNER_KEY] = runner
+    return runner
+
+
+def create_runner(
+    operator_cls: type,
+    config: Mapping[str, Any],
+    options: Mapping[str, Any],
+    return_state: bool = False,
+    user_code: tuple[Any, ...] = (),
+) -> Optional[bytes]:
+    """Build this worker's runner (which runs the user's `setup`).
+
+    With `return_state`, rank 0 also returns its initial state, so that the trainer has its first
+    in-memory checkpoint without another round trip before the first `train()`. `user_code` is not
+    used here: it lists the creator functions a creator-built operator class holds, because
+    raysgd_core ships the modules of call arguments by value and would not look inside the class.
+    """
+    runner = _build(operator_cls, config, options)
+    if return_state and get_context().world_rank == 0:
+        return state_to_bytes(runner.state_dict())
+    return None
+
+
+def restore_runner(
+    operator_cls: type,
+    config: Mapping[str, Any],
+    options: Mapping[str, Any],
+    state: bytes,
+    user_code: tuple[Any, ...] = (),
+) -> None:
+    """After a resize: re-bind a kept runner (or build one on a new worker), then load `state`.
+
+    `user_code`: as for `create_runner`."""
+    ctx = get_context()
+    runner: Optional[OperatorRunner] = ctx.store.get(RUNNER_KEY)
+    rebound = False
+    if runner is not None:
+        rebound = runner.rebind(
+            world_rank=ctx.world_rank,
+            local_rank=ctx.local_rank,
+            world_size=ctx.world_size,
+            config=dict(config),
+        )
+        if not rebound:
+            ctx.store.pop(RUNNER_KEY, None)
+            runner.shutdown()
+    if not rebound:
+        runner = _build(operator_cls, config, options)
+    assert runner is not None
+    runner.load_state_dict(state_from_bytes(state))
+
+
+def train_epoch(num_steps: Optional[int], profile: bool, info: Optional[dict]) -> dict:
+    """One `train` call on this worker."""
+    return _runner().train_epoch(num_steps=num_steps, profile=profile, info=info)
+
+
+def validate(num_steps: Optional[int], profile: bool, info: Optional[dict]) -> dict:
+    """One `validate` call on this worker."""
+    return _runner().validate(num_steps=num_steps, profile=profile, info=info)
+
+
+def state_bytes() -> bytes:
+    """This worker's full state, serialised."""
+    return state_to_bytes(_runner().state_dict())
+
+
+def load_state(state: bytes) -> None:
+    """Load a serialised state (validated and loaded safely) into this worker's runner."""
+    _runner().load_state_dict(state_from_bytes(state))
+
+
+def get_models(to_cpu: bool) -> Any:
+    """The unwrapped model(s) of this worker's runner."""
+    return _runner().get_models(to_cpu=to_cpu)
+
+
+def get_operator() -> Any:
+    """The operator itself (only returned by value in the driver, with `use_local=True`)."""
+    return _runner().operator
+
+
+def update_scheduler(metric: Any) -> None:
+    """`scheduler.step(metric)` on every registered scheduler (e.g. ReduceLROnPlateau)."""
+    _runner().update_scheduler(metric)
+
+
+def apply_fn(fn: Callable[[], Any]) -> Any:
+    """`fn()` on this worker."""
+    return fn()
+
+
+def apply_operator(fn: Callable[[Any], Any]) -> Any:
+    """`fn(operator)` on this worker."""
+    return _runner().apply_operator(fn)
+
+
+def drop_runner(graceful: bool) -> None:
+    """Forget this worker's runner; with `graceful`, let it release its resources first."""
+    runner = get_context().store.pop(RUNNER_KEY, None)
+    if runner is not None and graceful:
+        runner.shutdown()

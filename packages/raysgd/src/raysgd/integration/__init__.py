@@ -1,0 +1,3 @@
+"""RaySGD's ``ray.tune.integration`` names for raysgd (see `raysgd.integration.torch`)."""
+
+__all__: list[str] = []

@@ -1,0 +1,347 @@
+"""`TorchTrainer`: RaySGD's distributed PyTorch trainer on today's Ray and PyTorch.
+
+The driver side holds a `raysgd_core.WorkerGroup` (Ray actors with a `torch.distributed` process
+group), the failure policy and the last good state; every worker holds one long-lived
+`raysgd_operator.OperatorRunner` (see `raysgd._internal.worker`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any, Optional, Union
+
+from raysgd._internal import worker
+from raysgd._internal.checkpoint import read_file, state_from_bytes, state_to_bytes, write_file
+from raysgd._internal.cluster import ensure_ray, resolve_use_gpu
+from raysgd._internal.driver import TrainerDriver
+from raysgd._internal.recovery import Recovery
+from raysgd._internal.tensorboard import ScalarLogger
+from raysgd._internal.validation import (
+    check_fp16,
+    check_optional_args,
+    check_positive_int,
+    check_train_args,
+    resolve_backend,
+    resolve_operator_cls,
+    resolve_timeout,
+    start_timeout,
+)
+from raysgd_core import WorkerGroup
+from raysgd_fault import FailurePolicy, get_policy
+
+__all__ = ["TorchTrainer"]
+
+logger = logging.getLogger("raysgd")
+
+
+class TorchTrainer(TrainerDriver):
+    """Train a PyTorch model on `num_workers` Ray workers with DistributedDataParallel.
+
+    Built either from a `TrainingOperator` subclass (`training_operator_cls=`) or from RaySGD's creator
+    functions (`model_creator=`, `data_creator=`, `optimizer_creator=`, optional `loss_creator=` and
+    `scheduler_creator=`). All arguments are keyword-only and keep RaySGD's meaning; the new ones are
+    `accumulate_grad_batches`, `clip_grad_norm`, `failure_policy` ("default", a registered name or a
+    `raysgd_fault.FailurePolicy`), `checkpoint_dir` (where `train(checkpoint="auto")` writes) and
+    `logdir` (TensorBoard scalars of every result). `timeout_s=None` reads `NCCL_TIMEOUT_S`, else 1800.
+
+    Example::
+
+        trainer = TorchTrainer(model_creator=..., data_creator=..., optimizer_creator=...,
+                               loss_creator=nn.MSELoss, config={BATCH_SIZE: 64}, num_workers=2)
+        for _ in range(5):
+            print(trainer.train(), trainer.validate())
+        model = trainer.get_model()
+        trainer.shutdown()
+    """
+
+    def __init__(
+        self,
+        *,
+        training_operator_cls: Optional[type] = None,
+        model_creator: Optional[Callable[..., Any]] = None,
+        data_creator: Optional[Callable[..., Any]] = None,
+        optimizer_creator: Optional[Callable[..., Any]] = None,
+        loss_creator: Optional[Any] = None,
+        scheduler_creator: Optional[Callable[..., Any]] = None,
+        initialization_hook: Optional[Callable[[], None]] = None,
+        config: Optional[dict[str, Any]] = None,
+        num_workers: int = 1,
+        num_cpus_per_worker: float = 1,
+        use_gpu: Union[bool, str] = "auto",
+        backend: str = "auto",
+        wrap_ddp: bool = True,
+        timeout_s: Optional[float] = None,
+        use_fp16: Any = False,
+        apex_args: Optional[dict[str, Any]] = None,
+        use_tqdm: bool = False,
+        add_dist_sampler: bool = True,
+        scheduler_step_freq: Optional[str] = None,
+        use_local: bool = False,
+        serialize_data_creation: bool = True,
+        accumulate_grad_batches: int = 1,
+        clip_grad_norm: Optional[float] = None,
+        failure_policy: Union[str, FailurePolicy] = "default",
+        checkpoint_dir: Optional[str] = None,
+        logdir: Optional[str] = None,
+    ) -> None:
+        # Everything that can be checked on the driver is checked before any worker starts.
+        self._num_workers = check_positive_int("num_workers", num_workers)
+        check_optional_args(
+            config=config,
+            num_cpus_per_worker=num_cpus_per_worker,
+            use_gpu=use_gpu,
+            backend=backend,
+            scheduler_step_freq=scheduler_step_freq,
+            initialization_hook=initialization_hook,
+            apex_args=apex_args,
+            accumulate_grad_batches=accumulate_grad_batches,
+            clip_grad_norm=clip_grad_norm,
+        )
+        check_fp16(use_fp16)
+        self._operator_cls = resolve_operator_cls(
+            training_operator_cls,
+            model_creator=model_creator,
+            data_creator=data_creator,
+            optimizer_creator=optimizer_creator,
+            loss_creator=loss_creator,
+            scheduler_creator=scheduler_creator,
+            serialize_data_creation=serialize_data_creation,
+        )
+        # Creator functions live inside the built class; listed so their modules travel by value.
+        self._user_code = tuple(
+            fn
+            for fn in (
+                model_creator,
+                data_creator,
+                optimizer_creator,
+                loss_creator,
+                scheduler_creator,
+            )
+            if fn is not None
+        )
+        timeout = resolve_timeout(timeout_s)
+        policy = get_policy(failure_policy)
+
+        ensure_ray()
+        self._use_gpu = resolve_use_gpu(use_gpu)
+        # Before any worker starts, so that a missing tensorboardX costs nothing.
+        self._tensorboard = ScalarLogger(logdir) if logdir else None
+        self._use_local = bool(use_local)
+        self._user_config: dict[str, Any] = dict(config or {})
+        self._config: dict[str, Any] = dict(self._user_config)
+        self._checkpoint_dir = checkpoint_dir
+        self._options: dict[str, Any] = {
+            "num_threads": num_cpus_per_worker,
+            "use_gpu": self._use_gpu,
+            "use_fp16": use_fp16,
+            "apex_args": dict(apex_args) if apex_args else None,
+            "use_tqdm": use_tqdm,
+            "wrap_ddp": wrap_ddp,
+            "add_dist_sampler": add_dist_sampler,
+            "scheduler_step_freq": scheduler_step_freq,
+            "accumulate_grad_batches": accumulate_grad_batches,
+            "clip_grad_norm": clip_grad_norm,
+        }
+        self._last_state, self._state_fresh, self._shut_down = b"", False, False
+        self._group: WorkerGroup = WorkerGroup(
+            self._num_workers,
+            num_cpus_per_worker=num_cpus_per_worker,
+            num_gpus_per_worker=1 if self._use_gpu else 0,
+            backend=resolve_backend(backend, self._use_gpu),
+            timeout_s=timeout,
+            init_hook=initialization_hook,
+            use_local=self._use_local,
+            **start_timeout(),
+        )
+        self._start_workers()
+        self._recovery = Recovery(trainer=self, policy=policy)
+
+    # --------------------------------------------------------------------------------- public
+    def train(
+        self,
+        num_steps: Optional[int] = None,
+        profile: bool = False,
+        reduce_results: bool = True,
+        max_retries: int = 3,
+        checkpoint: Optional[Union[str, os.PathLike]] = None,
+        info: Optional[dict[str, Any]] = None,
+    ) -> Union[dict[str, Any], list[dict[str, Any]]]:
+        """One pass over the training data (or `num_steps` batches, continuing where the last call
+        stopped) on every worker; survives lost workers up to `max_retries` times.
+
+        Returns the results reduced over batches then workers (`epoch`, `batch_count`, `num_samples`,
+        `train_loss`, `last_train_loss`, custom metrics; `profile` timers with `profile=True`), or
+        the per-worker list with `reduce_results=False`. `checkpoint="auto"` (or a file path) also
+        writes the state from before this call to disk, atomically.
+        """
+        self._check_alive()
+        check_train_args(max_retries, checkpoint, num_steps)
+        # The state is fetched only when something can use it: a retry, a checkpoint or a grow
+        # (which restores `_last_state` on every worker, so it must be current before growing).
+        # Tune's step (max_retries=0) thus pays no per-call snapshot.
+        if max_retries > 0 or checkpoint or self._group_size() < self._num_workers:
+            self._capture_state()
+        self._grow_if_possible()
+        if checkpoint:
+            self._write_checkpoint(checkpoint)
+
+        def attempt() -> list[dict]:
+            # Reads `self._group` at call time: recovery may have replaced or re-formed it.
+            return self._group.execute(worker.train_epoch, num_steps, profile, info)
+
+        results = self._recovery.run(attempt, max_retries=max_retries)
+        self._state_fresh = False
+        return self._results("train", results, reduce_results)
+
+    def validate(
+        self,
+        num_steps: Optional[int] = None,
+        profile: bool = False,
+        reduce_results: bool = True,
+        info: Optional[dict[str, Any]] = None,
+    ) -> Union[dict[str, Any], list[dict[str, Any]]]:
+        """Evaluate on the validation data: `batch_count`, `num_samples`, `val_loss`,
+        `last_val_loss`, `val_accuracy`, `last_val_accuracy` (and custom metrics)."""
+        self._check_alive()
+        if num_steps is not None:
+            check_positive_int("num_steps", num_steps)
+        # The state holds the train position only, so validating leaves `_last_state` current.
+        results = self._call(worker.validate, num_steps, profile, info)
+        return self._results("validate", results, reduce_results)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full training state (`epoch`, `operator`, `models`, `optimizers`, `schedulers`,
+        `precision`, position), on the CPU."""
+        self._check_alive()
+        self._capture_state()
+        return state_from_bytes(self._last_state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load `state` (from `state_dict()` or a checkpoint) into every worker."""
+        self._check_alive()
+        if not isinstance(state, dict):
+            raise TypeError(
+                f"state must be a dict from TorchTrainer.state_dict(), got {type(state)}"
+            )
+        self._load_bytes(state_to_bytes(state))
+
+    def save(self, path: Union[str, os.PathLike]) -> str:
+        """Write the state to `path` atomically; returns the absolute path."""
+        self._check_alive()
+        self._capture_state()
+        return write_file(path, self._last_state)
+
+    def load(self, path: Union[str, os.PathLike]) -> None:
+        """Load a checkpoint written by `save` into every worker. Never runs code from the file; a
+        file that is not a checkpoint raises ValueError and leaves the trainer as it was."""
+        self._check_alive()
+        data, _ = read_file(path)
+        self._load_bytes(data)
+
+    def get_model(self, to_cpu: bool = False) -> Any:
+        """The trained model(s), without DDP wrappers (one model bare, several as a list)."""
+        self._check_alive()
+        models = self._call(worker.get_models, to_cpu, rank=0)
+        if isinstance(models, (list, tuple)) and len(models) == 1:
+            return models[0]
+        return list(models) if isinstance(models, tuple) else models
+
+    def get_local_operator(self) -> Any:
+        """The rank-0 operator living in this process; only with `use_local=True`."""
+        self._check_alive()
+        if not self._use_local:
+            raise NotImplementedError(
+                "get_local_operator() needs TorchTrainer(use_local=True): without it every operator "
+                "lives in a remote worker (use apply_all_operators instead)"
+            )
+        return self._call(worker.get_operator, rank=0)
+
+    def update_scheduler(self, metric: Any) -> None:
+        """Step every registered scheduler with `metric` on every worker (`scheduler_step_freq="manual"`)."""
+        self._check_alive()
+        self._call(worker.update_scheduler, metric)
+        self._state_fresh = False
+
+    def apply_all_workers(self, fn: Callable[[], Any]) -> list[Any]:
+        """`fn()` on every worker; the results in rank order."""
+        self._check_alive()
+        if not callable(fn):
+            raise TypeError("apply_all_workers needs a zero-argument callable")
+        results = self._call(worker.apply_fn, fn)
+        self._state_fresh = False
+        return results
+
+    def apply_all_operators(self, fn: Callable[[Any], Any]) -> list[Any]:
+        """`fn(operator)` on every worker; the results in rank order."""
+        self._check_alive()
+        if not callable(fn):
+            raise TypeError("apply_all_operators needs a callable taking the operator")
+        results = self._call(worker.apply_operator, fn)
+        self._state_fresh = False
+        return results
+
+    def shutdown(self, force: bool = False) -> None:
+        """Stop the workers and release their resources. Calling it again does nothing; any other
+        method then raises RuntimeError. `force=True` kills the workers without a graceful stop."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        try:
+            if self._group.needs_recovery:
+                pass  # a broken group takes no calls; killing the workers releases everything
+            elif not force:
+                self._group.execute(worker.drop_runner, True)
+            elif self._use_local:
+                # Killing actors does not reach rank 0 in this process: drop its runner here.
+                self._group.execute_single(0, worker.drop_runner, False)
+        except Exception as exc:  # a dead worker must not stop the rest from being released
+            logger.warning("graceful worker shutdown failed (%s); killing the workers", exc)
+        finally:
+            self._group.shutdown()
+            if self._tensorboard is not None:
+                self._tensorboard.close()
+
+    def __enter__(self) -> TorchTrainer:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+    @classmethod
+    def as_trainable(
+        cls, *args: Any, override_tune_step: Optional[Callable[..., Any]] = None, **kwargs: Any
+    ) -> type:
+        """A Ray Tune trainable class that builds this trainer from `kwargs` (Tune's config wins)."""
+        from raysgd_tune import make_trainable  # Tune is an optional extra: import only when used
+
+        return make_trainable(cls, *args, override_tune_step=override_tune_step, **kwargs)
+
+    # ----------------------------------------------------------------------------- properties
+    @property
+    def config(self) -> dict[str, Any]:
+        """The trainer's config; `config[BATCH_SIZE]` is the global batch actually used."""
+        return self._config
+
+    @property
+    def num_workers(self) -> int:
+        """Workers training now (fewer than asked for after a loss the cluster could not refill)."""
+        self._check_alive()
+        return self._group_size()
+
+    @property
+    def failures(self) -> int:
+        """Worker failures seen over the trainer's life."""
+        return int(self._recovery.failures)
+
+    @property
+    def recovery_events(self) -> list[Any]:
+        """What the recovery loop saw and did (failures, decisions, resizes)."""
+        return list(getattr(self._recovery, "events", []))
+
+    @property
+    def worker_group(self) -> WorkerGroup:
+        """The `raysgd_core.WorkerGroup` running the workers."""
+        self._check_alive()
+        return self._group

@@ -1,0 +1,183 @@
+"""Every example runs end to end, as a user would start it: `python -m raysgd_examples.<name>`.
+
+Each one runs in its own subprocess with its own local Ray cluster (started and shut down by the
+example itself), with `--smoke` so that it finishes in seconds. The assertions check what the example
+promises its reader: the demo's accuracy, the line's coefficients, the recovered failure, the files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def run_example(name: str, *args: str, timeout_s: float = 180) -> str:
+    """Run `python -m raysgd_examples.<name> *args`; return its output, failing on a non-zero exit."""
+    return run_python(["-m", f"raysgd_examples.{name}", *args], name, timeout_s)
+
+
+def run_python(argv: list[str], name: str, timeout_s: float = 180) -> str:
+    """Run this interpreter with `argv`; return stdout and stderr together, failing on an error.
+
+    Progress bars' carriage returns become line breaks, so that each printed row is a line.
+    """
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS", None)  # each example starts its own local Ray, never joins another
+    # A session of its own, so that a hung example can be stopped with everything it started.
+    proc = subprocess.Popen(
+        [sys.executable, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{name} did not finish in {timeout_s} s; output:\n{output[-4000:]}")
+    output = output.replace("\r", "\n")
+    assert proc.returncode == 0, f"{name} exited with {proc.returncode}; output:\n{output[-6000:]}"
+    return output
+
+
+def number_after(label: str, output: str) -> float:
+    """The last number printed right after `label` (e.g. "val_accuracy=")."""
+    found = re.findall(re.escape(label) + r"\s*(-?[0-9.]+(?:e-?[0-9]+)?|nan)", output)
+    assert found, f"{label!r} not in the output:\n{output[-4000:]}"
+    return float(found[-1])
+
+
+def test_demo_full_run_reaches_95_percent(tmp_path: Path) -> None:
+    output = run_example("demo", "--out-dir", str(tmp_path))
+
+    assert number_after("final validation accuracy:", output) >= 0.95
+    # The table has a header and one row per epoch (10 by default).
+    assert re.search(r"epoch\s+train_loss\s+val_loss\s+val_accuracy\s+samples/s", output)
+    assert len(re.findall(r"^\s+10\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+", output, re.M)) == 1
+    # The checkpoint (a plain state dict, loadable without running code) and the TensorBoard
+    # event file are where the demo says.
+    assert str(tmp_path / "checkpoint.pt") in output
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert state["epoch"] == 10
+    assert len(state["models"]) == 1
+    assert list((tmp_path / "tensorboard").rglob("events.out.tfevents.*"))
+    # The model handed back by get_model() scores like the distributed validation did.
+    assert number_after("scores", output) >= 0.95
+
+
+def test_linear_learns_the_line() -> None:
+    output = run_example("linear", "--smoke")
+
+    match = re.search(r"learned y = (-?[0-9.]+) x \+ (-?[0-9.]+)", output)
+    assert match, output[-4000:]
+    assert float(match.group(1)) == pytest.approx(2.0, abs=0.2)
+    assert float(match.group(2)) == pytest.approx(5.0, abs=0.2)
+
+
+def test_digits_trains_above_chance() -> None:
+    output = run_example("digits", "--smoke")
+
+    assert "epoch 2:" in output
+    assert number_after("val_accuracy=", output) > 0.5
+
+
+def test_dcgan_trains_two_models_and_draws_samples(tmp_path: Path) -> None:
+    # --fp16: the custom loop's backward/step helpers under mixed precision (bf16 on CPU).
+    output = run_example("dcgan", "--smoke", "--fp16", "--out-dir", str(tmp_path))
+
+    assert "epoch 2:" in output
+    for metric in ("loss_g=", "loss_d="):
+        assert math.isfinite(number_after(metric, output))
+    assert 0.0 <= number_after("D(real)=", output) <= 1.0
+    assert (tmp_path / "dcgan_samples.png").stat().st_size > 0
+
+
+def test_fault_demo_recovers_from_a_killed_worker() -> None:
+    output = run_example("fault_demo", "--smoke")
+
+    assert "rank 1" in output and "exiting at batch" in output
+    assert number_after("failures survived:", output) == 1
+    # Training went on with the full pool after the recovery, and still learned.
+    assert "workers=2" in output
+    assert number_after("val_accuracy=", output) > 0.5
+
+
+def test_migrated_raysgd_script_runs_unchanged() -> None:
+    output = run_example("migrate", "--smoke", "--num-workers", "2", "--address", "local")
+
+    assert "success!" in output
+    assert number_after("trained weight:", output) == pytest.approx(2.0, abs=0.3)
+    # The second trainer, loaded from the first one's checkpoint, validates to the same loss.
+    val_losses = re.findall(r"'val_loss': ([0-9.e-]+)", output)
+    assert "restored:" in output and len(val_losses) == 2
+    assert float(val_losses[1]) == pytest.approx(float(val_losses[0]), rel=1e-5)
+
+
+def test_migrate_only_changes_imports() -> None:
+    # Located without being imported (importing it would pull in Ray and torch for nothing).
+    source = Path(importlib.util.find_spec("raysgd_examples.migrate").origin).read_text()
+    # The RaySGD 1.x imports are kept, commented, next to their replacements.
+    for old, new in [
+        ("from ray.util.sgd import TorchTrainer", "from raysgd import TorchTrainer"),
+        (
+            "from ray.util.sgd.torch import TrainingOperator",
+            "from raysgd.torch import TrainingOperator",
+        ),
+        ("from ray.util.sgd.utils import BATCH_SIZE", "from raysgd.utils import BATCH_SIZE"),
+    ]:
+        assert f"#   {old}\n" in source
+        assert f"\n{new}\n" in source
+    assert "import ray.util.sgd" not in source
+
+
+def test_tune_example_finds_a_best_config() -> None:
+    output = run_example("tune_example", "--smoke")
+
+    assert len(re.findall(r"^trial: lr=", output, re.M)) == 2  # both points of the grid ran
+    assert "best config:" in output
+    assert 0.0 < number_after("val_accuracy=", output) <= 1.0
+
+
+def test_tune_ddp_reports_and_checkpoints() -> None:
+    output = run_example("tune_ddp", "--smoke")
+
+    assert 0.5 < number_after("mean_accuracy=", output) <= 1.0
+    assert "checkpoint: Checkpoint(" in output
+
+
+def test_pbt_runs_a_population() -> None:
+    output = run_example("pbt", "--smoke")
+
+    # Synchronous PBT with two trials: at the perturbation point the worse one takes the better
+    # one's trainer state (Tune logs the exploit), and both finish with results.
+    assert "Cloning trial" in output
+    assert len(re.findall(r"^trial: lr=", output, re.M)) == 2
+    assert 0.0 < number_after("val_accuracy=", output) <= 1.0
+
+
+def test_readme_example_runs(tmp_path: Path) -> None:
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    code = re.search(r"```python\n(.*?)```", readme.read_text(), re.S).group(1)
+    checkpoint = tmp_path / "line.pt"
+    script = tmp_path / "readme_example.py"
+    script.write_text(code.replace('"/tmp/line.pt"', repr(str(checkpoint))))
+
+    output = run_python([str(script)], "the README example")
+    weight = re.search(r"tensor\(\[\[(-?[0-9.]+)\]\]", output)
+    assert weight, output[-4000:]
+    assert float(weight.group(1)) == pytest.approx(2.0, abs=0.2)
+    assert checkpoint.stat().st_size > 0

@@ -1,0 +1,295 @@
+"""Recovery of `TorchTrainer.train(max_retries=...)` from real worker deaths (issue 5).
+
+Every failure here is real: a worker process `os._exit`s or is `ray.kill`ed mid-epoch, an
+initialization hook dies in a replacement worker, user code raises. Marker files in `tmp_path` make a
+failure happen on the first attempt only (the redone epoch must not fail again) and count calls across
+processes. No test relies on a process-group timeout: a dead peer is detected from the dead actor.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from raysgd import TorchTrainer, TrainingOperator
+from raysgd.utils import BATCH_SIZE
+from raysgd_core import WorkerDiedError, WorkerError
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+NUM_SAMPLES = 64
+GLOBAL_BATCH = 16  # 8 per worker with 2 workers: 4 steps per epoch
+DIE_AT_STEP = 2  # mid-epoch of the first epoch
+
+
+class LinearOperator(TrainingOperator):
+    """A seeded linear regression on a fixed synthetic data set; deterministic across runs."""
+
+    def setup(self, config: dict[str, Any]) -> None:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(NUM_SAMPLES, 4, generator=gen)
+        y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.1 * torch.randn(
+            NUM_SAMPLES, 1, generator=gen
+        )
+        loader = DataLoader(TensorDataset(x, y), batch_size=config[BATCH_SIZE])
+        self.model, self.optimizer, self.criterion = self.register(
+            models=model, optimizers=optimizer, criterion=nn.MSELoss()
+        )
+        self.register_data(train_loader=loader, validation_loader=loader)
+
+
+def _first_time(config: dict[str, Any], name: str) -> bool:
+    """True exactly once per marker name across all processes (O_EXCL create is atomic)."""
+    try:
+        fd = os.open(os.path.join(config["marker_dir"], name), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+
+class ExitOnceOperator(LinearOperator):
+    """Rank 1 `os._exit`s at global step DIE_AT_STEP, on the first attempt only."""
+
+    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        if (
+            self.world_rank == 1
+            and batch_info["global_step"] == DIE_AT_STEP
+            and _first_time(self.config, "exited")
+        ):
+            os._exit(1)
+        return super().train_batch(batch, batch_info)
+
+
+class BlockOnceOperator(LinearOperator):
+    """Rank 1 signals at DIE_AT_STEP and then blocks (first attempt only) until it is killed."""
+
+    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        if (
+            self.world_rank == 1
+            and batch_info["global_step"] == DIE_AT_STEP
+            and _first_time(self.config, "blocked")
+        ):
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # the test kills this process meanwhile
+                time.sleep(0.05)
+        return super().train_batch(batch, batch_info)
+
+
+class AlwaysExitOperator(LinearOperator):
+    """Rank 1 exits at step 1 of every attempt: no retry budget is enough."""
+
+    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        if self.world_rank == 1 and batch_info["batch_idx"] == 1:
+            os._exit(1)
+        return super().train_batch(batch, batch_info)
+
+
+class RaiseOnceOperator(LinearOperator):
+    """Rank 1 raises a user error at step 1 of the first call; every raise is counted on disk."""
+
+    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        if self.world_rank == 1 and batch_info["batch_idx"] == 1:
+            if _first_time(self.config, "raised"):
+                with open(os.path.join(self.config["marker_dir"], "raise_count"), "a") as f:
+                    f.write("x\n")
+                raise ValueError("boom from rank 1")
+        return super().train_batch(batch, batch_info)
+
+
+def _make(op_cls: type, tmp_path: Path, **kwargs: Any) -> TorchTrainer:
+    kwargs.setdefault("num_workers", 2)
+    return TorchTrainer(
+        training_operator_cls=op_cls,
+        config={BATCH_SIZE: GLOBAL_BATCH, "marker_dir": str(tmp_path)},
+        timeout_s=60,  # safety net only: no test depends on it
+        **kwargs,
+    )
+
+
+def _weights(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.get_model(to_cpu=True).state_dict().items()}
+
+
+_CLEAN: dict[str, Any] = {}
+
+
+def _clean_run(tmp_path: Path) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+    """Two epochs without failure (computed once per module): the reference every recovery meets."""
+    if not _CLEAN:
+        trainer = _make(LinearOperator, tmp_path)
+        try:
+            stats = [trainer.train(), trainer.train()]
+            _CLEAN["stats"], _CLEAN["weights"] = stats, _weights(trainer)
+        finally:
+            trainer.shutdown()
+    return _CLEAN["stats"], _CLEAN["weights"]
+
+
+def _assert_same_run(
+    stats: list[dict[str, Any]], weights: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    clean_stats, clean_weights = _clean_run(tmp_path)
+    assert [s["epoch"] for s in stats] == [s["epoch"] for s in clean_stats]
+    assert [s["num_samples"] for s in stats] == [NUM_SAMPLES, NUM_SAMPLES]
+    for got, want in zip(stats, clean_stats):
+        assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-5)
+    assert weights.keys() == clean_weights.keys()
+    for name in weights:
+        torch.testing.assert_close(weights[name], clean_weights[name])
+
+
+@pytest.mark.timeout(120)
+def test_worker_exit_mid_epoch_recovers_to_the_clean_result(tmp_path: Path) -> None:
+    trainer = _make(ExitOnceOperator, tmp_path)
+    try:
+        pids = trainer.apply_all_workers(os.getpid)
+        stats = [trainer.train(max_retries=3), trainer.train(max_retries=3)]
+        assert (tmp_path / "exited").exists()  # the failure really happened
+        assert trainer.failures == 1
+        assert trainer.num_workers == 2
+        # The survivor kept its process (and its loaded data); only rank 1 was replaced.
+        new_pids = trainer.apply_all_workers(os.getpid)
+        assert new_pids[0] == pids[0] and new_pids[1] != pids[1]
+        kinds = [e.kind for e in trainer.recovery_events]
+        assert kinds.count("failure") == 1 and "resize" in kinds and "recovered" in kinds
+        failure = next(e for e in trainer.recovery_events if e.kind == "failure")
+        assert failure.ranks == (1,)
+        resize = next(e for e in trainer.recovery_events if e.kind == "resize")
+        assert resize.path == "keep-healthy"
+        assert resize.num_workers_after == 2
+        _assert_same_run(stats, _weights(trainer), tmp_path)
+    finally:
+        trainer.shutdown()
+
+
+def _actor_handle() -> Any:
+    ctx = ray.get_runtime_context()
+    return ctx.current_actor if ctx.get_actor_id() else None
+
+
+def _kill_when_blocked(handle: Any, marker: Path) -> threading.Thread:
+    def kill() -> None:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        ray.kill(handle, no_restart=True)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(120)
+def test_ray_kill_from_another_thread_mid_epoch_recovers(tmp_path: Path) -> None:
+    trainer = _make(BlockOnceOperator, tmp_path)
+    try:
+        handles = trainer.apply_all_workers(_actor_handle)
+        killer = _kill_when_blocked(handles[1], tmp_path / "blocked")
+        stats = [trainer.train(max_retries=2)]
+        killer.join(timeout=5)
+        stats.append(trainer.train(max_retries=2))
+        assert trainer.failures == 1
+        assert trainer.num_workers == 2
+        _assert_same_run(stats, _weights(trainer), tmp_path)
+    finally:
+        trainer.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_local_rank0_with_remote_worker_exit_recovers(tmp_path: Path) -> None:
+    # Rank 0 lives in this (driver) process and is inside a collective when rank 1 dies: it must be
+    # released, not left blocked, and the run must end like a clean one.
+    trainer = _make(ExitOnceOperator, tmp_path, use_local=True)
+    try:
+        stats = [trainer.train(max_retries=3), trainer.train(max_retries=3)]
+        assert (tmp_path / "exited").exists()
+        assert trainer.failures == 1
+        assert trainer.num_workers == 2
+        _assert_same_run(stats, _weights(trainer), tmp_path)
+    finally:
+        trainer.shutdown()
+
+
+def _hook_failing_in_first_replacement(folder: str) -> Any:
+    def hook() -> None:
+        # Claim the next start number atomically: starts 0 and 1 are the initial workers, start 2
+        # is the first replacement after the loss, and its set-up fails.
+        i = 0
+        while True:
+            try:
+                os.close(os.open(os.path.join(folder, f"start-{i}"), os.O_CREAT | os.O_EXCL))
+                break
+            except FileExistsError:
+                i += 1
+        if i == 2:
+            raise OSError("replacement machine is broken")
+
+    return hook
+
+
+@pytest.mark.timeout(150)
+def test_failure_during_restart_is_retried(tmp_path: Path) -> None:
+    hook_dir = tmp_path / "hook"
+    hook_dir.mkdir()
+    trainer = _make(
+        ExitOnceOperator,
+        tmp_path,
+        initialization_hook=_hook_failing_in_first_replacement(str(hook_dir)),
+    )
+    try:
+        stats = [trainer.train(max_retries=3), trainer.train(max_retries=3)]
+        assert len(list(hook_dir.iterdir())) == 4  # 2 initial, 1 failed replacement, 1 retry
+        assert trainer.failures == 2  # the worker lost in training and the failed restart
+        failed = [e for e in trainer.recovery_events if e.kind == "restart_failed"]
+        assert len(failed) == 1 and "replacement machine is broken" in (failed[0].error or "")
+        assert trainer.num_workers == 2
+        _assert_same_run(stats, _weights(trainer), tmp_path)
+    finally:
+        trainer.shutdown()
+
+
+@pytest.mark.timeout(150)
+def test_exhausted_retry_budget_raises_naming_the_failures(tmp_path: Path) -> None:
+    trainer = _make(AlwaysExitOperator, tmp_path)
+    try:
+        with pytest.raises(RuntimeError) as excinfo:
+            trainer.train(max_retries=1)
+        message = str(excinfo.value)
+        assert "max_retries=1" in message
+        assert message.count("rank(s) [1] on node(s)") == 2  # every loss is named
+        assert isinstance(excinfo.value.__cause__, WorkerDiedError)  # the last loss, in full
+        assert trainer.failures == 2
+    finally:
+        trainer.shutdown(force=True)
+
+
+@pytest.mark.timeout(120)
+def test_user_error_is_raised_once_with_traceback_and_trainer_still_works(tmp_path: Path) -> None:
+    trainer = _make(RaiseOnceOperator, tmp_path)
+    try:
+        with pytest.raises(WorkerError) as excinfo:
+            trainer.train(max_retries=3)
+        text = str(excinfo.value) + str(getattr(excinfo.value, "remote_traceback", ""))
+        assert "boom from rank 1" in text
+        assert "train_batch" in text  # the worker's traceback reached the caller
+        assert (tmp_path / "raise_count").read_text().count("x") == 1  # not retried
+        assert trainer.failures == 0
+        assert [e.kind for e in trainer.recovery_events].count("user_error") == 1
+        stats = trainer.train(max_retries=3)  # the group was left usable
+        assert stats["num_samples"] == NUM_SAMPLES
+        assert trainer.num_workers == 2
+    finally:
+        trainer.shutdown()

@@ -1,0 +1,196 @@
+"""TorchTrainer training behaviour: both construction styles learn, metrics, batch split, num_steps."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from raysgd import BATCH_SIZE, TorchTrainer, TrainingOperator
+
+pytestmark = pytest.mark.timeout(120)
+
+N_TRAIN, N_VAL = 256, 64
+
+
+def linear_data(n: int) -> TensorDataset:
+    x = torch.linspace(-1, 1, n).unsqueeze(1)
+    return TensorDataset(x, 2 * x + 5)
+
+
+def model_creator(config):
+    torch.manual_seed(0)
+    return nn.Linear(1, 1)
+
+
+def optimizer_creator(model, config):
+    return torch.optim.SGD(model.parameters(), lr=config.get("lr", 0.3))
+
+
+def data_creator(config):
+    batch = config.get(BATCH_SIZE, 16)
+    train = DataLoader(linear_data(N_TRAIN), batch_size=batch, shuffle=True)
+    return train, DataLoader(linear_data(N_VAL), batch_size=batch)
+
+
+class LinearOperator(TrainingOperator):
+    def setup(self, config):
+        model = model_creator(config)
+        optimizer = optimizer_creator(model, config)
+        self.register(models=model, optimizers=optimizer, criterion=nn.MSELoss())
+        train, val = data_creator(config)
+        self.register_data(train_loader=train, validation_loader=val)
+
+
+def creator_trainer(**kwargs) -> TorchTrainer:
+    kwargs.setdefault("num_workers", 2)
+    kwargs.setdefault("config", {BATCH_SIZE: 32})
+    return TorchTrainer(
+        model_creator=model_creator,
+        data_creator=data_creator,
+        optimizer_creator=optimizer_creator,
+        loss_creator=nn.MSELoss,
+        **kwargs,
+    )
+
+
+def assert_learned(model: nn.Linear) -> None:
+    assert model.weight.item() == pytest.approx(2.0, abs=0.1)
+    assert model.bias.item() == pytest.approx(5.0, abs=0.1)
+
+
+def test_creator_style_learns_and_reports_default_metrics(ray_local):
+    trainer = creator_trainer()
+    try:
+        first = trainer.train()
+        for _ in range(3):
+            last = trainer.train()
+        val = trainer.validate()
+        model = trainer.get_model()
+    finally:
+        trainer.shutdown()
+    # Global batch 32 over 2 workers: each sees half of 256 samples in batches of 16.
+    assert set(first) >= {"epoch", "batch_count", "num_samples", "train_loss", "last_train_loss"}
+    assert first["epoch"] == 1 and last["epoch"] == 4
+    assert first["num_samples"] == N_TRAIN and first["batch_count"] == N_TRAIN // 32
+    assert last["train_loss"] < first["train_loss"]
+    assert set(val) >= {"batch_count", "num_samples", "val_loss", "last_val_loss"}
+    assert {"val_accuracy", "last_val_accuracy"} <= set(val)
+    assert val["num_samples"] == N_VAL and val["val_loss"] < 0.01
+    assert isinstance(model, nn.Linear)  # one model comes back bare, unwrapped from DDP
+    assert_learned(model)
+
+
+def test_operator_style_learns_with_use_local(ray_local):
+    trainer = TorchTrainer(
+        training_operator_cls=LinearOperator, config={BATCH_SIZE: 32}, num_workers=2, use_local=True
+    )
+    try:
+        for _ in range(4):
+            trainer.train()
+        local = trainer.get_local_operator()
+        assert type(local).__name__ == "LinearOperator" and local.world_rank == 0
+        # The driver holds rank 0: its model is the trained one, without a copy.
+        assert local.world_size == 2
+        assert_learned(trainer.get_model())
+        assert trainer.apply_all_workers(lambda: 1) == [1, 1]
+        pids = trainer.apply_all_workers(os.getpid)
+        assert pids[0] == os.getpid() and pids[1] != os.getpid()
+    finally:
+        trainer.shutdown()
+
+
+def test_batch_size_is_split_and_rounded(ray_local):
+    trainer = creator_trainer(config={BATCH_SIZE: 20})
+    try:
+        per_worker = trainer.apply_all_operators(lambda op: op.config[BATCH_SIZE])
+        assert per_worker == [10, 10]
+        assert trainer.config[BATCH_SIZE] == 20
+    finally:
+        trainer.shutdown()
+    with pytest.warns(UserWarning, match="does not divide"):
+        trainer = creator_trainer(config={BATCH_SIZE: 21})
+    try:
+        assert trainer.config[BATCH_SIZE] == 20
+        assert trainer.apply_all_operators(lambda op: op.config[BATCH_SIZE]) == [10, 10]
+        result = trainer.train()
+        assert result["num_samples"] == N_TRAIN
+        assert result["batch_count"] == pytest.approx(N_TRAIN / 20, abs=1)
+    finally:
+        trainer.shutdown()
+
+
+def test_num_steps_continue_and_wrap(ray_local):
+    # 2 workers x 128 samples / 16 per batch = 8 batches per worker per epoch.
+    trainer = creator_trainer()
+    try:
+        assert trainer.train(num_steps=3)["batch_count"] == 3
+        rest = trainer.train()  # finishes the current epoch
+        assert rest["batch_count"] == 5 and rest["epoch"] == 1
+        wrap = trainer.train(num_steps=10)  # 8 of epoch 2, then 2 of epoch 3
+        assert wrap["batch_count"] == 10 and wrap["epoch"] == 3
+        assert trainer.train()["batch_count"] == 6
+        assert trainer.validate(num_steps=1)["batch_count"] == 1
+    finally:
+        trainer.shutdown()
+
+
+def test_reduce_results_false_and_profile(ray_local):
+    trainer = creator_trainer()
+    try:
+        per_worker = trainer.train(reduce_results=False, profile=True)
+        assert isinstance(per_worker, list) and len(per_worker) == 2
+        assert all(r["num_samples"] == N_TRAIN // 2 for r in per_worker)
+        assert {"mean_fwd_s", "mean_grad_s", "mean_apply_s", "mean_train_epoch_s"} <= set(
+            per_worker[0]["profile"]
+        )
+        val = trainer.validate(reduce_results=False, profile=True)
+        assert len(val) == 2
+        assert {"mean_eval_fwd_s", "mean_validation_s"} <= set(val[0]["profile"])
+        assert "profile" in trainer.train(profile=True)
+        # Introspection: current size, the core worker group, no failures seen.
+        assert trainer.num_workers == 2 and trainer.worker_group.world_size == 2
+        assert trainer.failures == 0 and trainer.recovery_events == []
+    finally:
+        trainer.shutdown()
+
+
+class ScoreOperator(LinearOperator):
+    """Custom metric: 'score' is the batch index; averaged by samples over batches and workers."""
+
+    def train_batch(self, batch, batch_info):
+        result = super().train_batch(batch, batch_info)
+        result["score"] = float(batch_info["batch_idx"])
+        return result
+
+
+def test_custom_metrics_are_sample_weighted(ray_local):
+    trainer = TorchTrainer(
+        training_operator_cls=ScoreOperator, config={BATCH_SIZE: 32}, num_workers=2
+    )
+    try:
+        result = trainer.train(num_steps=4)
+    finally:
+        trainer.shutdown()
+    assert result["score"] == pytest.approx((0 + 1 + 2 + 3) / 4)
+    assert result["last_score"] == pytest.approx(3.0)
+    assert result["num_samples"] == 4 * 32
+
+
+def test_initialization_hook_runs_on_every_worker(ray_local):
+    def hook():
+        os.environ["RAYSGD_TEST_HOOK"] = "set"
+
+    trainer = creator_trainer(initialization_hook=hook)
+    try:
+        assert trainer.apply_all_workers(lambda: os.environ.get("RAYSGD_TEST_HOOK")) == [
+            "set",
+            "set",
+        ]
+        # Each worker runs as many intra-op threads as CPUs it reserved.
+        assert trainer.apply_all_workers(torch.get_num_threads) == [1, 1]
+    finally:
+        trainer.shutdown()
