@@ -25,14 +25,17 @@ def _start_local() -> None:
 
     if _mode["kind"] == "local" and ray.is_initialized():
         return
+    from raysgd_core import local_ray_options
+
     ray.shutdown()
     ray.init(
         # "local" always starts a new cluster: without it ray.init joins whatever cluster
         # /tmp/ray/ray_current_cluster names (another test session's, a leftover Cluster).
         address="local",
         num_cpus=LOCAL_CPUS,
-        include_dashboard=False,
         log_to_driver=True,
+        # As the trainer starts its own Ray: no dashboard, torch preloaded in worker processes.
+        **local_ray_options(),
         configure_logging=False,
     )
     _mode["kind"] = "local"

@@ -30,7 +30,7 @@ class Trial:
 
     def run(self) -> tuple[list, int]:
         with WorkerGroup(3, use_local=True) as group:
-            return group.execute(_world), len(ray.util.placement_group_table())
+            return group.execute(_world), _live_groups()
 
 
 def _live_groups() -> int:

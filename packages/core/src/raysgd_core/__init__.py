@@ -15,9 +15,11 @@ from raysgd_core.errors import (
 )
 from raysgd_core.group import WorkerGroup
 from raysgd_core.info import RecoveryReport, WorkerInfo
+from raysgd_core.ray_options import WORKER_PRELOAD_MODULES, local_ray_options
 
 __version__ = "0.1.0"
 __all__ = [
+    "WORKER_PRELOAD_MODULES",
     "RecoveryReport",
     "ResourcesUnavailableError",
     "WorkerContext",
@@ -28,4 +30,5 @@ __all__ = [
     "WorkerInfo",
     "__version__",
     "get_context",
+    "local_ray_options",
 ]

@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import Any, Optional, Union
 
 from raysgd_core._internal import recovery as _recovery
+from raysgd_core._internal.args import check_group_args
 from raysgd_core._internal.failures import Outcome, collect, raise_for
 from raysgd_core._internal.local import LocalWorker
 from raysgd_core._internal.placement import (
@@ -35,8 +36,6 @@ from raysgd_core.info import RecoveryReport, WorkerInfo
 __all__ = ["RecoveryReport", "WorkerGroup", "WorkerInfo"]
 
 logger = logging.getLogger("raysgd_core")
-
-_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 class WorkerGroup:
@@ -77,30 +76,17 @@ class WorkerGroup:
         placement_group: Union[str, Any, None] = "auto",
         start_timeout_s: float = 30.0,
     ) -> None:
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
-        for name, value in (
-            ("num_cpus_per_worker", num_cpus_per_worker),
-            ("num_gpus_per_worker", num_gpus_per_worker),
-        ):
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-        if not isinstance(backend, str) or not backend:
-            raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
-        if placement_strategy not in _STRATEGIES:
-            raise ValueError(
-                f"placement_strategy must be one of {_STRATEGIES}, got {placement_strategy!r}"
-            )
-        if isinstance(timeout_s, timedelta):  # as torch.distributed takes it
-            timeout_s = timeout_s.total_seconds()
-        if timeout_s <= 0 or start_timeout_s <= 0:
-            raise ValueError("timeout_s and start_timeout_s must be > 0")
-        if init_hook is not None and not callable(init_hook):
-            raise TypeError(f"init_hook must be callable, got {type(init_hook).__name__}")
-        if isinstance(placement_group, str) and placement_group != "auto":
-            raise ValueError(
-                f"placement_group must be 'auto', None or a PlacementGroup, got {placement_group!r}"
-            )
+        timeout_s = check_group_args(
+            num_workers,
+            num_cpus_per_worker=num_cpus_per_worker,
+            num_gpus_per_worker=num_gpus_per_worker,
+            backend=backend,
+            timeout_s=timeout_s,
+            placement_strategy=placement_strategy,
+            init_hook=init_hook,
+            placement_group=placement_group,
+            start_timeout_s=start_timeout_s,
+        )
         self.num_workers = num_workers
         self.use_local = bool(use_local)
         self.backend = ("nccl" if num_gpus_per_worker else "gloo") if backend == "auto" else backend

@@ -146,20 +146,27 @@ def run_torchrun(
 
 
 @contextlib.contextmanager
-def local_ray(num_cpus: int = 4, *, settle: bool = False) -> Iterator[None]:
+def local_ray(num_cpus: int = 4, *, settle: bool = False, raysgd: bool = False) -> Iterator[None]:
     """A private local Ray cluster (never someone else's: address="local"), dashboard off.
 
     `settle=True` makes it warm: one task has run and Ray's start-up work (prestarting idle
-    workers) has had a second to finish before the caller starts its clock.
+    workers) has had a second to finish before the caller starts its clock. `raysgd=True` starts
+    it the way raysgd starts its embedded Ray (`raysgd_core.local_ray_options()`: torch preloaded
+    in worker processes); the other sides get Ray's plain defaults, as their users do.
     """
     import ray
 
+    options: dict[str, Any] = {"include_dashboard": False}
+    if raysgd:
+        from raysgd_core import local_ray_options
+
+        options = local_ray_options()
     ray.init(
         address="local",
         num_cpus=num_cpus,
-        include_dashboard=False,
         log_to_driver=False,
         configure_logging=False,
+        **options,
     )
     try:
         if settle:

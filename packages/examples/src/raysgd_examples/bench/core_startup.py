@@ -51,7 +51,7 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
     if side == "raysgd":
         from raysgd_core import WorkerGroup
 
-        with _common.local_ray(settle=True):
+        with _common.local_ray(settle=True, raysgd=True):
             start = time.perf_counter()
             group = WorkerGroup(args.workers, num_cpus_per_worker=1, backend="gloo")
             try:

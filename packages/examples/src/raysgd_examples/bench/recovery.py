@@ -71,7 +71,7 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
         elif side in ("raysgd", "raysgd_all_killed"):
             from raysgd_examples.bench import _raysgd
 
-            with _common.local_ray(settle=True):
+            with _common.local_ray(settle=True, raysgd=True):
                 trainer = _raysgd.make_trainer(cfg, num_workers=args.workers)
                 try:
                     trainer.train(num_steps=cfg["steps"], max_retries=1)

@@ -77,7 +77,7 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
                 ray.shutdown()
             return {"first_step_s": done - args.launched}
         if side == "raysgd_warm":
-            with _common.local_ray(settle=True):
+            with _common.local_ray(settle=True, raysgd=True):
                 start = time.time()
                 return {"first_step_s": _raysgd_first_step(cfg, args.workers) - start}
         if side in ("ray_train_cold", "ray_train_warm"):

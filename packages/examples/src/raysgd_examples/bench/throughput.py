@@ -56,7 +56,7 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
         elif side == "raysgd":
             from raysgd_examples.bench import _raysgd
 
-            with _common.local_ray():
+            with _common.local_ray(raysgd=True):
                 trainer = _raysgd.make_trainer(cfg, num_workers=args.workers)
                 try:
                     trainer.train(num_steps=cfg["warmup"] + cfg["steps"])

@@ -9,19 +9,16 @@ from typing import Any, Union
 import ray
 import torch
 
+from raysgd_core import local_ray_options
+
 __all__ = ["LOCAL_RAY_OPTIONS", "ensure_ray", "resolve_use_gpu"]
 
 logger = logging.getLogger("raysgd")
 
-#: Options of the local instance raysgd starts when Ray is not initialised. Nothing reads a web UI or
-#: metrics there, so the dashboard and the per-process metrics export are off: they compete with the
-#: workers for CPU on small machines. Worker logs are still forwarded to the driver (RaySGD users read
-#: their prints there).
-LOCAL_RAY_OPTIONS: dict[str, Any] = {
-    "include_dashboard": False,
-    "log_to_driver": True,
-    "_system_config": {"enable_metrics_collection": False},
-}
+#: Options of the local instance raysgd starts when Ray is not initialised: raysgd_core's (no
+#: dashboard, no metrics export, torch preloaded in worker processes so that starting and replacing
+#: workers is fast). Worker logs are still forwarded to the driver (RaySGD users read their prints).
+LOCAL_RAY_OPTIONS: dict[str, Any] = {**local_ray_options(), "log_to_driver": True}
 
 
 def ensure_ray() -> bool:
