@@ -34,7 +34,7 @@ def _start_local() -> None:
         address="local",
         num_cpus=LOCAL_CPUS,
         log_to_driver=True,
-        # As the trainer starts its own Ray: no dashboard, torch preloaded in worker processes.
+        # As the trainer starts its own Ray: no dashboard, no metrics export.
         **local_ray_options(),
         configure_logging=False,
     )

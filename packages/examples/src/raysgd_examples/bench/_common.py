@@ -151,8 +151,8 @@ def local_ray(num_cpus: int = 4, *, settle: bool = False, raysgd: bool = False) 
 
     `settle=True` makes it warm: one task has run and Ray's start-up work (prestarting idle
     workers) has had a second to finish before the caller starts its clock. `raysgd=True` starts
-    it the way raysgd starts its embedded Ray (`raysgd_core.local_ray_options()`: torch preloaded
-    in worker processes); the other sides get Ray's plain defaults, as their users do.
+    it the way raysgd starts its embedded Ray (`raysgd_core.local_ray_options()`: no dashboard, no
+    metrics export); the other sides get Ray's defaults with the dashboard off.
     """
     import ray
 

@@ -16,8 +16,8 @@ __all__ = ["LOCAL_RAY_OPTIONS", "ensure_ray", "resolve_use_gpu"]
 logger = logging.getLogger("raysgd")
 
 #: Options of the local instance raysgd starts when Ray is not initialised: raysgd_core's (no
-#: dashboard, no metrics export, torch preloaded in worker processes so that starting and replacing
-#: workers is fast). Worker logs are still forwarded to the driver (RaySGD users read their prints).
+#: dashboard, no metrics export). Worker logs are still forwarded to the driver (RaySGD users read
+#: their prints there).
 LOCAL_RAY_OPTIONS: dict[str, Any] = {**local_ray_options(), "log_to_driver": True}
 
 
