@@ -26,6 +26,7 @@ __all__ = [
     "REFERENCE",
     "bench_parser",
     "child_main",
+    "dispatch",
     "local_ray",
     "machine_info",
     "metric",
@@ -179,6 +180,25 @@ def local_ray(num_cpus: int = 4, *, settle: bool = False, raysgd: bool = False) 
 
 def _noop() -> None:
     return None
+
+
+def dispatch(
+    module: str,
+    measure: Callable[[str, argparse.Namespace], dict[str, Any]],
+    args: argparse.Namespace,
+    known_sides: Sequence[str],
+) -> Optional[dict[str, list[dict[str, Any]]]]:
+    """The shape of every benchmark's main: in a child process, measure one side and return None;
+    in the parent, run each selected side in its own child, repeat after repeat, and return the runs.
+    """
+    if args.child:
+        child_main(measure, args)
+        return None
+    return run_rounds(
+        lambda side: run_child(module, side, args.argv, args.timeout),
+        selected_sides(args, known_sides),
+        args.repeats,
+    )
 
 
 def run_rounds(

@@ -82,15 +82,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = _common.bench_parser(__doc__.splitlines()[0], sides=SIDES, repeats=5)
     parser.add_argument("--workers", type=int, default=2)
     args = _common.parse_args(parser, argv, steps=1, quick_steps=1)
-    if args.child:
-        _common.child_main(measure, args)
+    runs = _common.dispatch(_MODULE, measure, args, SIDES)
+    if runs is None:
         return {}
-    sides = _common.selected_sides(args, SIDES)
-    runs = _common.run_rounds(
-        lambda side: _common.run_child(_MODULE, side, args.argv, args.timeout),
-        sides,
-        args.repeats,
-    )
     m = _common.metric(
         "WorkerGroup start to first all-reduce",
         "s",

@@ -95,15 +95,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.kill_at = 1 if args.quick else 3
     if not 0 <= args.kill_at < args.steps:
         parser.error(f"--kill-at must be in [0, --steps), got {args.kill_at}")
-    if args.child:
-        _common.child_main(measure, args)
+    runs = _common.dispatch(_MODULE, measure, args, SIDES)
+    if runs is None:
         return {}
-    sides = _common.selected_sides(args, SIDES)
-    runs = _common.run_rounds(
-        lambda side: _common.run_child(_MODULE, side, args.argv, args.timeout),
-        sides,
-        args.repeats,
-    )
     m = _common.metric(
         "recovery after a worker is killed",
         "s",

@@ -78,15 +78,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _common.parse_args(parser, argv, steps=50, quick_steps=5)
     if args.warmup is None:
         args.warmup = 2 if args.quick else 5
-    if args.child:
-        _common.child_main(measure, args)
+    runs = _common.dispatch(_MODULE, measure, args, SIDES)
+    if runs is None:
         return {}
-    sides = _common.selected_sides(args, SIDES)
-    runs = _common.run_rounds(
-        lambda side: _common.run_child(_MODULE, side, args.argv, args.timeout),
-        sides,
-        args.repeats,
-    )
     m = _common.metric("throughput", "samples/s", True, runs, "samples_per_s")
     _common.print_metric(m)
     _common.write_results(args.out, "throughput", [m], args, workload=_loop_config(args))

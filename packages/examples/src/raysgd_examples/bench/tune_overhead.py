@@ -195,15 +195,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.trials = 2 if args.quick else 5
     if args.samples is None:
         args.samples = 512 if args.quick else 8192
-    if args.child:
-        _common.child_main(measure, args)
+    runs = _common.dispatch(_MODULE, measure, args, SIDES)
+    if runs is None:
         return {}
-    sides = _common.selected_sides(args, SIDES)
-    runs = _common.run_rounds(
-        lambda side: _common.run_child(_MODULE, side, args.argv, args.timeout),
-        sides,
-        args.repeats,
-    )
     m = _common.metric(
         "trial start to first result", "s", False, runs, "first_result_s",
         note="no torchrun side here: see overhead_vs_plain_tune",
