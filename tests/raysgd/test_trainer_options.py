@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from raysgd import BATCH_SIZE, TorchTrainer, TrainingOperator
+from raysgd_operator import TrainingOptions
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -167,3 +168,31 @@ def test_nan_metric_propagates_to_mean_not_last(ray_local):
         trainer.shutdown()
     assert math.isnan(result["score"])
     assert result["last_score"] == 0.0
+
+
+def test_options_reach_every_worker_whole(ray_local):
+    trainer = TorchTrainer(
+        model_creator=model_creator,
+        data_creator=loaders,
+        optimizer_creator=optimizer_creator,
+        loss_creator=nn.MSELoss,
+        scheduler_creator=step_lr,
+        num_workers=1,
+        use_gpu=False,
+        use_fp16="bf16",
+        scheduler_step_freq="epoch",
+        accumulate_grad_batches=2,
+        clip_grad_norm=5.0,
+    )
+    try:
+        expected = TrainingOptions(
+            use_fp16="bf16",
+            scheduler_step_freq="epoch",
+            accumulate_grad_batches=2,
+            clip_grad_norm=5.0,
+            num_threads=1,
+        )
+        assert trainer.apply_all_operators(lambda op: op.options) == [expected]
+        assert trainer.apply_all_operators(lambda op: op.accumulate_grad_batches) == [2]
+    finally:
+        trainer.shutdown()

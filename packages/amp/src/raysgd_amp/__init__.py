@@ -7,17 +7,28 @@ training loop talks to. Imports torch only; Apex is imported only when its backe
 from .full import FullPrecision
 from .native import NativePrecision
 from .precision import Precision
-from .registry import ENTRY_POINT_GROUP, available_precisions, get_precision, register_precision
+from .registry import (
+    ENTRY_POINT_GROUP,
+    ApexArgsError,
+    available_precisions,
+    check_apex_args,
+    check_precision,
+    get_precision,
+    register_precision,
+)
 
 __version__ = "0.1.0"
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "ApexArgsError",
     "ApexNotAvailableError",
     "ApexPrecision",
     "FullPrecision",
     "NativePrecision",
     "Precision",
     "available_precisions",
+    "check_apex_args",
+    "check_precision",
     "get_precision",
     "register_precision",
 ]

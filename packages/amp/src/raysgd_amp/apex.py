@@ -18,6 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .precision import Parameters, Precision
+from .registry import check_apex_args
 
 __all__ = ["ApexNotAvailableError", "ApexPrecision"]
 
@@ -70,8 +71,7 @@ class ApexPrecision(Precision):
     name = "apex"
 
     def __init__(self, apex_args: Optional[Mapping[str, Any]] = None) -> None:
-        if apex_args is not None and not isinstance(apex_args, Mapping):
-            raise TypeError(f"apex_args must be a dict, got {type(apex_args).__name__}")
+        check_apex_args(apex_args)
         self.apex_args: dict[str, Any] = dict(apex_args or {})
         self._amp = _import_amp()  # fail at construction, not in the middle of training
         self._optimizers: list[Optimizer] = []

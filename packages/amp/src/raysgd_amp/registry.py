@@ -27,8 +27,11 @@ from .precision import Precision
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "ApexArgsError",
     "PrecisionFactory",
     "available_precisions",
+    "check_apex_args",
+    "check_precision",
     "get_precision",
     "register_precision",
 ]
@@ -41,12 +44,26 @@ ENTRY_POINT_GROUP = "raysgd.amp"
 PrecisionFactory = Callable[..., Precision]
 
 
+class ApexArgsError(TypeError, ValueError):
+    """`apex_args` is not a dict.
+
+    A TypeError (the value has the wrong type) that is also a ValueError, because
+    `TrainingOperator.register(apex_args=...)` raised ValueError for it before the check moved here.
+    """
+
+
+def check_apex_args(apex_args: Any) -> None:
+    """The one check of `apex_args` (None or a mapping of `amp.initialize` keyword arguments)."""
+    if apex_args is not None and not isinstance(apex_args, Mapping):
+        raise ApexArgsError(f"apex_args must be a dict, got {type(apex_args).__name__}")
+
+
 def _fp16(device: Optional[torch.device] = None) -> Precision:
     device = resolve_device(device)
     if device.type == "cpu":
-        # DESIGN.md section 5: asking for fp16 where there is no GPU runs rather than fails. bf16 is
-        # the reduced precision CPUs compute fast and it needs no loss scaling; fp16 on CPU stays
-        # available as NativePrecision("fp16", device="cpu") for whoever wants exactly that.
+        # Asking for fp16 where there is no GPU runs rather than fails. bf16 is the reduced
+        # precision CPUs compute fast and it needs no loss scaling; fp16 on CPU stays available
+        # as NativePrecision("fp16", device="cpu") for whoever wants exactly that.
         logger.warning("use_fp16='fp16' on CPU: running bf16 autocast instead (fp16 is for CUDA).")
         return NativePrecision("bf16", device)
     return NativePrecision("fp16", device)
@@ -153,6 +170,30 @@ def _choices() -> str:
     return f"False, True, a Precision instance, or one of {available_precisions()}"
 
 
+def _known_name(key: str) -> bool:
+    return key in _registry or any(ep.name.lower() == key for ep in _entry_points())
+
+
+def check_precision(use_fp16: Any, *, apex_args: Optional[Mapping[str, Any]] = None) -> None:
+    """Raise as `get_precision(use_fp16, apex_args=apex_args)` would for a bad choice, without
+    building a backend (so it runs on a machine without the backend's device or library).
+
+    This is the one rule for what `use_fp16` may be; the trainer calls it on the driver.
+    """
+    check_apex_args(apex_args)
+    if (
+        use_fp16 is None
+        or isinstance(use_fp16, (bool, Precision))
+        or _implements_interface(use_fp16)
+    ):
+        return
+    if isinstance(use_fp16, type) and issubclass(use_fp16, Precision):
+        return
+    if isinstance(use_fp16, str) and _known_name(use_fp16.strip().lower()):
+        return
+    raise ValueError(f"use_fp16 must be {_choices()}; got {use_fp16!r}")
+
+
 def get_precision(
     use_fp16: Union[bool, str, Precision, type, None],
     *,
@@ -173,8 +214,7 @@ def get_precision(
     model lives or pass it. Bad values raise ValueError listing the choices; a missing Apex raises
     `ApexNotAvailableError` (an ImportError).
     """
-    if apex_args is not None and not isinstance(apex_args, Mapping):
-        raise TypeError(f"apex_args must be a dict, got {type(apex_args).__name__}")
+    check_apex_args(apex_args)
     if isinstance(use_fp16, Precision) or _implements_interface(use_fp16):
         return use_fp16  # type: ignore[return-value]
     if isinstance(use_fp16, type) and issubclass(use_fp16, Precision):

@@ -13,6 +13,7 @@ from raysgd_core.errors import (
     WorkerError,
     WorkerGroupError,
 )
+from raysgd_core.gpu import require_cluster_gpus, resolve_use_gpu
 from raysgd_core.group import WorkerGroup
 from raysgd_core.info import RecoveryReport, WorkerInfo
 from raysgd_core.ray_options import WORKER_PRELOAD_MODULES, local_ray_options
@@ -31,4 +32,6 @@ __all__ = [
     "__version__",
     "get_context",
     "local_ray_options",
+    "require_cluster_gpus",
+    "resolve_use_gpu",
 ]

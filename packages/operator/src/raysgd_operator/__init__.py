@@ -8,16 +8,19 @@ from raysgd_operator.metrics import (
     reduce_worker_results,
 )
 from raysgd_operator.operator import TrainingOperator
+from raysgd_operator.options import SCHEDULER_STEP_FREQS, TrainingOptions
 from raysgd_operator.runner import OperatorRunner
 
 __version__ = "0.1.0"
 __all__ = [
     "BATCH_SIZE",
+    "SCHEDULER_STEP_FREQS",
     "AverageMeter",
     "AverageMeterCollection",
     "OperatorRunner",
     "TimerCollection",
     "TrainingOperator",
+    "TrainingOptions",
     "reduce_worker_results",
     "split_batch_size",
 ]

@@ -9,10 +9,11 @@ from typing import Any, Callable
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from raysgd_operator._internal.base import SCHEDULER_STEP_FREQS, OperatorBase
+from raysgd_operator._internal.base import OperatorBase
 from raysgd_operator._internal.precision import Precision, get_precision
 from raysgd_operator.creator import from_creators as _from_creators
 from raysgd_operator.metrics import AverageMeterCollection, TimerCollection
+from raysgd_operator.options import TrainingOptions
 
 __all__ = ["TrainingOperator"]
 
@@ -43,43 +44,24 @@ class TrainingOperator(OperatorBase):
         local_rank: int = 0,
         world_size: int = 1,
         device: torch.device | str | None = None,
-        use_gpu: bool = False,
-        use_fp16: Any = False,
+        options: TrainingOptions | None = None,
         precision: Precision | None = None,
-        use_tqdm: bool = False,
-        wrap_ddp: bool = True,
-        add_dist_sampler: bool = True,
-        scheduler_step_freq: str | None = None,
-        accumulate_grad_batches: int = 1,
-        clip_grad_norm: float | None = None,
+        **option_overrides: Any,
     ) -> None:
-        if scheduler_step_freq is not None and scheduler_step_freq not in SCHEDULER_STEP_FREQS:
-            raise ValueError(
-                f"scheduler_step_freq must be one of {SCHEDULER_STEP_FREQS} or None, "
-                f"got {scheduler_step_freq!r}"
-            )
-        if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
-            raise ValueError(
-                f"accumulate_grad_batches must be an int >= 1, got {accumulate_grad_batches!r}"
-            )
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise ValueError(
-                f"clip_grad_norm must be a positive number or None, got {clip_grad_norm!r}"
-            )
+        # `option_overrides` (use_fp16=..., scheduler_step_freq=...) keep keyword-style
+        # construction working; they become one validated `TrainingOptions`.
+        self._options = TrainingOptions.build(options, **option_overrides)
         self._init_state()
         self._config = config
         self._world_rank, self._local_rank, self._world_size = world_rank, local_rank, world_size
         self._device = torch.device(device) if device is not None else torch.device("cpu")
-        self._use_gpu = bool(use_gpu)
-        self._use_fp16 = use_fp16
         self._precision = (
-            precision if precision is not None else get_precision(use_fp16, device=self._device)
+            precision
+            if precision is not None
+            else get_precision(
+                self._options.use_fp16, device=self._device, apex_args=self._options.apex_args
+            )
         )
-        self._use_tqdm = use_tqdm
-        self._wrap_ddp, self._add_dist_sampler = wrap_ddp, add_dist_sampler
-        self._scheduler_step_freq = scheduler_step_freq
-        self._accumulate = accumulate_grad_batches
-        self._max_grad_norm = clip_grad_norm
         self.global_step = 0
         self.timers = TimerCollection()
         self.setup(config)
@@ -141,14 +123,19 @@ class TrainingOperator(OperatorBase):
         return [self._device.index or 0] if self._device.type == "cuda" else None
 
     @property
+    def options(self) -> TrainingOptions:
+        """All of this worker's training options (read-only)."""
+        return self._options
+
+    @property
     def use_gpu(self) -> bool:
         """Whether this worker trains on a GPU."""
-        return self._use_gpu and torch.cuda.is_available()
+        return self._options.use_gpu and torch.cuda.is_available()
 
     @property
     def use_fp16(self) -> Any:
         """The ``use_fp16`` choice the trainer was given."""
-        return self._use_fp16
+        return self._options.use_fp16
 
     @property
     def precision(self) -> Precision:
@@ -158,17 +145,38 @@ class TrainingOperator(OperatorBase):
     @property
     def use_tqdm(self) -> bool:
         """Whether progress bars are shown (on rank 0)."""
-        return self._use_tqdm
+        return self._options.use_tqdm
 
     @property
     def scheduler_step_freq(self) -> str | None:
         """``"batch"``, ``"epoch"``, ``"manual"`` or None."""
-        return self._scheduler_step_freq
+        return self._options.scheduler_step_freq
 
     @property
     def accumulate_grad_batches(self) -> int:
         """Batches whose gradients are summed before each optimizer step."""
-        return self._accumulate
+        return self._options.accumulate_grad_batches
+
+    # Assignable, because an operator written for RaySGD may keep its own attribute of that name:
+    # assigning stores the user's value for the user's reads and leaves the runner's loader alone.
+    @property
+    def train_loader(self) -> Any:
+        """The registered training loader as the runner uses it (with its DistributedSampler when
+        distributed), or None when none was registered."""
+        return self._own_loaders.get("train", self._loaders.get("train"))
+
+    @train_loader.setter
+    def train_loader(self, value: Any) -> None:
+        self._own_loaders["train"] = value
+
+    @property
+    def validation_loader(self) -> Any:
+        """The registered validation loader as the runner uses it, or None."""
+        return self._own_loaders.get("validation", self._loaders.get("validation"))
+
+    @validation_loader.setter
+    def validation_loader(self, value: Any) -> None:
+        self._own_loaders["validation"] = value
 
     # -- helpers for custom loops ---------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -200,7 +208,7 @@ class TrainingOperator(OperatorBase):
 
     def _progress(self, iterator: Any, desc: str) -> Any:
         """A tqdm bar on rank 0 when ``use_tqdm``; None otherwise."""
-        if not (self._use_tqdm and self._world_rank == 0):
+        if not (self._options.use_tqdm and self._world_rank == 0):
             return None
         from tqdm.auto import tqdm
 
@@ -225,8 +233,8 @@ class TrainingOperator(OperatorBase):
                 batch_info = {"batch_idx": batch_idx, "global_step": self.global_step, **info}
                 metrics = self.train_batch(batch, batch_info)
                 # With accumulation the optimizer steps every k batches, and so does the schedule.
-                stepped = (self.global_step + 1) % self._accumulate == 0
-                if self._scheduler_step_freq == "batch" and stepped:
+                stepped = (self.global_step + 1) % self._options.accumulate_grad_batches == 0
+                if self._options.scheduler_step_freq == "batch" and stepped:
                     self._step_schedulers()
                 num_samples = metrics.pop("num_samples", 1)
                 meters.update(metrics, n=num_samples)
@@ -238,7 +246,7 @@ class TrainingOperator(OperatorBase):
         finally:
             if bar is not None:
                 bar.close()
-        if self._scheduler_step_freq == "epoch":
+        if self._options.scheduler_step_freq == "epoch":
             self._step_schedulers()
         return meters.summary()
 
@@ -256,7 +264,7 @@ class TrainingOperator(OperatorBase):
         if criterion is None:
             raise RuntimeError("the default train_batch needs a criterion: register(criterion=...)")
         *features, target = self._to_device(batch)
-        k = self._accumulate
+        k = self._options.accumulate_grad_batches
         window_start = self.global_step % k == 0
         will_step = (self.global_step + 1) % k == 0
         sync = contextlib.nullcontext()
@@ -272,8 +280,8 @@ class TrainingOperator(OperatorBase):
                 self.backward(loss / k if k > 1 else loss, optimizer)
         if will_step:
             with self.timers.record("apply"):
-                if self._max_grad_norm is not None:
-                    self.clip_grad_norm(self._max_grad_norm, optimizer)
+                if self._options.clip_grad_norm is not None:
+                    self.clip_grad_norm(self._options.clip_grad_norm, optimizer)
                 self.optimizer_step(optimizer)
         return {"train_loss": loss.item(), "num_samples": target.size(0)}
 

@@ -11,6 +11,7 @@ from torch import nn
 from raysgd_operator._internal.precision import get_precision
 from raysgd_operator._internal.stream import BatchStream
 from raysgd_operator.operator import TrainingOperator
+from raysgd_operator.options import TrainingOptions
 
 __all__ = ["OperatorRunner"]
 
@@ -64,23 +65,21 @@ class OperatorRunner:
         local_rank: int = 0,
         world_size: int = 1,
         device: torch.device = torch.device("cpu"),
-        use_gpu: bool = False,
-        use_fp16: Any = False,
-        apex_args: dict[str, Any] | None = None,
-        use_tqdm: bool = False,
-        wrap_ddp: bool = True,
-        add_dist_sampler: bool = True,
-        scheduler_step_freq: str | None = None,
-        accumulate_grad_batches: int = 1,
-        clip_grad_norm: float | None = None,
+        options: TrainingOptions | None = None,
+        **option_overrides: Any,
     ) -> None:
+        """`options` is the trainer's `TrainingOptions`; keyword options (``use_fp16="bf16"``,
+        ``scheduler_step_freq="epoch"``, ...) build or override one, for direct use and tests."""
         if not (isinstance(operator_cls, type) and issubclass(operator_cls, TrainingOperator)):
             raise TypeError(
                 f"operator_cls must be a TrainingOperator subclass, got {operator_cls!r}"
             )
-        if apex_args is not None and not isinstance(apex_args, dict):
-            raise ValueError(f"apex_args must be a dict, got {type(apex_args).__name__}")
-        self.precision = get_precision(use_fp16, device=device, apex_args=apex_args)
+        options = TrainingOptions.build(options, **option_overrides)
+        if options.num_threads is not None:
+            # One intra-op thread pool per CPU the worker reserved: workers sharing a node do not
+            # oversubscribe its cores (the same setting torchrun users get from OMP_NUM_THREADS).
+            torch.set_num_threads(options.num_threads)
+        self.precision = get_precision(options.use_fp16, device=device, apex_args=options.apex_args)
         self.epoch = 0
         self._train = BatchStream(lambda: self._loader("train"), self._on_train_pass)
         self._val = BatchStream(lambda: self._loader("validation"), lambda resuming: None)
@@ -90,15 +89,8 @@ class OperatorRunner:
             local_rank=local_rank,
             world_size=world_size,
             device=device,
-            use_gpu=use_gpu,
-            use_fp16=use_fp16,
+            options=options,
             precision=self.precision,
-            use_tqdm=use_tqdm,
-            wrap_ddp=wrap_ddp,
-            add_dist_sampler=add_dist_sampler,
-            scheduler_step_freq=scheduler_step_freq,
-            accumulate_grad_batches=accumulate_grad_batches,
-            clip_grad_norm=clip_grad_norm,
         )
 
     def _loader(self, kind: str) -> Any:

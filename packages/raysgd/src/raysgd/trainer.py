@@ -14,12 +14,11 @@ from typing import Any, Optional, Union
 
 from raysgd._internal import worker
 from raysgd._internal.checkpoint import read_file, state_from_bytes, state_to_bytes, write_file
-from raysgd._internal.cluster import ensure_ray, resolve_use_gpu
+from raysgd._internal.cluster import ensure_ray
 from raysgd._internal.driver import TrainerDriver
 from raysgd._internal.recovery import Recovery
 from raysgd._internal.tensorboard import ScalarLogger
 from raysgd._internal.validation import (
-    check_fp16,
     check_optional_args,
     check_positive_int,
     check_train_args,
@@ -28,8 +27,9 @@ from raysgd._internal.validation import (
     resolve_timeout,
     start_timeout,
 )
-from raysgd_core import WorkerGroup
+from raysgd_core import WorkerGroup, require_cluster_gpus, resolve_use_gpu
 from raysgd_fault import FailurePolicy, get_policy
+from raysgd_operator import TrainingOptions
 
 __all__ = ["TorchTrainer"]
 
@@ -91,15 +91,23 @@ class TorchTrainer(TrainerDriver):
         check_optional_args(
             config=config,
             num_cpus_per_worker=num_cpus_per_worker,
-            use_gpu=use_gpu,
             backend=backend,
-            scheduler_step_freq=scheduler_step_freq,
             initialization_hook=initialization_hook,
+        )
+        # The workers' options, validated here once and shipped whole. A new option is a field of
+        # `TrainingOptions` plus its keyword above and its line here.
+        self._options = TrainingOptions(
+            use_gpu=resolve_use_gpu(use_gpu),
+            use_fp16=use_fp16,
             apex_args=apex_args,
+            use_tqdm=use_tqdm,
+            wrap_ddp=wrap_ddp,
+            add_dist_sampler=add_dist_sampler,
+            scheduler_step_freq=scheduler_step_freq,
             accumulate_grad_batches=accumulate_grad_batches,
             clip_grad_norm=clip_grad_norm,
+            num_threads=max(1, int(num_cpus_per_worker)),
         )
-        check_fp16(use_fp16)
         self._operator_cls = resolve_operator_cls(
             training_operator_cls,
             model_creator=model_creator,
@@ -125,31 +133,20 @@ class TorchTrainer(TrainerDriver):
         policy = get_policy(failure_policy)
 
         ensure_ray()
-        self._use_gpu = resolve_use_gpu(use_gpu)
+        if self._options.use_gpu:
+            require_cluster_gpus()
         # Before any worker starts, so that a missing tensorboardX costs nothing.
         self._tensorboard = ScalarLogger(logdir) if logdir else None
         self._use_local = bool(use_local)
         self._user_config: dict[str, Any] = dict(config or {})
         self._config: dict[str, Any] = dict(self._user_config)
         self._checkpoint_dir = checkpoint_dir
-        self._options: dict[str, Any] = {
-            "num_threads": num_cpus_per_worker,
-            "use_gpu": self._use_gpu,
-            "use_fp16": use_fp16,
-            "apex_args": dict(apex_args) if apex_args else None,
-            "use_tqdm": use_tqdm,
-            "wrap_ddp": wrap_ddp,
-            "add_dist_sampler": add_dist_sampler,
-            "scheduler_step_freq": scheduler_step_freq,
-            "accumulate_grad_batches": accumulate_grad_batches,
-            "clip_grad_norm": clip_grad_norm,
-        }
         self._last_state, self._state_fresh, self._shut_down = b"", False, False
         self._group: WorkerGroup = WorkerGroup(
             self._num_workers,
             num_cpus_per_worker=num_cpus_per_worker,
-            num_gpus_per_worker=1 if self._use_gpu else 0,
-            backend=resolve_backend(backend, self._use_gpu),
+            num_gpus_per_worker=1 if self._options.use_gpu else 0,
+            backend=resolve_backend(backend, self._options.use_gpu),
             timeout_s=timeout,
             init_hook=initialization_hook,
             use_local=self._use_local,

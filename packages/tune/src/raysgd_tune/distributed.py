@@ -29,8 +29,9 @@ import ray
 from ray import tune
 from ray.train._internal import session as train_session
 
+from raysgd_core import resolve_use_gpu
 from raysgd_tune._internal import worker_run
-from raysgd_tune._internal.resources import resolve_use_gpu, worker_bundles_request
+from raysgd_tune._internal.resources import worker_bundles_request
 from raysgd_tune._internal.shipping import ship_by_value
 
 __all__ = [

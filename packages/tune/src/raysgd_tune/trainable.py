@@ -16,7 +16,8 @@ from typing import Any, ClassVar
 from ray import tune
 from ray.tune import PlacementGroupFactory
 
-from raysgd_tune._internal.resources import resolve_use_gpu, worker_bundles_request
+from raysgd_core import resolve_use_gpu
+from raysgd_tune._internal.resources import worker_bundles_request
 from raysgd_tune._internal.shipping import ship_by_value
 
 __all__ = ["CHECKPOINT_FILE", "BaseTorchTrainable", "make_trainable", "trainer_resource_request"]

@@ -11,15 +11,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from raysgd_operator._internal import loaders as _loaders
-from raysgd_operator._internal.precision import Precision
+from raysgd_operator._internal.precision import Precision, check_apex_args
 from raysgd_operator._internal.shapes import flatten, reshape, same_objects
 from raysgd_operator.batch import BATCH_SIZE
+from raysgd_operator.options import SCHEDULER_STEP_FREQS, TrainingOptions
 
-__all__ = ["SCHEDULER_STEP_FREQS", "OperatorBase"]
+__all__ = ["OperatorBase"]
 
 logger = logging.getLogger(__name__)
-
-SCHEDULER_STEP_FREQS = ("batch", "epoch", "manual")
 
 
 class _Registered:
@@ -75,6 +74,7 @@ class OperatorBase:
     schedulers = _Registered("schedulers", False, "The registered scheduler(s).")
 
     _config: dict[str, Any]
+    _options: TrainingOptions
     _precision: Precision
 
     def _init_state(self) -> None:
@@ -84,6 +84,7 @@ class OperatorBase:
         self._ddp_args: dict[str, Any] = {}
         self._loader_sources: dict[str, Any] = {"train": None, "validation": None}
         self._loaders: dict[str, Any] = {"train": None, "validation": None}
+        self._own_loaders: dict[str, Any] = {}  # see TrainingOperator.train_loader
 
     # -- registration ------------------------------------------------------------------------
     def register(
@@ -105,9 +106,8 @@ class OperatorBase:
         """
         if ddp_args is not None and not isinstance(ddp_args, dict):
             raise ValueError(f"ddp_args must be a dict, got {type(ddp_args).__name__}")
-        if apex_args is not None and not isinstance(apex_args, dict):
-            raise ValueError(f"apex_args must be a dict, got {type(apex_args).__name__}")
-        if schedulers is not None and self._scheduler_step_freq is None:
+        check_apex_args(apex_args)
+        if schedulers is not None and self._options.scheduler_step_freq is None:
             raise ValueError(
                 "schedulers were registered but scheduler_step_freq is None: pass "
                 f"scheduler_step_freq as one of {SCHEDULER_STEP_FREQS}"
@@ -166,7 +166,7 @@ class OperatorBase:
         return tuple(returned)
 
     def _wrap_models(self, models: list[nn.Module]) -> list[nn.Module]:
-        if not (self._wrap_ddp and self._world_size > 1 and dist.is_initialized()):
+        if not (self._options.wrap_ddp and self._world_size > 1 and dist.is_initialized()):
             return list(models)
         return self._configure_ddp(models, self.device_ids, self._ddp_args)
 
@@ -201,12 +201,12 @@ class OperatorBase:
     def _prepare_loader(self, loader: Any, batch_size: int | None) -> Any:
         if loader is None:
             return None
-        wants_sampler = self._add_dist_sampler and self._world_size > 1
+        wants_sampler = self._options.add_dist_sampler and self._world_size > 1
         if not (wants_sampler or batch_size is not None) or not _loaders.can_rebuild(loader):
             return loader
         return _loaders.rebuild_loader(
             loader,
-            world_size=self._world_size if self._add_dist_sampler else 1,
+            world_size=self._world_size if self._options.add_dist_sampler else 1,
             rank=self._world_rank,
             batch_size=batch_size,
         )
@@ -219,7 +219,7 @@ class OperatorBase:
         old_size, old_config = self._world_size, self._config
         new_bs = config.get(BATCH_SIZE)
         batch_changed = new_bs is not None and new_bs != old_config.get(BATCH_SIZE)
-        sampler_changed = self._add_dist_sampler and world_size != old_size
+        sampler_changed = self._options.add_dist_sampler and world_size != old_size
         plans: dict[str, int | None] = {}
         for name, source in self._loader_sources.items():
             if source is None:

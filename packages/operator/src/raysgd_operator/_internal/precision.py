@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from raysgd_amp import Precision, get_precision
+from raysgd_amp import Precision, check_apex_args, check_precision, get_precision
 
-__all__ = ["Precision", "get_precision"]
+__all__ = ["Precision", "check_apex_args", "check_precision", "get_precision"]

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Union
+from typing import Any
 
 import ray
-import torch
 
 from raysgd_core import local_ray_options
 
-__all__ = ["LOCAL_RAY_OPTIONS", "ensure_ray", "resolve_use_gpu"]
+__all__ = ["LOCAL_RAY_OPTIONS", "ensure_ray"]
 
 logger = logging.getLogger("raysgd")
 
@@ -40,15 +39,3 @@ def ensure_ray() -> bool:
     # started on this machine with `ray start`, which is not what an embedded default means.
     ray.init(address="local", **LOCAL_RAY_OPTIONS)
     return True
-
-
-def resolve_use_gpu(use_gpu: Union[bool, str]) -> bool:
-    """'auto' means "CUDA on the driver" (RaySGD's rule); True on a cluster without GPUs is an error."""
-    if use_gpu == "auto":
-        use_gpu = torch.cuda.is_available()
-    if use_gpu and ray.cluster_resources().get("GPU", 0) < 1:
-        raise ValueError(
-            "use_gpu=True, but the Ray cluster has no GPUs: pass use_gpu=False (or 'auto'), "
-            "or start Ray on machines with GPUs"
-        )
-    return bool(use_gpu)

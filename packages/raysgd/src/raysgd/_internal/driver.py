@@ -21,7 +21,7 @@ from raysgd._internal import worker
 from raysgd._internal.checkpoint import write_file
 from raysgd._internal.tensorboard import ScalarLogger
 from raysgd_core import WorkerDiedError, WorkerError, WorkerGroup
-from raysgd_operator import BATCH_SIZE, reduce_worker_results, split_batch_size
+from raysgd_operator import BATCH_SIZE, TrainingOptions, reduce_worker_results, split_batch_size
 
 __all__ = ["AUTO_CHECKPOINT_NAME", "TrainerDriver"]
 
@@ -37,7 +37,7 @@ class TrainerDriver:
     _group: WorkerGroup
     _num_workers: int
     _operator_cls: type
-    _options: dict[str, Any]
+    _options: TrainingOptions
     _user_code: tuple[Any, ...]
     _user_config: dict[str, Any]
     _config: dict[str, Any]

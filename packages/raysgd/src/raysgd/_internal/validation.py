@@ -14,8 +14,6 @@ from raysgd_operator import TrainingOperator
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
-    "SCHEDULER_STEP_FREQS",
-    "check_fp16",
     "check_optional_args",
     "check_positive_int",
     "check_train_args",
@@ -27,7 +25,6 @@ __all__ = [
 
 #: `dist.init_process_group` timeout when neither `timeout_s` nor `NCCL_TIMEOUT_S` is set (RaySGD's).
 DEFAULT_TIMEOUT_S = 1800
-SCHEDULER_STEP_FREQS = ("batch", "epoch", "manual")
 _BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -38,19 +35,6 @@ def check_positive_int(name: str, value: Any) -> int:
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
     return value
-
-
-def check_fp16(use_fp16: Any) -> None:
-    """Reject values that no precision backend could mean; names are checked by `raysgd_amp`."""
-    if isinstance(use_fp16, (bool, str)):
-        return
-    # A precision backend instance: duck-typed so that third-party backends need not subclass.
-    if all(hasattr(use_fp16, attr) for attr in ("setup", "backward", "step")):
-        return
-    raise ValueError(
-        "use_fp16 must be False, True, 'fp16', 'bf16', 'apex', a registered backend name or a "
-        f"raysgd_amp.Precision instance, got {use_fp16!r}"
-    )
 
 
 def resolve_backend(backend: Any, use_gpu: bool) -> str:
@@ -92,15 +76,11 @@ def check_optional_args(
     *,
     config: Any,
     num_cpus_per_worker: Any,
-    use_gpu: Any,
     backend: Any,
-    scheduler_step_freq: Any,
     initialization_hook: Any,
-    apex_args: Any,
-    accumulate_grad_batches: Any,
-    clip_grad_norm: Any,
 ) -> None:
-    """Type and range checks of the remaining constructor arguments."""
+    """Type and range checks of the driver-side constructor arguments (the workers' options are
+    checked by `raysgd_operator.TrainingOptions` itself)."""
     if config is not None and not isinstance(config, Mapping):
         raise TypeError(f"config must be a dict, got {type(config).__name__}")
     if (
@@ -111,28 +91,10 @@ def check_optional_args(
         raise ValueError(
             f"num_cpus_per_worker must be a positive number, got {num_cpus_per_worker!r}"
         )
-    if use_gpu != "auto" and not isinstance(use_gpu, bool):
-        raise ValueError(f"use_gpu must be 'auto', True or False, got {use_gpu!r}")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if scheduler_step_freq is not None and scheduler_step_freq not in SCHEDULER_STEP_FREQS:
-        raise ValueError(
-            f"scheduler_step_freq must be one of {SCHEDULER_STEP_FREQS} or None, "
-            f"got {scheduler_step_freq!r}"
-        )
     if initialization_hook is not None and not callable(initialization_hook):
         raise TypeError("initialization_hook must be a zero-argument callable")
-    if apex_args is not None and not isinstance(apex_args, Mapping):
-        raise TypeError(f"apex_args must be a dict, got {type(apex_args).__name__}")
-    check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
-    if clip_grad_norm is not None and (
-        isinstance(clip_grad_norm, bool)
-        or not isinstance(clip_grad_norm, (int, float))
-        or clip_grad_norm <= 0
-    ):
-        raise ValueError(
-            f"clip_grad_norm must be None or a positive number, got {clip_grad_norm!r}"
-        )
 
 
 def resolve_operator_cls(

@@ -11,11 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
-import torch
-
 from raysgd._internal.checkpoint import state_from_bytes, state_to_bytes
 from raysgd_core import get_context
-from raysgd_operator import OperatorRunner
+from raysgd_operator import OperatorRunner, TrainingOptions
 
 __all__ = [
     "RUNNER_KEY",
@@ -45,13 +43,9 @@ def _runner() -> OperatorRunner:
 
 
 def _build(
-    operator_cls: type, config: Mapping[str, Any], options: Mapping[str, Any]
+    operator_cls: type, config: Mapping[str, Any], options: TrainingOptions
 ) -> OperatorRunner:
     ctx = get_context()
-    # One intra-op thread pool per CPU the worker reserved: workers sharing a node do not
-    # oversubscribe its cores (the same setting torchrun users get from OMP_NUM_THREADS).
-    torch.set_num_threads(max(1, int(options["num_threads"])))
-    kwargs = {k: v for k, v in options.items() if k != "num_threads"}
     runner = OperatorRunner(
         operator_cls,
         dict(config),
@@ -59,7 +53,7 @@ def _build(
         local_rank=ctx.local_rank,
         world_size=ctx.world_size,
         device=ctx.device,
-        **kwargs,
+        options=options,
     )
     ctx.store[RUNNER_KEY] = runner
     return runner
@@ -68,7 +62,7 @@ def _build(
 def create_runner(
     operator_cls: type,
     config: Mapping[str, Any],
-    options: Mapping[str, Any],
+    options: TrainingOptions,
     return_state: bool = False,
     user_code: tuple[Any, ...] = (),
 ) -> Optional[bytes]:
@@ -88,7 +82,7 @@ def create_runner(
 def restore_runner(
     operator_cls: type,
     config: Mapping[str, Any],
-    options: Mapping[str, Any],
+    options: TrainingOptions,
     state: bytes,
     user_code: tuple[Any, ...] = (),
 ) -> None:

@@ -9,25 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from ray.tune import PlacementGroupFactory
 
-__all__ = ["resolve_use_gpu", "worker_bundles_request"]
-
-
-def resolve_use_gpu(use_gpu: Any) -> bool:
-    """Turn RaySGD's `use_gpu` ("auto" | bool | None) into a bool.
-
-    RaySGD 1.x did `int(use_gpu)`, so "auto" crashed the resource request; here "auto" (and None)
-    mean "use a GPU when this machine sees one", the same rule the trainer applies.
-    """
-    if use_gpu is None or use_gpu == "auto":
-        return torch.cuda.is_available()
-    if isinstance(use_gpu, bool):
-        return use_gpu
-    if isinstance(use_gpu, int) and use_gpu in (0, 1):
-        return bool(use_gpu)
-    raise ValueError(f"use_gpu must be True, False or 'auto', got {use_gpu!r}")
+__all__ = ["worker_bundles_request"]
 
 
 def _positive(name: str, value: Any, *, integer: bool) -> Any:

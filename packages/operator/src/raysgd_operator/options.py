@@ -1,0 +1,124 @@
+"""`TrainingOptions`: every worker-side training option in one frozen, validated object.
+
+The trainer builds one `TrainingOptions` on the driver (where a bad value costs nothing and the
+error names the option), ships it whole to its workers, and `OperatorRunner` and `TrainingOperator`
+take it whole. Nothing re-checks it on the way: a frozen dataclass is not run through
+`__post_init__` again when it is unpickled.
+
+Adding an option takes two edits: a field here (with its check in `_check`, when it needs one) and
+the keyword of `TorchTrainer` that fills it. The operator reads it as ``self.options.<name>``.
+Precision choices (`use_fp16`, `apex_args`) are checked by raysgd_amp's `check_precision`, the same
+rule `get_precision` applies on the worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from raysgd_operator._internal.precision import check_precision
+
+__all__ = ["SCHEDULER_STEP_FREQS", "TrainingOptions"]
+
+#: When registered schedulers step: after every optimizer step, after every epoch, or only through
+#: `TorchTrainer.update_scheduler` (e.g. ReduceLROnPlateau).
+SCHEDULER_STEP_FREQS = ("batch", "epoch", "manual")
+
+#: Options that are plain switches; any truthy value is kept as True (RaySGD accepted 0/1 too).
+_SWITCHES = ("use_gpu", "use_tqdm", "wrap_ddp", "add_dist_sampler")
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+@dataclass(frozen=True)
+class TrainingOptions:
+    """How every worker trains; built once on the driver, read-only afterwards.
+
+    Attributes:
+        use_gpu: train on this worker's GPU (already resolved: the trainer turns "auto" into a bool).
+        use_fp16: the precision choice, as `raysgd_amp.get_precision` takes it (False, True, "fp16",
+            "bf16", "apex", a registered name, or a `raysgd_amp.Precision` instance or subclass).
+        apex_args: keyword arguments for Apex's `amp.initialize` (with ``use_fp16="apex"``).
+        use_tqdm: progress bars on rank 0.
+        wrap_ddp: wrap registered models in DistributedDataParallel when distributed.
+        add_dist_sampler: give registered DataLoaders a DistributedSampler when distributed.
+        scheduler_step_freq: one of `SCHEDULER_STEP_FREQS`, or None (then no scheduler may be
+            registered).
+        accumulate_grad_batches: batches whose gradients are summed before each optimizer step.
+        clip_grad_norm: clip the gradient norm to this value before each step (None: no clipping).
+        num_threads: torch intra-op threads per worker (None: leave torch's default).
+
+    Raises TypeError or ValueError naming the option when a value is invalid. Use
+    `dataclasses.replace(options, name=value)` for a changed copy (validated again).
+    """
+
+    use_gpu: bool = False
+    use_fp16: Any = False
+    apex_args: Optional[Mapping[str, Any]] = None
+    use_tqdm: bool = False
+    wrap_ddp: bool = True
+    add_dist_sampler: bool = True
+    scheduler_step_freq: Optional[str] = None
+    accumulate_grad_batches: int = 1
+    clip_grad_norm: Optional[float] = None
+    num_threads: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        self._check()
+        # Normalised copies, so that the options do not change when the caller's objects do.
+        for name in _SWITCHES:
+            object.__setattr__(self, name, bool(getattr(self, name)))
+        if self.apex_args is not None:
+            object.__setattr__(self, "apex_args", dict(self.apex_args))
+
+    def _check(self) -> None:
+        check_precision(self.use_fp16, apex_args=self.apex_args)
+        if (
+            self.scheduler_step_freq is not None
+            and self.scheduler_step_freq not in SCHEDULER_STEP_FREQS
+        ):
+            raise ValueError(
+                f"scheduler_step_freq must be one of {SCHEDULER_STEP_FREQS} or None, "
+                f"got {self.scheduler_step_freq!r}"
+            )
+        _check_positive_int("accumulate_grad_batches", self.accumulate_grad_batches)
+        if self.clip_grad_norm is not None and not (
+            _is_number(self.clip_grad_norm) and self.clip_grad_norm > 0
+        ):
+            raise ValueError(
+                f"clip_grad_norm must be None or a positive number, got {self.clip_grad_norm!r}"
+            )
+        if self.num_threads is not None:
+            _check_positive_int("num_threads", self.num_threads)
+
+    @classmethod
+    def build(cls, options: Optional[TrainingOptions] = None, **overrides: Any) -> TrainingOptions:
+        """`options` (default: all defaults) with `overrides` applied; unknown names raise TypeError.
+
+        This is how `OperatorRunner(..., use_fp16="bf16")` and other keyword-style calls keep
+        working: the keywords become one `TrainingOptions`.
+        """
+        if options is not None and not isinstance(options, TrainingOptions):
+            raise TypeError(f"options must be a TrainingOptions, got {type(options).__name__}")
+        if not overrides:
+            return options if options is not None else cls()
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown training option(s) {', '.join(unknown)}; the options are {sorted(known)}"
+            )
+        if options is None:
+            return cls(**overrides)
+        return dataclasses.replace(options, **overrides)
