@@ -140,3 +140,15 @@ def test_a_duck_typed_backend_is_used_as_given() -> None:
     del Duck.unscale
     with pytest.raises(ValueError, match="use_fp16 must be"):
         get_precision(Duck())  # type: ignore[arg-type]
+
+
+def test_register_keyword_is_overwrite_like_the_fault_registry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(registry_module, "_registry", dict(registry_module._registry))
+    register_precision("mine", FullPrecision)
+    register_precision("mine", NativePrecision, overwrite=True)
+    assert isinstance(get_precision("mine", device="cpu"), NativePrecision)
+    with pytest.warns(DeprecationWarning, match="overwrite"):
+        register_precision("mine", FullPrecision, replace=True)
+    assert isinstance(get_precision("mine"), FullPrecision)

@@ -78,7 +78,7 @@ def main(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     out["rebind"] = early.rebind(
         world_rank=rank, local_rank=rank, world_size=2, config={BATCH_SIZE: 4, "rank": rank}
     )
-    loader = early.operator._loaders["train"]
+    loader = early.operator.train_loader
     out["rebind_ddp"] = isinstance(early.operator.model, DistributedDataParallel)
     out["rebind_loader"] = (
         type(loader.sampler).__name__,
@@ -121,7 +121,7 @@ def main(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     sharded = OperatorRunner(RegressionOperator, {"rank": rank}, world_rank=rank, world_size=2)
     sharded.train_epoch()
     sharded.train_epoch()
-    sampler = sharded.operator._loaders["train"].sampler
+    sampler = sharded.operator.train_loader.sampler
     out["sampler_epoch"] = sampler.epoch
     out["sharded_samples"] = sharded.train_epoch()["num_samples"]
     dist.barrier()
@@ -135,7 +135,7 @@ def main(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         out["shrink"] = early.rebind(
             world_rank=0, local_rank=0, world_size=1, config={BATCH_SIZE: 8, "rank": 0}
         )
-        loader = early.operator._loaders["train"]
+        loader = early.operator.train_loader
         out["shrink_model"] = type(early.operator.model).__name__
         out["shrink_loader"] = (type(loader.sampler).__name__, loader.batch_size)
         out["shrink_samples"] = early.train_epoch()["num_samples"]

@@ -151,7 +151,7 @@ def test_distributed_sampler_keeps_loader_settings() -> None:
         world_rank=1,
         world_size=2,
     )
-    train = runner.operator._loaders["train"]
+    train = runner.operator.train_loader
     assert isinstance(train.sampler, DistributedSampler)
     assert (
         train.sampler.num_replicas,
@@ -173,7 +173,7 @@ def test_distributed_sampler_keeps_loader_settings() -> None:
         "dataset",
     ):
         assert getattr(train, attr) == getattr(user, attr), attr
-    validation = runner.operator._loaders["validation"]
+    validation = runner.operator.validation_loader
     assert (
         isinstance(validation.sampler, DistributedSampler) and validation.sampler.shuffle is False
     )
@@ -192,11 +192,11 @@ def test_loaders_left_alone() -> None:
         world_rank=0,
         world_size=2,
     ).operator
-    assert op._loaders["train"] is own and op._loaders["validation"] is stream
+    assert op.train_loader is own and op.validation_loader is stream
     single = DataLoader(data, batch_size=2, shuffle=True)
     op = OperatorRunner(
         _operator_with({"train_loader": single}), {}, world_size=2, add_dist_sampler=False
     ).operator
-    assert op._loaders["train"] is single
+    assert op.train_loader is single
     op = OperatorRunner(_operator_with({"train_loader": single}), {}).operator
-    assert op._loaders["train"] is single
+    assert op.train_loader is single

@@ -91,5 +91,5 @@ def test_travels_whole_to_the_operator() -> None:
     assert op.options is shipped
     assert (op.use_fp16, op.scheduler_step_freq, op.use_gpu) == ("bf16", "manual", False)
     assert runner.precision.dtype == torch.bfloat16
-    assert op.train_loader is op._loaders["train"] and len(op.train_loader) == 2
+    assert len(op.train_loader) == 2
     assert len(op.validation_loader) == 1

@@ -85,7 +85,7 @@ def test_resume_mid_epoch_redoes_the_same_steps(settings: dict[str, Any]) -> Non
     for a, b in zip(expected, weights(resumed)):
         assert torch.equal(a, b)
     if kwargs["world_size"] == 2:
-        sampler = resumed.operator._loaders["train"].sampler
+        sampler = resumed.operator.train_loader.sampler
         assert isinstance(sampler, DistributedSampler) and sampler.epoch == 2
 
 

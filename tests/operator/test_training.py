@@ -87,7 +87,7 @@ def test_default_metric_keys_and_values() -> None:
     assert val["val_accuracy"] == 0.0
     # val_loss is the sample-weighted mean of per-batch MSE, i.e. the MSE over the set here.
     (model,) = runner.get_models()
-    x, y = runner.operator._loaders["validation"].dataset.tensors
+    x, y = runner.operator.validation_loader.dataset.tensors
     with torch.no_grad():
         assert val["val_loss"] == pytest.approx(
             nn.functional.mse_loss(model(x), y).item(), rel=1e-5

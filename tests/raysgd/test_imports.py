@@ -1,5 +1,5 @@
-"""RaySGD import paths (DESIGN section 2), lazy Tune, and a RaySGD 1.x-style script that only had its
-imports changed."""
+"""RaySGD import paths (`raysgd`, `raysgd.torch`, `raysgd.utils`, `raysgd.integration.torch`), lazy
+Tune, and a RaySGD 1.x-style script that only had its imports changed."""
 
 from __future__ import annotations
 

@@ -149,7 +149,7 @@ def test_auto_checkpoint_and_tensorboard(ray_local, tmp_path):
 
 
 class GANOperator(TrainingOperator):
-    """Two models and two optimizers trained with a custom train_batch (seed 000's DCGAN shape)."""
+    """Two models and two optimizers trained with a custom train_batch (a DCGAN's shape)."""
 
     def train_batch(self, batch, batch_info):
         discriminator, generator = self.models

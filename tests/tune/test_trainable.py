@@ -147,7 +147,7 @@ def test_save_and_restore_a_trial(ray_local, tmp_path, nothing_leaked):
 
 @pytest.mark.timeout(90)
 def test_pytorch_trainable_takes_trainer_arguments_from_the_config(ray_local, nothing_leaked):
-    from raysgd.torch import PyTorchTrainable  # seed 002's name
+    from raysgd.torch import PyTorchTrainable  # the earliest RaySGD's name
 
     config = {**TRAINER_ARGS, "num_replicas": 1, "use_gpu": False, "batch_size": 32, "lr": 0.1}
     del config["config"]

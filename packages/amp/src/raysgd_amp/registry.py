@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import warnings
 from collections.abc import Mapping
 from importlib import metadata
 from typing import Any, Callable, Optional, Union
@@ -98,19 +99,35 @@ _BUILTIN: dict[str, PrecisionFactory] = {
 _registry: dict[str, PrecisionFactory] = dict(_BUILTIN)
 
 
-def register_precision(name: str, factory: PrecisionFactory, *, replace: bool = False) -> None:
+def register_precision(
+    name: str,
+    factory: PrecisionFactory,
+    *,
+    overwrite: bool = False,
+    replace: Optional[bool] = None,
+) -> None:
     """Make `get_precision(name)` build a backend with `factory` (a `Precision` subclass or callable).
 
-    Names are case-insensitive. Registering a name that exists raises ValueError unless `replace`.
+    Names are case-insensitive. Registering a name that exists raises ValueError unless
+    `overwrite` (the keyword `raysgd_fault.register_policy` uses too). `replace` is its deprecated
+    former name.
     """
+    if replace is not None:
+        warnings.warn(
+            "register_precision(replace=...) is deprecated; use overwrite=...",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        overwrite = overwrite or replace
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     if not callable(factory):
         raise TypeError(f"factory must be a Precision subclass or a callable, got {factory!r}")
     key = name.strip().lower()
-    if key in _registry and not replace:
+    if key in _registry and not overwrite:
         raise ValueError(
-            f"a precision backend named {key!r} is already registered (pass replace=True)"
+            f"a precision backend named {key!r} is already registered; pass overwrite=True to "
+            "replace it"
         )
     _registry[key] = factory
 

@@ -1,4 +1,4 @@
-"""Names from the earliest RaySGD (`PyTorchTrainer`, `PyTorchTrainable`, seed 002), kept working."""
+"""Names from the earliest RaySGD releases (`PyTorchTrainer`, `PyTorchTrainable`), kept working."""
 
 from __future__ import annotations
 

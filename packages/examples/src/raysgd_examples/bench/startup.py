@@ -9,7 +9,7 @@
   `train(num_steps=1)` (raysgd) or the first reported step of `fit()` (Ray Train). torchrun has no
   warm start; its cold figure is the reference for both.
 
-DESIGN.md section 7; goal for raysgd warm: under 2 s.
+Goal for raysgd warm: under 2 s.
 
     hatch run bench:startup [--quick] [--repeats N]
 """

@@ -3,7 +3,7 @@
 Same model, data, per-worker batch and loop on every side (`workload.py`), 2 workers with one torch
 thread each. Each run trains `--warmup` steps, then `--steps` timed steps; the time is taken inside
 the loop on rank 0 (steady state: no start-up, no teardown). Median over `--repeats` runs, each in
-a fresh process, sides interleaved. Goal (DESIGN.md section 7): raysgd >= 0.98x torchrun.
+a fresh process, sides interleaved. Goal: raysgd >= 0.98x torchrun.
 
     hatch run bench:throughput                     # the measurement
     hatch run bench:throughput --quick --repeats 1 # a smoke run

@@ -47,7 +47,7 @@ def resolve_backend(backend: Any, use_gpu: bool) -> str:
 
 
 def resolve_timeout(timeout_s: Optional[float]) -> float:
-    """The user's value, else `NCCL_TIMEOUT_S` from the environment (seed 000's advice), else 1800."""
+    """The user's value, else `NCCL_TIMEOUT_S` from the environment (the variable RaySGD users already set), else 1800."""
     if timeout_s is None:
         raw = os.environ.get("NCCL_TIMEOUT_S")
         if raw is None:
@@ -109,8 +109,9 @@ def resolve_operator_cls(
 ) -> type:
     """The operator class to ship: the user's, or one built from creator functions.
 
-    A custom operator given together with creators (seed 000's GANOperator) gets the creators through
-    its own `from_creators`, so its overridden loops run on the models the creators build.
+    A custom operator given together with creators (e.g. a GAN operator overriding `train_batch`)
+    gets the creators through its own `from_creators`, so its overridden loops run on the models the
+    creators build.
     """
     creators = {
         "model_creator": model_creator,
