@@ -8,7 +8,7 @@ from raysgd.trainer import TorchTrainer
 from raysgd_operator import BATCH_SIZE
 
 if TYPE_CHECKING:  # at run time resolved lazily by __getattr__ (Tune is optional)
-    from raysgd_tune import BaseTorchTrainable as PyTorchTrainable
+    from raysgd._internal.legacy_trainable import PyTorchTrainable
 
 __all__ = ["PyTorchTrainable", "PyTorchTrainer"]
 
@@ -44,11 +44,12 @@ def __getattr__(name: str) -> Any:
     # The Tune trainable needs Ray Tune, an optional extra: resolve it only when asked for.
     if name == "PyTorchTrainable":
         try:
-            import raysgd_tune
+            import raysgd_tune  # noqa: F401  (only to tell a missing extra from other errors)
         except ImportError as exc:
             raise ImportError(
                 "PyTorchTrainable needs raysgd-tune: pip install 'raysgd[tune]'"
             ) from exc
+        from raysgd._internal.legacy_trainable import PyTorchTrainable
 
-        return getattr(raysgd_tune, "PyTorchTrainable", raysgd_tune.BaseTorchTrainable)
+        return PyTorchTrainable
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

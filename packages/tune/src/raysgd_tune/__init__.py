@@ -4,7 +4,10 @@
   per trial (what `TorchTrainer.as_trainable` returns).
 - `DistributedTrainableCreator`: runs a plain Tune function data-parallel on several workers per trial,
   with `distributed_checkpoint_dir` and `is_distributed_trainable` for use inside it.
-- `PyTorchTrainable`: the earliest RaySGD's trainable, configured entirely through the Tune config.
+
+It uses raysgd_core only and never imports the trainer: the trainer class is an argument
+(`make_trainable(trainer_cls, ...)`). The RaySGD names bound to raysgd's trainer
+(`raysgd.torch.PyTorchTrainable`, ...) live in the `raysgd` package.
 """
 
 from raysgd_tune.distributed import (
@@ -12,14 +15,12 @@ from raysgd_tune.distributed import (
     distributed_checkpoint_dir,
     is_distributed_trainable,
 )
-from raysgd_tune.legacy import PyTorchTrainable
 from raysgd_tune.trainable import BaseTorchTrainable, make_trainable
 
 __version__ = "0.1.0"
 __all__ = [
     "BaseTorchTrainable",
     "DistributedTrainableCreator",
-    "PyTorchTrainable",
     "distributed_checkpoint_dir",
     "is_distributed_trainable",
     "make_trainable",

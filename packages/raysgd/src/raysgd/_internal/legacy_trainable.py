@@ -1,9 +1,10 @@
-"""`PyTorchTrainable`: the earliest RaySGD's Tune trainable (seed 002), kept working.
+"""`PyTorchTrainable`: the earliest RaySGD's Tune trainable, kept working.
 
 There the Tune config held the `PyTorchTrainer`'s arguments next to the hyperparameters:
 `tune.run(PyTorchTrainable, config={"model_creator": ..., "num_replicas": 2, "lr": ...})`.
 Trainer arguments are picked out of the config by name; everything else becomes the trainer's
-`config`.
+`config`. It binds `PyTorchTrainer`, so it lives in the meta package; `raysgd.compat` imports this
+module (and with it Ray Tune) only when the name is first used.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 
 from ray.tune import PlacementGroupFactory
 
+from raysgd.compat import PyTorchTrainer
+from raysgd.trainer import TorchTrainer
 from raysgd_tune.trainable import BaseTorchTrainable, trainer_resource_request
 
 __all__ = ["PyTorchTrainable"]
@@ -22,8 +25,6 @@ _LEGACY_ARGS = ("num_replicas", "batch_size")
 
 
 def _trainer_args() -> set[str]:
-    from raysgd import TorchTrainer
-
     params = inspect.signature(TorchTrainer.__init__).parameters
     return {name for name, p in params.items() if p.kind is p.KEYWORD_ONLY} | set(_LEGACY_ARGS)
 
@@ -45,8 +46,6 @@ class PyTorchTrainable(BaseTorchTrainable):
         )
 
     def _create_trainer(self, tune_config: dict[str, Any]) -> Any:
-        from raysgd.compat import PyTorchTrainer
-
         names = _trainer_args()
         kwargs = {k: v for k, v in tune_config.items() if k in names and k != "config"}
         hyperparameters = {k: v for k, v in tune_config.items() if k not in names}
