@@ -157,11 +157,14 @@ class NativePrecision(Precision):
         if self._scaler is None:
             optimizer.step()
             return True
-        self._scaler.step(optimizer)  # unscales if needed; skips the update on inf/NaN
         # GradScaler.step returns optimizer.step()'s value (usually None) whether or not it
-        # skipped; the per-optimizer inf record it keeps until update() is the only direct
-        # answer. Reading it costs no extra sync: step() has just synced on the same values.
+        # skipped; the per-optimizer inf record that unscale_ fills is the only direct answer.
+        # It is read *before* the step: step() itself waits for those same values, so this
+        # costs nothing more, whereas reading them after the step would also wait for every
+        # optimizer kernel just queued and leave the GPU idle while the next batch is launched.
+        self.unscale(optimizer)
         found_inf = sum(v.item() for v in self._scaler._found_inf_per_device(optimizer).values())
+        self._scaler.step(optimizer)  # skips the update on inf/NaN
         self._unscaled.discard(id(optimizer))
         self._update_pending = True
         if not self._unscaled:  # no other optimizer waits for its step in this iteration

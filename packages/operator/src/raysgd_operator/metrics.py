@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from numbers import Number
 from typing import Any
 
+import torch
+
 __all__ = ["AverageMeter", "AverageMeterCollection", "TimerCollection", "reduce_worker_results"]
 
 
@@ -33,27 +35,77 @@ class AverageMeter:
         self.avg = self.sum / self.count if self.count else 0.0
 
 
+#: Tensor metrics read back in one transfer at the latest after this many batches, so that a very
+#: long call keeps a bounded number of them alive.
+_MAX_PENDING = 1024
+
+
+def _is_scalar_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() == 1
+
+
+def _read_scalars(tensors: list[torch.Tensor]) -> list[Any]:
+    """The Python numbers of one-element tensors, as ``.item()`` gives them, in one transfer.
+
+    Stacking them and reading the stack once costs one device synchronisation instead of one per
+    tensor; ``tolist`` converts every element exactly as ``item`` would.
+    """
+    first = tensors[0]
+    if all(t.dtype == first.dtype and t.device == first.device for t in tensors):
+        return torch.stack([t.detach().reshape(()) for t in tensors]).tolist()
+    return [t.item() for t in tensors]
+
+
 class AverageMeterCollection:
     """One `AverageMeter` per metric key, fed with the dicts a ``train_batch`` returns.
 
     ``summary()`` gives ``batch_count``, ``num_samples`` (the sum of the ``n`` passed to ``update``),
     each key's sample-weighted mean and ``last_<key>`` (the value of the last batch).
+
+    A metric given as a one-element tensor (the default loops return the loss that way) is not read
+    at once: reading a CUDA tensor waits for the GPU, and doing that every batch stalls the
+    pipeline. Such values are kept and read together, in one transfer, by ``summary()`` (or every
+    ``_MAX_PENDING`` batches), which then averages them exactly as if they had been numbers. So a
+    tensor must not be modified in place after it was passed to ``update``.
     """
 
     def __init__(self) -> None:
         self._batch_count = 0
         self.n = 0
         self._meters: dict[str, AverageMeter] = {}
+        # key -> [(tensor, n)] not yet read from the device, in batch order.
+        self._pending: dict[str, list[tuple[torch.Tensor, Any]]] = {}
 
     def update(self, metrics: Mapping[str, Any], n: int = 1) -> None:
-        """Record one batch's ``metrics`` (numbers) computed over ``n`` samples."""
+        """Record one batch's ``metrics`` (numbers or one-element tensors) over ``n`` samples."""
         self._batch_count += 1
         self.n += n
         for key, value in metrics.items():
-            self._meters.setdefault(key, AverageMeter()).update(value, n=n)
+            meter = self._meters.get(key)
+            if meter is None:
+                meter = self._meters[key] = AverageMeter()
+            if _is_scalar_tensor(value):
+                pending = self._pending.setdefault(key, [])
+                pending.append((value.detach(), n))
+                if len(pending) >= _MAX_PENDING:
+                    self._flush(key)
+            else:
+                if key in self._pending:
+                    self._flush(key)  # keep the batch order: ``val`` is the last batch's value
+                meter.update(value, n=n)
+
+    def _flush(self, key: str) -> None:
+        pending = self._pending.pop(key, None)
+        if not pending:
+            return
+        meter = self._meters[key]
+        for value, n in zip(_read_scalars([t for t, _ in pending]), (n for _, n in pending)):
+            meter.update(value, n=n)
 
     def summary(self) -> dict[str, Any]:
         """The averaged metrics of every batch so far."""
+        for key in list(self._pending):
+            self._flush(key)
         stats: dict[str, Any] = {"batch_count": self._batch_count, "num_samples": self.n}
         for key, meter in self._meters.items():
             stats[key] = meter.avg

@@ -220,6 +220,8 @@ class TrainingOperator(OperatorBase):
 
         Calls ``train_batch`` per batch, steps "batch" schedulers after each optimizer step and
         "epoch" schedulers at the end, and averages the returned dicts weighted by their ``num_samples``.
+        Metrics returned as one-element tensors are read from the device once, at the end of the call
+        (`AverageMeterCollection`), so the loop never waits for the GPU between batches.
         """
         for model in self._groups.get("models", ([], None))[0]:
             model.train()
@@ -242,7 +244,8 @@ class TrainingOperator(OperatorBase):
                 if bar is not None:
                     bar.update(1)
                     if "train_loss" in metrics:
-                        bar.set_postfix(loss=metrics["train_loss"])
+                        # Reading the loss waits for the device: only with a bar to show it.
+                        bar.set_postfix(loss=float(metrics["train_loss"]))
         finally:
             if bar is not None:
                 bar.close()
@@ -256,6 +259,8 @@ class TrainingOperator(OperatorBase):
 
     def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
         """One optimization step on ``batch`` (``*features, target``): returns the loss and sample count.
+
+        ``train_loss`` is the detached loss tensor (``float()`` it if you need the number here).
 
         With ``accumulate_grad_batches=k`` the loss is divided by k and the optimizer steps every
         k-th global step; the batches in between skip DDP's gradient all-reduce (``no_sync``).
@@ -283,7 +288,9 @@ class TrainingOperator(OperatorBase):
                 if self._options.clip_grad_norm is not None:
                     self.clip_grad_norm(self._options.clip_grad_norm, optimizer)
                 self.optimizer_step(optimizer)
-        return {"train_loss": loss.item(), "num_samples": target.size(0)}
+        # The loss stays a tensor: `train_epoch` reads all of a call's losses in one transfer at the
+        # end instead of waiting for the device after every batch.
+        return {"train_loss": loss.detach(), "num_samples": target.size(0)}
 
     def validate(self, val_iterator: Iterable[Any], info: dict[str, Any]) -> dict[str, Any]:
         """Evaluate over ``val_iterator`` without gradients; averaged ``validate_batch`` results."""
@@ -299,14 +306,14 @@ class TrainingOperator(OperatorBase):
                     if bar is not None:
                         bar.update(1)
                         if "val_loss" in metrics:
-                            bar.set_postfix(loss=metrics["val_loss"])
+                            bar.set_postfix(loss=float(metrics["val_loss"]))
         finally:
             if bar is not None:
                 bar.close()
         return meters.summary()
 
     def validate_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
-        """Loss and argmax accuracy on one batch (``*features, target``)."""
+        """Loss and argmax accuracy on one batch (``*features, target``), as tensors (see ``train_batch``)."""
         model, criterion = self.model, self.criterion
         if criterion is None:
             raise RuntimeError(
@@ -317,12 +324,12 @@ class TrainingOperator(OperatorBase):
             output = model(*features)
             loss = criterion(output, target)
         num_samples = target.size(0)
-        correct = (output.argmax(dim=1) == target).sum().item() if output.dim() > 1 else 0
-        return {
-            "val_loss": loss.item(),
-            "val_accuracy": correct / num_samples,
-            "num_samples": num_samples,
-        }
+        # Tensors, read once per call by `validate` (see `train_batch`); float64 division of the
+        # count gives exactly the float a Python ``correct / num_samples`` would.
+        accuracy: Any = 0.0
+        if output.dim() > 1:
+            accuracy = (output.argmax(dim=1) == target).sum().double() / num_samples
+        return {"val_loss": loss.detach(), "val_accuracy": accuracy, "num_samples": num_samples}
 
     # -- extra state -------------------------------------------------------------------------
     def state_dict(self) -> Any:

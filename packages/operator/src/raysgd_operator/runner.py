@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Any, Callable
 
 import torch
@@ -13,7 +14,13 @@ from raysgd_operator._internal.stream import BatchStream
 from raysgd_operator.operator import TrainingOperator
 from raysgd_operator.options import TrainingOptions
 
-__all__ = ["OperatorRunner"]
+__all__ = ["OperatorRunner", "on_device"]
+
+
+def on_device(module: nn.Module) -> bool:
+    """Whether ``module`` holds a parameter or buffer anywhere but on the CPU."""
+    tensors = itertools.chain(module.parameters(), module.buffers())
+    return any(t.device.type != "cpu" for t in tensors)
 
 
 def _to_cpu_copy(obj: Any) -> Any:
@@ -210,13 +217,23 @@ class OperatorRunner:
         self._val.reset()
 
     # -- misc --------------------------------------------------------------------------------
-    def get_models(self, to_cpu: bool = False) -> list[nn.Module]:
-        """The registered models, unwrapped (no DDP ``.module``); CPU copies with ``to_cpu``."""
+    def get_models(
+        self, to_cpu: bool = False, *, cpu_if_on_device: bool = False
+    ) -> list[nn.Module]:
+        """The registered models, unwrapped (no DDP ``.module``).
+
+        ``to_cpu``: CPU copies of every model. ``cpu_if_on_device``: CPU copies of the models that
+        hold a tensor off the CPU, the others as they are (what a caller without that device, such
+        as a driver without CUDA, needs to be able to unpickle and use them).
+        """
         models = [
             getattr(m, "module", m) if isinstance(m, nn.parallel.DistributedDataParallel) else m
             for m in self.operator._original_models
         ]
-        return [copy.deepcopy(m).cpu() for m in models] if to_cpu else models
+        return [
+            copy.deepcopy(m).cpu() if to_cpu or (cpu_if_on_device and on_device(m)) else m
+            for m in models
+        ]
 
     def update_scheduler(self, metric: Any) -> None:
         """Step every registered scheduler with ``metric`` (for ``scheduler_step_freq="manual"``)."""

@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 
 from raysgd._internal import worker
 from raysgd._internal.checkpoint import read_file, state_from_bytes, state_to_bytes, write_file
-from raysgd._internal.cluster import ensure_ray
+from raysgd._internal.cluster import driver_has_cuda, ensure_ray
 from raysgd._internal.driver import TrainerDriver
 from raysgd._internal.recovery import Recovery
 from raysgd._internal.tensorboard import ScalarLogger
@@ -238,9 +238,14 @@ class TorchTrainer(TrainerDriver):
         self._load_bytes(data)
 
     def get_model(self, to_cpu: bool = False) -> Any:
-        """The trained model(s), without DDP wrappers (one model bare, several as a list)."""
+        """The trained model(s), without DDP wrappers (one model bare, several as a list).
+
+        `to_cpu=True` returns CPU copies. On a driver without CUDA, models trained on GPUs come back
+        as CPU copies anyway (they could not be unpickled here otherwise); a model already on the
+        CPU comes back as it is.
+        """
         self._check_alive()
-        models = self._call(worker.get_models, to_cpu, rank=0)
+        models = self._call(worker.get_models, to_cpu, not driver_has_cuda(), rank=0)
         if isinstance(models, (list, tuple)) and len(models) == 1:
             return models[0]
         return list(models) if isinstance(models, tuple) else models

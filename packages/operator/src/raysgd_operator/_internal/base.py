@@ -190,7 +190,8 @@ class OperatorBase:
 
         When distributed and ``add_dist_sampler`` is on, a plain map-style ``DataLoader`` is rebuilt
         with a ``DistributedSampler`` (shuffling only if the loader shuffled), keeping its other
-        settings; a loader with the user's own sampler is left alone.
+        settings; a loader with the user's own sampler is left alone. On a CUDA device a DataLoader
+        is switched to ``pin_memory=True`` so that batches reach the GPU without blocking the loop.
         """
         self._loader_sources = {"train": train_loader, "validation": validation_loader}
         self._loaders = {
@@ -201,6 +202,7 @@ class OperatorBase:
     def _prepare_loader(self, loader: Any, batch_size: int | None) -> Any:
         if loader is None:
             return None
+        loader = _loaders.pin_for_device(loader, self.device)
         wants_sampler = self._options.add_dist_sampler and self._world_size > 1
         if not (wants_sampler or batch_size is not None) or not _loaders.can_rebuild(loader):
             return loader

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -13,7 +14,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-__all__ = ["can_rebuild", "rebuild_loader", "was_shuffled"]
+__all__ = ["can_rebuild", "pin_for_device", "rebuild_loader", "should_pin", "was_shuffled"]
 
 # The sampler seed is fixed so that every worker, and a redone epoch, sees the same order.
 SAMPLER_SEED = 0
@@ -30,6 +31,23 @@ def can_rebuild(loader: Any) -> bool:
     if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
         return False
     return type(loader.sampler) in (RandomSampler, SequentialSampler)
+
+
+def should_pin(loader: Any, device: torch.device) -> bool:
+    """Whether ``loader`` should put its batches in page-locked memory for ``device``.
+
+    Only a CUDA device gains from it: a copy from pinned memory is asynchronous
+    (``non_blocking=True``), from pageable memory it blocks the training loop for the whole copy.
+    """
+    return device.type == "cuda" and isinstance(loader, DataLoader) and not loader.pin_memory
+
+
+def pin_for_device(loader: Any, device: torch.device) -> Any:
+    """``loader``, told to pin its batches when `should_pin` says so (the loader itself is updated:
+    DataLoader reads ``pin_memory`` each time an iterator starts)."""
+    if should_pin(loader, device):
+        loader.pin_memory = True
+    return loader
 
 
 def was_shuffled(loader: DataLoader) -> bool:

@@ -7,10 +7,11 @@ import os
 from typing import Any
 
 import ray
+import torch
 
 from raysgd_core import local_ray_options
 
-__all__ = ["LOCAL_RAY_OPTIONS", "ensure_ray"]
+__all__ = ["LOCAL_RAY_OPTIONS", "driver_has_cuda", "ensure_ray"]
 
 logger = logging.getLogger("raysgd")
 
@@ -39,3 +40,9 @@ def ensure_ray() -> bool:
     # started on this machine with `ray start`, which is not what an embedded default means.
     ray.init(address="local", **LOCAL_RAY_OPTIONS)
     return True
+
+
+def driver_has_cuda() -> bool:
+    """Whether this (driver) process can hold CUDA tensors; without it, models trained on GPUs
+    must come back from the workers as CPU copies."""
+    return torch.cuda.is_available()

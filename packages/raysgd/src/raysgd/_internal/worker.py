@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
+import torch
+
 from raysgd._internal.checkpoint import state_from_bytes, state_to_bytes
 from raysgd_core import get_context
 from raysgd_operator import OperatorRunner, TrainingOptions
@@ -46,6 +48,10 @@ def _build(
     operator_cls: type, config: Mapping[str, Any], options: TrainingOptions
 ) -> OperatorRunner:
     ctx = get_context()
+    if torch.device(ctx.device).type == "cuda":
+        # Let cuDNN time its algorithms once per input shape and keep the fastest, as GPU training
+        # scripts usually do; an operator that needs bitwise reproducibility turns it off in setup().
+        torch.backends.cudnn.benchmark = True
     runner = OperatorRunner(
         operator_cls,
         dict(config),
@@ -128,9 +134,9 @@ def load_state(state: bytes) -> None:
     _runner().load_state_dict(state_from_bytes(state))
 
 
-def get_models(to_cpu: bool) -> Any:
-    """The unwrapped model(s) of this worker's runner."""
-    return _runner().get_models(to_cpu=to_cpu)
+def get_models(to_cpu: bool, cpu_if_on_device: bool = False) -> Any:
+    """The unwrapped model(s) of this worker's runner (see `OperatorRunner.get_models`)."""
+    return _runner().get_models(to_cpu=to_cpu, cpu_if_on_device=cpu_if_on_device)
 
 
 def get_operator() -> Any:
