@@ -27,10 +27,10 @@ from typing import Any
 
 import ray
 from ray import tune
-from ray.train._internal import session as train_session
 
 from raysgd_core import resolve_use_gpu
 from raysgd_tune._internal import worker_run
+from raysgd_tune._internal.ray_session import trial_info as current_trial_info
 from raysgd_tune._internal.resources import worker_bundles_request
 from raysgd_tune._internal.shipping import ship_by_value
 
@@ -126,8 +126,7 @@ def _run_trial(spec: _Spec, config: dict[str, Any]) -> None:
     from raysgd_core import WorkerGroup
 
     checkpoint = tune.get_checkpoint()
-    session = train_session.get_session()
-    trial_info = getattr(session, "trial_info", None)
+    trial_info = current_trial_info()
     node_id = ray.get_runtime_context().get_node_id()
     group = WorkerGroup(
         spec.num_workers,

@@ -1,11 +1,10 @@
 """The worker side of `DistributedTrainableCreator`: run the user's function, forward rank 0's reports.
 
-Ray 2.x's `ray.tune.report` and `ray.tune.get_checkpoint` look up a module-level session
-(`ray.train._internal.session.get_session()`); in an actor that Tune did not start there is none, so
-they only warn and drop the metrics. While the user's function runs we install a small stand-in session
-there: rank 0's reports are queued for the trial process (which polls them and calls the real
-`tune.report`), other ranks' reports are dropped, and `get_checkpoint()` returns the trial's restored
-checkpoint.
+`ray.tune.report` and `ray.tune.get_checkpoint` need a Tune session; in an actor that Tune did not
+start there is none, so they only warn and drop the metrics. While the user's function runs a small
+stand-in session is installed (`ray_session.installed_session`): rank 0's reports are queued for the
+trial process (which polls them and calls the real `tune.report`), other ranks' reports are dropped,
+and `get_checkpoint()` returns the trial's restored checkpoint.
 
 The function runs in a background thread so that the worker actor stays free to answer the trial's
 polls: the trial asks rank 0 for reports (the call returns as soon as one is queued), relays them, then
@@ -27,7 +26,8 @@ from typing import Any
 
 import ray
 import torch.distributed as dist
-from ray.train._internal import session as train_session
+
+from raysgd_tune._internal.ray_session import TrialInfo, installed_session
 
 __all__ = [
     "Report",
@@ -68,9 +68,9 @@ class _ForwardingSession:
     Only what `ray.tune.report`, `ray.tune.get_checkpoint` and `ray.tune.get_context` read is here.
     """
 
-    def __init__(self, run: WorkerRun, trial_info: Any, checkpoint: Any) -> None:
+    def __init__(self, run: WorkerRun, trial_info: TrialInfo | None, checkpoint: Any) -> None:
         self._run = run
-        self.trial_info = trial_info
+        self.trial_info = trial_info or TrialInfo()
         self.loaded_checkpoint = checkpoint
         self.world_rank = run.rank
         self.world_size = run.world_size
@@ -81,23 +81,23 @@ class _ForwardingSession:
     # What `ray.tune.get_context()` reads (the trial process's TrialInfo, copied here).
     @property
     def experiment_name(self) -> str | None:
-        return getattr(self.trial_info, "experiment_name", None)
+        return self.trial_info.experiment_name
 
     @property
     def trial_name(self) -> str | None:
-        return getattr(self.trial_info, "name", None)
+        return self.trial_info.trial_name
 
     @property
     def trial_id(self) -> str | None:
-        return getattr(self.trial_info, "id", None)
+        return self.trial_info.trial_id
 
     @property
     def trial_resources(self) -> Any:
-        return getattr(self.trial_info, "resources", None)
+        return self.trial_info.trial_resources
 
     @property
     def trial_dir(self) -> str | None:
-        return getattr(self.trial_info, "logdir", None)
+        return self.trial_info.trial_dir
 
     def report(self, metrics: dict[str, Any], checkpoint: Any = None, **_: Any) -> None:
         self._run.report(metrics, checkpoint)
@@ -147,23 +147,25 @@ class WorkerRun:
 
     # -- the function thread ------------------------------------------------------------------
     def main(
-        self, func: Callable[..., Any], config: dict[str, Any], checkpoint: Any, trial_info: Any
+        self,
+        func: Callable[..., Any],
+        config: dict[str, Any],
+        checkpoint: Any,
+        trial_info: TrialInfo | None,
     ) -> None:
         global _CURRENT
         restore_dir = None
-        previous = train_session.get_session()
         try:
             if checkpoint is not None:
                 # Each worker gets its own copy, on its own node (the storage may be remote).
                 restore_dir = checkpoint.to_directory(tempfile.mkdtemp(prefix="raysgd_restore_"))
-            train_session._session = _ForwardingSession(self, trial_info, checkpoint)
-            _CURRENT = self
-            func(config, checkpoint_dir=restore_dir)
+            with installed_session(_ForwardingSession(self, trial_info, checkpoint)):
+                _CURRENT = self
+                func(config, checkpoint_dir=restore_dir)
         except BaseException as exc:  # reported to the trial by the next poll
             self.error = exc
         finally:
             _CURRENT = None
-            train_session._session = previous
             if restore_dir is not None:
                 shutil.rmtree(restore_dir, ignore_errors=True)
             if self.pending_checkpoint is not None:
@@ -234,7 +236,7 @@ def _rank_info() -> tuple[int, int, int, int]:
 
 
 def start_run(
-    func: Callable[..., Any], config: dict[str, Any], checkpoint: Any, trial_info: Any
+    func: Callable[..., Any], config: dict[str, Any], checkpoint: Any, trial_info: TrialInfo | None
 ) -> None:
     """Run on every worker: start `func(config, checkpoint_dir=...)` in a background thread."""
     global _LAST
