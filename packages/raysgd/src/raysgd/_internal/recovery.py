@@ -1,6 +1,6 @@
 """The recovery loop around one `TorchTrainer.train()` call: detect, decide, resize, restore, redo.
 
-The protocol (DESIGN.md section 4, seed 002 "Fault Tolerance") in this module's terms:
+The protocol, RaySGD's fault tolerance in this module's terms:
 
 1. ``attempt()`` runs one train call on the current worker group. A lost actor or node surfaces at
    once as `WorkerDiedError` (the group sees the dead actor; nobody waits for a collective timeout).
@@ -19,9 +19,9 @@ The protocol (DESIGN.md section 4, seed 002 "Fault Tolerance") in this module's 
 Errors raised by user code (`WorkerError`) are never retried: they reach the caller unchanged, with the
 worker's traceback; the group is only repaired (same size, last good state) so the trainer stays usable.
 
-Deliberate differences from RaySGD v1 (reference raysgd-v1.md 4.3): the group is sized in workers (not
-raw CPUs), growth is asked of the policy at the start of every `train()`, and survivors are re-joined
-instead of killed.
+Deliberate differences from RaySGD 1.x's recovery: the group is sized in workers (not raw CPUs),
+growth is asked of the policy at the start of every `train()`, and survivors are re-joined instead of
+killed.
 """
 
 from __future__ import annotations
