@@ -17,6 +17,7 @@ from raysgd_core.gpu import require_cluster_gpus, resolve_use_gpu
 from raysgd_core.group import WorkerGroup
 from raysgd_core.info import RecoveryReport, WorkerInfo
 from raysgd_core.ray_options import WORKER_PRELOAD_MODULES, local_ray_options
+from raysgd_core.shipping import ship_by_value, shipped_by_value
 
 __version__ = "0.1.0"
 __all__ = [
@@ -34,4 +35,6 @@ __all__ = [
     "local_ray_options",
     "require_cluster_gpus",
     "resolve_use_gpu",
+    "ship_by_value",
+    "shipped_by_value",
 ]

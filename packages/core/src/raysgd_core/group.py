@@ -19,7 +19,6 @@ from raysgd_core._internal.placement import (
     estimate_fitting,
     make_bundle,
 )
-from raysgd_core._internal.shipping import ship_by_value
 from raysgd_core._internal.workers import (
     ActorSpec,
     Worker,
@@ -32,6 +31,7 @@ from raysgd_core._internal.workers import (
 )
 from raysgd_core.errors import ResourcesUnavailableError, WorkerDiedError
 from raysgd_core.info import RecoveryReport, WorkerInfo
+from raysgd_core.shipping import ship_by_value
 
 __all__ = ["RecoveryReport", "WorkerGroup", "WorkerInfo"]
 

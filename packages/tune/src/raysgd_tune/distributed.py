@@ -28,11 +28,10 @@ from typing import Any
 import ray
 from ray import tune
 
-from raysgd_core import resolve_use_gpu
+from raysgd_core import resolve_use_gpu, ship_by_value
 from raysgd_tune._internal import worker_run
 from raysgd_tune._internal.ray_session import trial_info as current_trial_info
 from raysgd_tune._internal.resources import worker_bundles_request
-from raysgd_tune._internal.shipping import ship_by_value
 
 __all__ = [
     "DistributedTrainableCreator",
@@ -211,7 +210,7 @@ def DistributedTrainableCreator(  # RaySGD's public name
         workers_per_bundle=num_workers_per_host or 1,
         strategy="SPREAD" if num_workers_per_host else "PACK",
     )
-    ship_by_value([func])
+    ship_by_value(func)
     spec = _Spec(func, num_workers, num_cpus_per_worker, num_gpus_per_worker, backend, timeout_s)
 
     # A fresh function per call: Tune stores its resource request as an attribute on it.

@@ -16,9 +16,8 @@ from typing import Any, ClassVar
 from ray import tune
 from ray.tune import PlacementGroupFactory
 
-from raysgd_core import resolve_use_gpu
+from raysgd_core import resolve_use_gpu, ship_by_value
 from raysgd_tune._internal.resources import worker_bundles_request
-from raysgd_tune._internal.shipping import ship_by_value
 
 __all__ = ["CHECKPOINT_FILE", "BaseTorchTrainable", "make_trainable", "trainer_resource_request"]
 
@@ -157,7 +156,7 @@ def make_trainable(
     # Freeze the arguments: Tune pickles the class once and trials must not see each other's edits.
     frozen_args = tuple(args)
     frozen_kwargs = dict(kwargs)
-    ship_by_value([trainer_cls, *frozen_args, *frozen_kwargs.values(), override_tune_step])
+    ship_by_value(trainer_cls, frozen_args, frozen_kwargs, override_tune_step)
 
     def setting(config: Mapping[str, Any], key: str) -> Any:
         if key in config:

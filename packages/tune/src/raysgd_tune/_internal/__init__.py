@@ -1,4 +1,4 @@
-"""Private helpers of raysgd_tune: resource requests, code shipping, the worker side of
+"""Private helpers of raysgd_tune: resource requests and the worker side of
 `DistributedTrainableCreator`. No stable API."""
 
 __all__: list[str] = []
