@@ -184,3 +184,20 @@ def test_pytorch_trainer_accepts_0_8_arguments(ray_local):
         trainer.shutdown()
     with pytest.raises(ValueError, match="num_replicas"):
         PyTorchTrainer(num_replicas=2, num_workers=2)
+
+
+def test_metric_keys_of_ray_util_sgd_utils():
+    """RaySGD's own tests index results with `NUM_SAMPLES` and `BATCH_COUNT` from
+    `ray.util.sgd.utils`: the same names, values and meaning here."""
+    import raysgd_operator
+    from raysgd.utils import BATCH_COUNT, NUM_SAMPLES, AverageMeterCollection
+
+    assert (NUM_SAMPLES, BATCH_COUNT) == ("num_samples", "batch_count")
+    assert (NUM_SAMPLES, BATCH_COUNT) == (raysgd_operator.NUM_SAMPLES, raysgd_operator.BATCH_COUNT)
+    meters = AverageMeterCollection()
+    meters.update({"loss": 1.0}, n=4)
+    meters.update({"loss": 4.0}, n=2)
+    summary = meters.summary()
+    assert summary[NUM_SAMPLES] == 6 and summary[BATCH_COUNT] == 2 and summary["loss"] == 2.0
+    reduced = raysgd_operator.reduce_worker_results([summary, {**summary, BATCH_COUNT: 4}])
+    assert reduced[NUM_SAMPLES] == 12 and reduced[BATCH_COUNT] == 3

@@ -2,6 +2,8 @@
 
 from raysgd_operator.batch import BATCH_SIZE, split_batch_size
 from raysgd_operator.metrics import (
+    BATCH_COUNT,
+    NUM_SAMPLES,
     AverageMeter,
     AverageMeterCollection,
     TimerCollection,
@@ -13,7 +15,9 @@ from raysgd_operator.runner import OperatorRunner
 
 __version__ = "0.1.0"
 __all__ = [
+    "BATCH_COUNT",
     "BATCH_SIZE",
+    "NUM_SAMPLES",
     "SCHEDULER_STEP_FREQS",
     "AverageMeter",
     "AverageMeterCollection",

@@ -11,7 +11,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["AverageMeter", "AverageMeterCollection", "TimerCollection", "reduce_worker_results"]
+__all__ = [
+    "BATCH_COUNT",
+    "NUM_SAMPLES",
+    "AverageMeter",
+    "AverageMeterCollection",
+    "TimerCollection",
+    "reduce_worker_results",
+]
+
+#: Metric key: how many samples the reported averages cover (summed across workers).
+NUM_SAMPLES = "num_samples"
+#: Metric key: how many batches a worker ran (averaged across workers).
+BATCH_COUNT = "batch_count"
 
 
 class AverageMeter:
@@ -106,7 +118,7 @@ class AverageMeterCollection:
         """The averaged metrics of every batch so far."""
         for key in list(self._pending):
             self._flush(key)
-        stats: dict[str, Any] = {"batch_count": self._batch_count, "num_samples": self.n}
+        stats: dict[str, Any] = {BATCH_COUNT: self._batch_count, NUM_SAMPLES: self.n}
         for key, meter in self._meters.items():
             stats[key] = meter.avg
             stats[f"last_{key}"] = meter.val
@@ -118,7 +130,7 @@ def _is_number(value: Any) -> bool:
 
 
 # Keys that are counters rather than per-sample quantities: a plain mean across workers.
-_PLAIN_MEAN_KEYS = ("batch_count", "epoch")
+_PLAIN_MEAN_KEYS = (BATCH_COUNT, "epoch")
 
 
 def reduce_worker_results(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -131,13 +143,13 @@ def reduce_worker_results(results: list[dict[str, Any]]) -> dict[str, Any]:
     """
     if not results:
         raise ValueError("reduce_worker_results needs at least one worker result")
-    weights = [float(r.get("num_samples", 1)) for r in results]
+    weights = [float(r.get(NUM_SAMPLES, 1)) for r in results]
     reduced: dict[str, Any] = {}
     for key, first in results[0].items():
         values = [r[key] for r in results if key in r]
         if not all(_is_number(v) for v in values):
             reduced[key] = first
-        elif key == "num_samples":
+        elif key == NUM_SAMPLES:
             reduced[key] = sum(values)
         elif key in _PLAIN_MEAN_KEYS:
             # Keep an int when every worker agrees (the usual case for ``epoch``).

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from raysgd_operator._internal.base import OperatorBase
 from raysgd_operator._internal.precision import Precision, get_precision
 from raysgd_operator.creator import from_creators as _from_creators
-from raysgd_operator.metrics import AverageMeterCollection, TimerCollection
+from raysgd_operator.metrics import NUM_SAMPLES, AverageMeterCollection, TimerCollection
 from raysgd_operator.options import TrainingOptions
 
 __all__ = ["TrainingOperator"]
@@ -238,7 +238,7 @@ class TrainingOperator(OperatorBase):
                 stepped = (self.global_step + 1) % self._options.accumulate_grad_batches == 0
                 if self._options.scheduler_step_freq == "batch" and stepped:
                     self._step_schedulers()
-                num_samples = metrics.pop("num_samples", 1)
+                num_samples = metrics.pop(NUM_SAMPLES, 1)
                 meters.update(metrics, n=num_samples)
                 self.global_step += 1
                 if bar is not None:
@@ -290,7 +290,7 @@ class TrainingOperator(OperatorBase):
                 self.optimizer_step(optimizer)
         # The loss stays a tensor: `train_epoch` reads all of a call's losses in one transfer at the
         # end instead of waiting for the device after every batch.
-        return {"train_loss": loss.detach(), "num_samples": target.size(0)}
+        return {"train_loss": loss.detach(), NUM_SAMPLES: target.size(0)}
 
     def validate(self, val_iterator: Iterable[Any], info: dict[str, Any]) -> dict[str, Any]:
         """Evaluate over ``val_iterator`` without gradients; averaged ``validate_batch`` results."""
@@ -302,7 +302,7 @@ class TrainingOperator(OperatorBase):
             with torch.no_grad():
                 for batch_idx, batch in enumerate(val_iterator):
                     metrics = self.validate_batch(batch, {"batch_idx": batch_idx, **info})
-                    meters.update(metrics, n=metrics.pop("num_samples", 1))
+                    meters.update(metrics, n=metrics.pop(NUM_SAMPLES, 1))
                     if bar is not None:
                         bar.update(1)
                         if "val_loss" in metrics:
@@ -329,7 +329,7 @@ class TrainingOperator(OperatorBase):
         accuracy: Any = 0.0
         if output.dim() > 1:
             accuracy = (output.argmax(dim=1) == target).sum().double() / num_samples
-        return {"val_loss": loss.detach(), "val_accuracy": accuracy, "num_samples": num_samples}
+        return {"val_loss": loss.detach(), "val_accuracy": accuracy, NUM_SAMPLES: num_samples}
 
     # -- extra state -------------------------------------------------------------------------
     def state_dict(self) -> Any:
