@@ -202,16 +202,22 @@ def dispatch(
 
 
 def run_rounds(
-    run_one: Callable[[str], dict[str, Any]], sides: Sequence[str], repeats: int
+    run_one: Callable[[str], dict[str, Any]],
+    sides: Sequence[str],
+    repeats: int,
+    *,
+    alternate: bool = False,
 ) -> dict[str, list[dict[str, Any]]]:
     """Call ``run_one(side)`` for every side, round-robin, `repeats` times.
 
-    A side that fails is reported and skipped from then on; the others go on.
+    With `alternate`, every other round runs the sides in reverse order (A-B-C, C-B-A, ...), so
+    that a side never always runs right after the same other one. A side that fails is reported
+    and skipped from then on; the others go on.
     """
     results: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     failed: dict[str, str] = {}
     for rep in range(repeats):
-        for side in sides:
+        for side in list(sides)[:: -1 if alternate and rep % 2 else 1]:
             if side in failed:
                 continue
             try:
@@ -234,8 +240,10 @@ def metric(
     runs: dict[str, list[dict[str, Any]]],
     key: str,
     note: str = "",
+    reference: str = REFERENCE,
 ) -> dict[str, Any]:
-    """One metric's summary: per side the values of `key`, their median, and ratio to torchrun."""
+    """One metric's summary: per side the values of `key`, their median, and the ratio to the
+    `reference` side's median (``ratio_vs_<reference>``; torchrun unless told otherwise)."""
     sides: dict[str, Any] = {}
     for side, side_runs in runs.items():
         errors = [r["error"] for r in side_runs if "error" in r]
@@ -244,32 +252,33 @@ def metric(
             sides[side] = {"values": values, "median": statistics.median(values)}
         else:
             sides[side] = {"error": errors[0] if errors else f"no {key!r} in results"}
-    ref = sides.get(REFERENCE, {}).get("median")
+    ref = sides.get(reference, {}).get("median")
     ratios = {
         side: s["median"] / ref
         for side, s in sides.items()
-        if side != REFERENCE and "median" in s and ref
+        if side != reference and "median" in s and ref
     }
     return {
         "metric": name,
         "unit": unit,
         "higher_is_better": higher_is_better,
         "sides": sides,
-        "ratio_vs_torchrun": ratios,
+        f"ratio_vs_{reference}": ratios,
         "note": note,
     }
 
 
 def print_metric(m: dict[str, Any]) -> None:
-    """A small table: side, median, ratio to torchrun, and which direction is better."""
+    """A small table: side, median, ratio to the reference, and which direction is better."""
     better = "higher" if m["higher_is_better"] else "lower"
+    reference = next((k[len("ratio_vs_") :] for k in m if k.startswith("ratio_vs_")), REFERENCE)
     print(f"\n{m['metric']} ({m['unit']}, {better} is better)")
     for side, s in m["sides"].items():
         if "error" in s:
             print(f"  {side:<22} error: {s['error'].splitlines()[0][:100]}")
             continue
-        ratio = m["ratio_vs_torchrun"].get(side)
-        rtxt = f"{ratio:6.3f}x torchrun" if ratio is not None else ""
+        ratio = m.get(f"ratio_vs_{reference}", {}).get(side)
+        rtxt = f"{ratio:6.3f}x {reference}" if ratio is not None else ""
         print(f"  {side:<22} {s['median']:10.3f}  (n={len(s['values'])})  {rtxt}")
     if m.get("note"):
         print(f"  note: {m['note']}")

@@ -9,6 +9,8 @@ table and the others go on.
     hatch run bench:all                      # everything, default sizes (the lead, quiet machine)
     hatch run bench:all --quick --repeats 1  # a smoke run of everything
     hatch run bench:all --only throughput,recovery
+
+`bench:gpu` is part of it only where a GPU is visible.
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ from raysgd_examples.bench._common import child_env, machine_info
 __all__ = ["BENCHMARKS", "chart", "main", "markdown_table"]
 
 BENCHMARKS = ("core_startup", "throughput", "startup", "recovery", "amp", "tune_overhead")
+#: Run by default only where a GPU is visible (its own script, `bench:gpu`, says so otherwise).
+GPU_BENCHMARKS = ("gpu",)
+
+
+def _gpu_visible() -> bool:
+    from raysgd_examples.bench.gpu import gpu_count
+
+    return gpu_count() > 0
 
 
 def _ratios(metric: dict[str, Any]) -> tuple[str, dict[str, float]]:
@@ -133,13 +143,21 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=None, help="passed to every benchmark")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     parser.add_argument("--out", default="bench_results")
-    parser.add_argument("--only", default=",".join(BENCHMARKS), help="comma-separated subset")
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated subset (default: all; gpu only where a GPU is visible)",
+    )
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per benchmark")
     args = parser.parse_args(argv)
-    chosen = [b.strip() for b in args.only.split(",") if b.strip()]
-    unknown = sorted(set(chosen) - set(BENCHMARKS))
+    if args.only is None:
+        chosen = list(BENCHMARKS) + (list(GPU_BENCHMARKS) if _gpu_visible() else [])
+    else:
+        chosen = [b.strip() for b in args.only.split(",") if b.strip()]
+    known = BENCHMARKS + GPU_BENCHMARKS
+    unknown = sorted(set(chosen) - set(known))
     if unknown:
-        parser.error(f"--only: unknown {unknown}; known: {list(BENCHMARKS)}")
+        parser.error(f"--only: unknown {unknown}; known: {list(known)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {name: _run_one(name, args, out) for name in chosen}
