@@ -1,6 +1,6 @@
 """TrainingOperator, OperatorRunner, metrics and BATCH_SIZE for raysgd (torch only, no Ray)."""
 
-from raysgd_operator.batch import BATCH_SIZE, split_batch_size
+from raysgd_operator.batch import BATCH_SIZE, check_batch_size, split_batch_size
 from raysgd_operator.metrics import (
     BATCH_COUNT,
     NUM_SAMPLES,
@@ -25,6 +25,7 @@ __all__ = [
     "TimerCollection",
     "TrainingOperator",
     "TrainingOptions",
+    "check_batch_size",
     "reduce_worker_results",
     "split_batch_size",
 ]

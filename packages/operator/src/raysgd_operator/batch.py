@@ -4,14 +4,36 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["BATCH_SIZE", "split_batch_size"]
+__all__ = ["BATCH_SIZE", "check_batch_size", "split_batch_size"]
 
 logger = logging.getLogger(__name__)
 
 #: Config key holding the *global* batch size; every worker's config gets its share of it.
 BATCH_SIZE = "*batch_size"
+
+
+def check_batch_size(config: Mapping[str, Any], num_workers: int) -> int | None:
+    """Validate ``config[BATCH_SIZE]`` for ``num_workers`` workers; return it (``None`` if absent).
+
+    Raises ``ValueError`` when it is not a positive int or is smaller than ``num_workers`` (a
+    worker would get an empty batch). Cheap and silent: the driver calls it before starting workers.
+    """
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    if BATCH_SIZE not in config:
+        return None
+    total = config[BATCH_SIZE]
+    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+        raise ValueError(f"config[BATCH_SIZE] must be a positive int, got {total!r}")
+    if total < num_workers:
+        raise ValueError(
+            f"config[BATCH_SIZE]={total} is smaller than num_workers={num_workers}: "
+            "every worker needs at least one sample per batch"
+        )
+    return total
 
 
 def split_batch_size(config: dict[str, Any], num_workers: int) -> tuple[dict[str, Any], int | None]:
@@ -21,21 +43,13 @@ def split_batch_size(config: dict[str, Any], num_workers: int) -> tuple[dict[str
     per-worker share ``global // num_workers``, and the global size actually trained with
     (``share * num_workers``; smaller than asked when it does not divide, which is warned about).
     Without the key the config is returned (copied) unchanged and the global size is ``None``.
+    Errors as in `check_batch_size`.
     """
-    if num_workers < 1:
-        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    total = check_batch_size(config, num_workers)
     worker_config = dict(config)
-    if BATCH_SIZE not in config:
+    if total is None:
         return worker_config, None
-    total = config[BATCH_SIZE]
-    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
-        raise ValueError(f"config[BATCH_SIZE] must be a positive int, got {total!r}")
     share = total // num_workers
-    if share < 1:
-        raise ValueError(
-            f"config[BATCH_SIZE]={total} is smaller than num_workers={num_workers}: "
-            "every worker needs at least one sample per batch"
-        )
     if share * num_workers != total:
         msg = (
             f"config[BATCH_SIZE]={total} does not divide over {num_workers} workers; "

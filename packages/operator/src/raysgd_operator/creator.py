@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import tempfile
 from collections.abc import Iterable
@@ -36,12 +37,59 @@ def _check_all(value: Any, kind: type, creator: str, what: str) -> None:
     raise TypeError(f"{creator} must return {what} or a tuple of them, got {type(value).__name__}")
 
 
+#: What each creator is called with, for error messages and the driver-side signature check.
+_SIGNATURES = {
+    "model_creator": "(config)",
+    "optimizer_creator": "(models, config)",
+    "data_creator": "(config)",
+    "loss_creator": "(config)",
+    "scheduler_creator": "(optimizers, config)",
+}
+
+
+def _describe(fn: Any) -> str:
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    try:
+        return f"{name}{inspect.signature(fn)}"
+    except (TypeError, ValueError):
+        return name
+
+
+def _check_signature(name: str, fn: Any) -> None:
+    """Fail on the driver, naming the creator, when `fn` cannot take the arguments it will get."""
+    expected = _SIGNATURES[name]
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins and C callables: nothing to check
+        return
+    dummies = [object()] * (expected.count(",") + 1)
+    try:
+        signature.bind(*dummies)
+    except TypeError as exc:
+        raise TypeError(
+            f"{name} is called as {name}{expected}, but {_describe(fn)} cannot take "
+            f"{len(dummies)} positional argument(s): {exc}"
+        ) from None
+
+
+def _call(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Call creator `fn`; an error raised inside it says which creator it came from."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        if hasattr(exc, "add_note"):  # Python 3.11+
+            exc.add_note(f"raised in {name}{_SIGNATURES[name]}: {_describe(fn)}")
+        raise
+
+
 def _make_loss(loss_creator: Any, config: dict[str, Any]) -> Any:
     if loss_creator is None:
         return None
+    if isinstance(loss_creator, nn.Module):
+        return loss_creator  # a loss instance such as nn.MSELoss(): the criterion itself
     if isinstance(loss_creator, type) and issubclass(loss_creator, nn.Module):
         return loss_creator()  # a loss class such as nn.MSELoss
-    return loss_creator(config)
+    return _call("loss_creator", loss_creator, config)
 
 
 def _split_loaders(result: Any) -> tuple[Any, Any]:
@@ -63,22 +111,22 @@ def _split_loaders(result: Any) -> tuple[Any, Any]:
 def _creator_setup(self: Any, config: dict[str, Any]) -> None:
     """``setup`` of a creator-built operator: call each creator, then register the results."""
     creators: _Creators = type(self)._creators
-    models = creators.model(config)
+    models = _call("model_creator", creators.model, config)
     _check_all(models, nn.Module, "model_creator", "a torch.nn.Module")
-    optimizers = creators.optimizer(models, config)
+    optimizers = _call("optimizer_creator", creators.optimizer, models, config)
     _check_all(optimizers, torch.optim.Optimizer, "optimizer_creator", "a torch.optim.Optimizer")
     criterion = _make_loss(creators.loss, config)
     kwargs: dict[str, Any] = {"models": models, "optimizers": optimizers, "criterion": criterion}
     if creators.scheduler is not None:
-        kwargs["schedulers"] = creators.scheduler(optimizers, config)
+        kwargs["schedulers"] = _call("scheduler_creator", creators.scheduler, optimizers, config)
     self.register(**kwargs)
     if creators.data is None:
         return
     if creators.serialize_data_creation:
         with FileLock(os.path.join(tempfile.gettempdir(), DATA_LOCK_NAME)):
-            result = creators.data(config)
+            result = _call("data_creator", creators.data, config)
     else:
-        result = creators.data(config)
+        result = _call("data_creator", creators.data, config)
     train_loader, validation_loader = _split_loaders(result)
     self.register_data(train_loader=train_loader, validation_loader=validation_loader)
 
@@ -96,9 +144,13 @@ def from_creators(
 
     ``model_creator(config)`` returns a model or a tuple of models; ``optimizer_creator(models,
     config)`` an optimizer or a tuple; ``data_creator(config)`` a train loader or ``(train,
-    validation)``; ``loss_creator`` is a loss class (``nn.MSELoss``) or ``fn(config)``;
+    validation)``; ``loss_creator`` is a loss class (``nn.MSELoss``), a loss instance
+    (``nn.MSELoss()``) or ``fn(config)``;
     ``scheduler_creator(optimizers, config)`` a scheduler or a tuple. Called on a subclass with its
     own ``train_batch`` (a GAN operator), the loops of that subclass are kept.
+
+    Raises ``TypeError`` here, before any worker starts, when a creator is not callable or cannot
+    take the arguments it will be called with; the message names the creator.
     """
     for name, fn in (("model_creator", model_creator), ("optimizer_creator", optimizer_creator)):
         if not callable(fn):
@@ -110,6 +162,15 @@ def from_creators(
     ):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
+    for name, fn in (
+        ("model_creator", model_creator),
+        ("optimizer_creator", optimizer_creator),
+        ("data_creator", data_creator),
+        ("loss_creator", loss_creator),
+        ("scheduler_creator", scheduler_creator),
+    ):
+        if fn is not None and not isinstance(fn, (type, nn.Module)):
+            _check_signature(name, fn)
     creators = _Creators(
         model_creator,
         optimizer_creator,

@@ -29,7 +29,7 @@ from raysgd._internal.validation import (
 )
 from raysgd_core import WorkerGroup, require_cluster_gpus, resolve_use_gpu
 from raysgd_fault import FailurePolicy, get_policy
-from raysgd_operator import TrainingOptions
+from raysgd_operator import TrainingOptions, check_batch_size
 
 __all__ = ["TorchTrainer"]
 
@@ -94,6 +94,8 @@ class TorchTrainer(TrainerDriver):
             backend=backend,
             initialization_hook=initialization_hook,
         )
+        # A global batch too small to give every worker a sample fails here, not on the workers.
+        check_batch_size(config or {}, self._num_workers)
         # The workers' options, validated here once and shipped whole. A new option is a field of
         # `TrainingOptions` plus its keyword above and its line here.
         self._options = TrainingOptions(

@@ -21,7 +21,12 @@ from raysgd._internal import worker
 from raysgd._internal.checkpoint import write_file
 from raysgd._internal.tensorboard import ScalarLogger
 from raysgd_core import WorkerDiedError, WorkerError, WorkerGroup
-from raysgd_operator import BATCH_SIZE, TrainingOptions, reduce_worker_results, split_batch_size
+from raysgd_operator import (
+    BATCH_SIZE,
+    TrainingOptions,
+    reduce_worker_results,
+    split_batch_size,
+)
 
 __all__ = ["AUTO_CHECKPOINT_NAME", "TrainerDriver"]
 
@@ -72,9 +77,10 @@ class TrainerDriver:
             if self._tensorboard is not None:
                 self._tensorboard.close()
             if isinstance(exc, WorkerError) and isinstance(exc.__cause__, (ValueError, TypeError)):
-                # A bad creator or operator set-up is the user's input error: show it as such,
-                # not as a worker traceback.
-                raise exc.__cause__ from None
+                # A bad creator or operator set-up is the user's input error: raise it as its own
+                # type, chained to the WorkerError that holds the worker's traceback (the cause's
+                # own frames do not survive the trip back from the worker).
+                raise exc.__cause__ from exc
             raise
         self._last_state, self._state_fresh = states[0], True
         done = time.monotonic()
