@@ -130,3 +130,11 @@ def test_split_batch_size_without_key_and_bad_input() -> None:
         split_batch_size({BATCH_SIZE: 1}, 2)
     with pytest.raises(ValueError, match="positive int"):
         split_batch_size({BATCH_SIZE: "8"}, 2)
+
+
+def test_uneven_batch_is_reported_once(
+    caplog: pytest.LogCaptureFixture, recwarn: pytest.WarningsRecorder
+) -> None:
+    split_batch_size({BATCH_SIZE: 21}, 2)
+    said = [str(w.message) for w in recwarn] + [r.getMessage() for r in caplog.records]
+    assert len([text for text in said if "does not divide" in text]) == 1, said

@@ -352,3 +352,26 @@ def test_accumulation_in_one_process_equals_big_batch() -> None:
         assert torch.allclose(a, b, atol=1e-6)
     assert small.operator.global_step == 4 and small.operator.accumulate_grad_batches == 4
     assert "model" not in small.operator._assigned
+
+
+def test_tqdm_without_a_terminal_redraws_rarely_and_ends_its_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Captured stderr is not a terminal (as in a log file or under Ray): each bar is drawn at its
+    start and end only, and ends with a newline so that the next print starts a fresh line."""
+
+    class SlowOperator(LinearOperator):
+        def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+            import time
+
+            time.sleep(0.15)  # longer than tqdm's default redraw interval
+            return super().train_batch(batch, batch_info)
+
+    runner = OperatorRunner(SlowOperator, {}, use_tqdm=True)
+    runner.train_epoch()
+    print("epoch table")
+    out = capsys.readouterr()
+    draws = [part for part in out.err.split("\r") if part.strip()]
+    assert len(draws) <= 2, draws  # the empty bar and the finished one, not one per batch
+    assert "8/8" in draws[-1] and out.err.endswith("\n")
+    assert out.out == "epoch table\n"

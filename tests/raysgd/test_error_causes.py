@@ -90,6 +90,10 @@ def test_loss_instance_trains_and_bad_checkpoints_are_refused_with_a_reason(ray_
         assert trainer.validate()["val_loss"] < first / 4
 
         good = trainer.save(tmp_path / "good.pt")
+        umask = os.umask(0)
+        os.umask(umask)
+        assert os.stat(good).st_mode & 0o777 == 0o666 & ~umask  # as any new file, not 0600
+        assert os.listdir(tmp_path) == ["good.pt"]  # no temp file left behind
         empty = tmp_path / "empty.pt"
         empty.write_bytes(b"")
         with pytest.raises(ValueError, match="empty"):

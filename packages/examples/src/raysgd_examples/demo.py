@@ -117,7 +117,10 @@ def main(argv: list[str] | None = None) -> float:
 
     accuracy = val_stats["val_accuracy"]
     print(f"checkpoint:  {checkpoint}")
-    print(f"tensorboard: tensorboard --logdir {os.path.join(args.out_dir, 'tensorboard')}")
+    # TensorBoard is in the repository's hatch environment; elsewhere: pip install tensorboard.
+    print(
+        f"tensorboard: hatch run tensorboard --logdir {os.path.join(args.out_dir, 'tensorboard')}"
+    )
     print(f"the trained model scores {_accuracy_here(model):.4f} when evaluated in this process")
     print(f"final validation accuracy: {accuracy:.4f} ({time.perf_counter() - began:.0f} s in all)")
     return accuracy

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["BATCH_SIZE", "check_batch_size", "split_batch_size"]
-
-logger = logging.getLogger(__name__)
 
 #: Config key holding the *global* batch size; every worker's config gets its share of it.
 BATCH_SIZE = "*batch_size"
@@ -51,11 +48,12 @@ def split_batch_size(config: dict[str, Any], num_workers: int) -> tuple[dict[str
         return worker_config, None
     share = total // num_workers
     if share * num_workers != total:
-        msg = (
+        # One channel only: a log line as well would show the same advice twice (Python prints
+        # unhandled warning-level log records to stderr even without logging configured).
+        warnings.warn(
             f"config[BATCH_SIZE]={total} does not divide over {num_workers} workers; "
-            f"using {share} per worker, a global batch of {share * num_workers}"
+            f"using {share} per worker, a global batch of {share * num_workers}",
+            stacklevel=2,
         )
-        warnings.warn(msg, stacklevel=2)
-        logger.warning(msg)
     worker_config[BATCH_SIZE] = share
     return worker_config, share * num_workers

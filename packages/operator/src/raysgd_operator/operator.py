@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterable
 from typing import Any, Callable
 
@@ -16,6 +17,17 @@ from raysgd_operator.metrics import NUM_SAMPLES, AverageMeterCollection, TimerCo
 from raysgd_operator.options import TrainingOptions
 
 __all__ = ["TrainingOperator"]
+
+
+#: Seconds between progress-bar redraws when stderr is not a terminal.
+_NON_TTY_BAR_INTERVAL_S = 30.0
+
+
+def _is_tty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 def _length(iterator: Any) -> int | None:
@@ -212,7 +224,21 @@ class TrainingOperator(OperatorBase):
             return None
         from tqdm.auto import tqdm
 
-        return tqdm(total=_length(iterator), desc=desc, unit="batch", leave=False)
+        stream = sys.stderr
+        interactive = "notebook" in getattr(tqdm, "__module__", "") or _is_tty(stream)
+        if interactive:
+            return tqdm(total=_length(iterator), desc=desc, unit="batch", leave=False, file=stream)
+        # Not a terminal (a log file, a pipe, Ray's log forwarding): carriage-return redraws would
+        # pile up as text, so redraw rarely and end the bar with its own line, so that whatever is
+        # printed next (a metrics table) starts on a fresh line.
+        return tqdm(
+            total=_length(iterator),
+            desc=desc,
+            unit="batch",
+            leave=True,
+            file=stream,
+            mininterval=_NON_TTY_BAR_INTERVAL_S,
+        )
 
     # -- default loops -----------------------------------------------------------------------
     def train_epoch(self, iterator: Iterable[Any], info: dict[str, Any]) -> dict[str, Any]:
@@ -242,10 +268,11 @@ class TrainingOperator(OperatorBase):
                 meters.update(metrics, n=num_samples)
                 self.global_step += 1
                 if bar is not None:
-                    bar.update(1)
                     if "train_loss" in metrics:
-                        # Reading the loss waits for the device: only with a bar to show it.
-                        bar.set_postfix(loss=float(metrics["train_loss"]))
+                        # Reading the loss waits for the device: only with a bar to show it. No
+                        # redraw of its own: `update` redraws at the bar's pace.
+                        bar.set_postfix(loss=float(metrics["train_loss"]), refresh=False)
+                    bar.update(1)
         finally:
             if bar is not None:
                 bar.close()
@@ -304,9 +331,9 @@ class TrainingOperator(OperatorBase):
                     metrics = self.validate_batch(batch, {"batch_idx": batch_idx, **info})
                     meters.update(metrics, n=metrics.pop(NUM_SAMPLES, 1))
                     if bar is not None:
-                        bar.update(1)
                         if "val_loss" in metrics:
-                            bar.set_postfix(loss=float(metrics["val_loss"]))
+                            bar.set_postfix(loss=float(metrics["val_loss"]), refresh=False)
+                        bar.update(1)
         finally:
             if bar is not None:
                 bar.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 import os
-import tempfile
+import uuid
 from typing import Any, Union
 
 import torch
@@ -78,11 +78,16 @@ def state_from_bytes(data: bytes, *, source: str = "state") -> dict[str, Any]:
 
 
 def write_file(path: PathLike, data: bytes) -> str:
-    """Write `data` to `path` atomically (a temp file in the same folder, then `os.replace`)."""
+    """Write `data` to `path` atomically: a temp file in the same folder, fsynced, renamed over
+    `path` with `os.replace`, then the folder fsynced so that the rename itself survives a crash.
+
+    The file gets the permissions of any new file (0666 less the umask), not `mkstemp`'s 0600.
+    """
     path = os.path.abspath(os.fspath(path))
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".raysgd-ckpt-", dir=folder)
+    tmp = os.path.join(folder, f".raysgd-ckpt-{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -93,7 +98,22 @@ def write_file(path: PathLike, data: bytes) -> str:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    _fsync_folder(folder)
     return path
+
+
+def _fsync_folder(folder: str) -> None:
+    """Persist the folder's entry for a renamed file (POSIX; folders cannot be opened on Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on a folder: the data itself is synced
+        pass
+    finally:
+        os.close(fd)
 
 
 def read_file(path: PathLike) -> tuple[bytes, dict[str, Any]]:
