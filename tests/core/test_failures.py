@@ -88,11 +88,15 @@ def test_exception_carries_traceback_rank_and_cause(ray_local):
         assert group.execute(_all_reduce_sum) == [6.0, 6.0, 6.0]
 
 
+def _own_actor():
+    return ray.get_runtime_context().current_actor
+
+
 def test_killed_actor_gives_worker_died_error_and_recover(ray_local, wait_no_leftovers):
     group = WorkerGroup(3).start()
     try:
         before = group.execute(_rank_and_pid)
-        victim = group._workers[1].actor
+        victim = group.execute_single(1, _own_actor)
         ray.kill(victim)
         with pytest.raises(WorkerDiedError) as info:
             group.execute(_all_reduce_sum)

@@ -125,3 +125,14 @@ def test_import_is_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("use_local", [False, True])
+def test_cpus_are_free_right_after_shutdown(ray_local, use_local):
+    # RaySGD's own tests read `ray.available_resources()` right after `shutdown()`: it must not
+    # return before Ray has removed the placement groups (their CPUs are missing until then).
+    free_before = _wait_for_cpus(4)
+    group = WorkerGroup(3, use_local=use_local).start()
+    assert ray.available_resources().get("CPU", 0) == free_before - 3
+    group.shutdown()
+    assert ray.available_resources().get("CPU", 0) == free_before

@@ -3,33 +3,17 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Optional, Union
 
-from raysgd_core._internal import recovery as _recovery
+from raysgd_core._internal import lifecycle
 from raysgd_core._internal.args import check_group_args
 from raysgd_core._internal.failures import Outcome, collect, raise_for
-from raysgd_core._internal.local import LocalWorker
-from raysgd_core._internal.placement import (
-    SlotPool,
-    describe_free_resources,
-    describe_request,
-    estimate_fitting,
-    make_bundle,
-)
-from raysgd_core._internal.workers import (
-    ActorSpec,
-    Worker,
-    await_started,
-    form_group,
-    kill_worker,
-    run_hooks,
-    spawn,
-    wait_ready,
-)
-from raysgd_core.errors import ResourcesUnavailableError, WorkerDiedError
+from raysgd_core._internal.placement import estimate_fitting, make_bundle
+from raysgd_core._internal.recovery import recover as _recover
+from raysgd_core._internal.state import GroupSpec, GroupState
+from raysgd_core._internal.workers import ActorSpec, kill_worker, record_local
 from raysgd_core.info import RecoveryReport, WorkerInfo
 from raysgd_core.shipping import ship_by_value
 
@@ -87,26 +71,53 @@ class WorkerGroup:
             placement_group=placement_group,
             start_timeout_s=start_timeout_s,
         )
-        self.num_workers = num_workers
-        self.use_local = bool(use_local)
-        self.backend = ("nccl" if num_gpus_per_worker else "gloo") if backend == "auto" else backend
-        self.timeout_s = float(timeout_s)
-        self.start_timeout_s = float(start_timeout_s)
-        self.placement_strategy = placement_strategy
+        self._num_workers = num_workers
         self._placement_group_arg = placement_group
-        self._bundle = make_bundle(num_cpus_per_worker, num_gpus_per_worker, resources_per_worker)
-        self._spec = ActorSpec(
-            num_cpus=num_cpus_per_worker,
-            num_gpus=num_gpus_per_worker,
-            resources=dict(resources_per_worker or {}),
-            env_vars={str(k): str(v) for k, v in (env_vars or {}).items()},
-            init_hook=init_hook,
+        backend = ("nccl" if num_gpus_per_worker else "gloo") if backend == "auto" else backend
+        self._spec = GroupSpec(
+            actor=ActorSpec(
+                num_cpus=num_cpus_per_worker,
+                num_gpus=num_gpus_per_worker,
+                resources=dict(resources_per_worker or {}),
+                env_vars={str(k): str(v) for k, v in (env_vars or {}).items()},
+                init_hook=init_hook,
+            ),
+            bundle=make_bundle(num_cpus_per_worker, num_gpus_per_worker, resources_per_worker),
+            backend=backend,
+            timeout_s=float(timeout_s),
+            start_timeout_s=float(start_timeout_s),
+            placement_strategy=placement_strategy,
+            use_local=bool(use_local),
         )
-        self._workers: list[Worker] = []
-        self._pool: Optional[SlotPool] = None
-        self._local: Optional[LocalWorker] = None
+        self._state = GroupState(self._spec)
+        self._put_values: dict[str, Any] = {}  # ObjectRef hex -> the object `put` stored
         self._started = False
-        self._broken = False  # the process group is unusable until recover()
+
+    # Read-only views of the spec (public since the first release).
+    @property
+    def use_local(self) -> bool:
+        """Rank 0 runs in the calling process."""
+        return self._spec.use_local
+
+    @property
+    def backend(self) -> str:
+        """The process group's backend ("gloo" or "nccl")."""
+        return self._spec.backend
+
+    @property
+    def timeout_s(self) -> float:
+        """Timeout of the process group's collectives, in seconds."""
+        return self._spec.timeout_s
+
+    @property
+    def start_timeout_s(self) -> float:
+        """How long `start()` waits for resources, and then for the actors to come up."""
+        return self._spec.start_timeout_s
+
+    @property
+    def placement_strategy(self) -> str:
+        """The placement-group strategy of the workers started by `start()`."""
+        return self._spec.placement_strategy
 
     # ----------------------------------------------------------------------------- life cycle
     def start(self) -> WorkerGroup:
@@ -123,73 +134,13 @@ class WorkerGroup:
             raise RuntimeError("WorkerGroup.start() was already called")
         if not ray.is_initialized():
             ray.init()
-        t0 = time.monotonic()
-        borrowed = self._resolve_placement_group()
-        self._pool = SlotPool(self._bundle, self.placement_strategy, borrowed)
         try:
-            self._start(borrowed, t0)
+            lifecycle.start(self._state, self._num_workers, self._resolve_placement_group())
         except BaseException:
-            self._teardown(force=True)
+            lifecycle.teardown(self._state, force=True)
             raise
         self._started = True
         return self
-
-    def _start(self, borrowed: Any, t0: float) -> None:
-        assert self._pool is not None
-        n_remote = self.num_workers - (1 if self.use_local else 0)
-        waits = []
-        if self.use_local:
-            self._local = LocalWorker()
-            self._workers = [Worker(local=self._local, info=self._local.runtime.describe())]
-            if borrowed is None:
-                pg = self._local.reserve(self._bundle, self.start_timeout_s)
-                if pg is not None:
-                    waits.append(pg.ready())
-        slots = self._pool.create_main([self._bundle] * n_remote) if n_remote else []
-        if slots and slots[0].owned:
-            waits.append(slots[0].pg.ready())
-        # Actors are created before the placement group is ready: Ray starts each one the moment
-        # its bundle is reserved, with no round trip in between.
-        spawned = spawn(slots, self._spec)
-        self._workers += spawned
-        request = describe_request(self.num_workers, self._bundle, self.placement_strategy)
-        if not wait_ready(waits, self.start_timeout_s):
-            raise ResourcesUnavailableError(
-                f"Could not reserve {request} within {self.start_timeout_s:g}s; "
-                f"the cluster has {describe_free_resources()}."
-            )
-        t_pg = time.monotonic()
-        logger.debug("placement group ready in %.2fs", t_pg - t0)
-        if self._local is not None:
-            self._local.learn_gpu(self._spec.num_gpus)
-        started, missing = await_started(spawned, self.start_timeout_s)
-        died = [w.info["start_error"] for w in missing if "start_error" in w.info]
-        if died:
-            raise WorkerDiedError(
-                f"{len(died)} of {n_remote} worker actors died while starting: {died[0]}",
-                [],
-                [],
-            )
-        if missing:
-            raise ResourcesUnavailableError(
-                f"Only {len(started)} of {n_remote} worker actors started within "
-                f"{self.start_timeout_s:g}s for {request}; the cluster has {describe_free_resources()}."
-            )
-        t_actors = time.monotonic()
-        logger.debug("%d actors up in %.2fs", len(started), t_actors - t_pg)
-        run_hooks(
-            started, self._local, self._spec.init_hook, first_rank=len(self._workers) - len(started)
-        )
-        self._form()
-        t_done = time.monotonic()
-        logger.info(
-            "WorkerGroup of %d ready in %.2fs (placement %.2fs, actors %.2fs, process group %.2fs)",
-            self.num_workers,
-            t_done - t0,
-            t_pg - t0,
-            t_actors - t_pg,
-            t_done - t_actors,
-        )
 
     def _resolve_placement_group(self) -> Any:
         if self._placement_group_arg is None:
@@ -199,16 +150,6 @@ class WorkerGroup:
 
             return get_current_placement_group()
         return self._placement_group_arg
-
-    def _form(self) -> None:
-        form_group(
-            self._workers,
-            backend=self.backend,
-            timeout_s=self.timeout_s,
-            formation_timeout_s=max(self.start_timeout_s, 10.0),
-            remote_gpu_index=0 if self._spec.num_gpus else None,
-        )
-        self._broken = False
 
     def __enter__(self) -> WorkerGroup:
         return self if self._started else self.start()
@@ -220,40 +161,24 @@ class WorkerGroup:
         """Stop every worker and free the placement groups (idempotent).
 
         Without `force`, workers first leave the process group cleanly (bounded wait); then the
-        actors are killed and the placement groups removed, so their resources go back to Ray.
+        actors are killed and the placement groups removed. It returns once Ray reports the groups
+        removed (bounded wait), so their resources are back in `ray.available_resources()`.
         """
-        self._teardown(force=force)
+        lifecycle.teardown(self._state, force=force)
         self._started = False
-
-    def _teardown(self, force: bool) -> None:
-        import ray
-
-        if not ray.is_initialized():  # Ray already shut down: its actors and groups went with it
-            self._workers = []
-            if self._local is not None:
-                self._local.runtime.destroy()
-                self._local.reservation_pg = self._local._holder = None
-                self._local.close()
-                self._local = None
-            return
-        remote = [w for w in self._workers if w.actor is not None and w.alive]
-        if not force and remote:
-            refs = [w.actor.destroy_process_group.remote() for w in remote]
-            ray.wait(refs, num_returns=len(refs), timeout=5.0)
-        for w in self._workers:
-            kill_worker(w)
-        self._workers = []
-        if self._pool is not None:
-            self._pool.remove_all()
-        if self._local is not None:
-            self._local.close()
-            self._local = None
 
     # ------------------------------------------------------------------------------ properties
     @property
+    def num_workers(self) -> int:
+        """The size asked for: by the constructor, then by the last `recover(num_workers)`.
+
+        Fewer may be running (`world_size`) when not all of them could be started."""
+        return self._num_workers
+
+    @property
     def world_size(self) -> int:
-        """Number of ranks in the current process group."""
-        return len(self._workers)
+        """Number of ranks in the current process group: the live size."""
+        return self._state.world_size
 
     @property
     def workers(self) -> list[WorkerInfo]:
@@ -269,18 +194,18 @@ class WorkerGroup:
                 device=w.device,
                 is_local=w.local is not None,
             )
-            for w in self._workers
+            for w in self._state.workers
         ]
 
     @property
     def healthy(self) -> bool:
         """Started, and no failure since the last (re-)formation of the process group."""
-        return self._started and not self._broken
+        return self._started and not self._state.broken
 
     @property
     def needs_recovery(self) -> bool:
         """A worker raised or died: call `recover(n)` before running collectives again."""
-        return self._started and self._broken
+        return self._started and self._state.broken
 
     # ------------------------------------------------------------------------------- execution
     def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
@@ -295,21 +220,40 @@ class WorkerGroup:
         """
         self._check_usable()
         ship_by_value(fn, args, kwargs)
-        remote = [w for w in self._workers if w.local is None]
+        remote = [w for w in self._state.workers if w.local is None]
         pending = {w.actor.run.remote(fn, *args, **kwargs): w.rank for w in remote}
         outcome = Outcome()
-        if self._local is not None:
+        if self._state.local is not None:
             self._run_local(outcome, fn, args, kwargs)
         self._finish(pending, outcome)
-        return [outcome.results[r] for r in range(len(self._workers))]
+        return [outcome.results[r] for r in range(len(self._state.workers))]
+
+    def put(self, value: Any, *, by_value: tuple[Any, ...] = ()) -> Any:
+        """Store `value` once in Ray's object store and return its `ObjectRef`, for `execute` calls.
+
+        `value` is pickled now, once: a class or function from the user's script is shipped as it
+        is at this call (its closure cells included), and every later call that passes the ref
+        reuses that copy instead of pickling the object again. Modules of `value`, of the items of
+        a tuple/list `value` and of `by_value` (objects `value` holds where this cannot see them)
+        travel by value, as for `execute` arguments. With `use_local=True`, rank 0 gets `value`
+        itself rather than a copy.
+        """
+        import ray
+
+        ship_by_value(value, tuple(by_value))
+        ref = ray.put(value)
+        # The local rank gets the object itself: unpickling a by-value class in the process that
+        # defined it would overwrite its methods with the copies (closures as they were here).
+        self._put_values[ref.hex()] = value
+        return ref
 
     def execute_single(self, rank: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run `fn(*args, **kwargs)` on one rank and return its result (errors as in `execute`)."""
         self._check_usable()
-        if not 0 <= rank < len(self._workers):
-            raise ValueError(f"rank must be in [0, {len(self._workers)}), got {rank}")
+        if not 0 <= rank < len(self._state.workers):
+            raise ValueError(f"rank must be in [0, {len(self._state.workers)}), got {rank}")
         ship_by_value(fn, args, kwargs)
-        worker = self._workers[rank]
+        worker = self._state.workers[rank]
         outcome = Outcome()
         pending = {}
         if worker.local is not None:
@@ -329,7 +273,7 @@ class WorkerGroup:
         ship_by_value(fn, args, kwargs)
         return [
             w.actor.run_raising.remote(fn, *args, **kwargs)
-            for w in self._workers
+            for w in self._state.workers
             if w.local is None
         ]
 
@@ -338,18 +282,23 @@ class WorkerGroup:
     ) -> None:
         import ray
 
-        assert self._local is not None
-        args = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)
-        kwargs = {k: ray.get(v) if isinstance(v, ray.ObjectRef) else v for k, v in kwargs.items()}
-        from raysgd_core._internal.workers import _record_local
+        assert self._state.local is not None
 
-        _record_local(outcome, 0, self._local.runtime.run(fn, args, kwargs))
+        def resolve(value: Any) -> Any:
+            if not isinstance(value, ray.ObjectRef):
+                return value
+            key = value.hex()
+            return self._put_values[key] if key in self._put_values else ray.get(value)
+
+        args = tuple(resolve(a) for a in args)
+        kwargs = {k: resolve(v) for k, v in kwargs.items()}
+        record_local(outcome, 0, self._state.local.runtime.run(fn, args, kwargs))
 
     def _finish(self, pending: dict, outcome: Outcome) -> None:
-        by_rank = {w.rank: w for w in self._workers}
+        by_rank = {w.rank: w for w in self._state.workers}
         collect(pending, outcome, kill=lambda r: kill_worker(by_rank[r]))
         if not outcome.ok:
-            self._broken = True
+            self._state.broken = True
             for r in outcome.died:
                 by_rank[r].alive = False
             raise_for(outcome, lambda r: by_rank[r].node_id if r in by_rank else "?")
@@ -359,31 +308,32 @@ class WorkerGroup:
             raise RuntimeError(
                 "WorkerGroup is not started (call start() or use it as a context manager)"
             )
-        if self._broken:
+        if self._state.broken:
             raise RuntimeError(
                 "WorkerGroup needs recovery after a worker failure: call recover(n) (or shutdown())"
             )
 
     # -------------------------------------------------------------------------------- recovery
-    def recover(self, target_size: int, *, timeout_s: float = 60.0) -> RecoveryReport:
-        """Replace dead or stuck workers and re-form the process group with up to `target_size` ranks.
+    def recover(self, num_workers: int, *, timeout_s: float = 60.0) -> RecoveryReport:
+        """Replace dead or stuck workers and re-form the process group with up to `num_workers` ranks.
 
         Survivors keep their process and `WorkerContext.store`; ranks are renumbered in the old
         order, new workers come last. As many new workers are started as actually start within
-        `timeout_s` (the result may be smaller than `target_size`, even 0). When keeping the
+        `timeout_s` (the result may be smaller than `num_workers`, even 0). When keeping the
         survivors fails, every remote worker is replaced ("full-restart").
         """
         if not self._started:
             raise RuntimeError("WorkerGroup is not started")
         minimum = 1 if self.use_local else 0
         if (
-            isinstance(target_size, bool)
-            or not isinstance(target_size, int)
-            or target_size < minimum
+            isinstance(num_workers, bool)
+            or not isinstance(num_workers, int)
+            or num_workers < minimum
         ):
-            raise ValueError(f"target_size must be an int >= {minimum}, got {target_size!r}")
-        return _recovery.recover(self, target_size, timeout_s)
+            raise ValueError(f"num_workers must be an int >= {minimum}, got {num_workers!r}")
+        self._num_workers = num_workers
+        return _recover(self._state, num_workers, timeout_s)
 
     def estimate_fitting(self) -> int:
         """A cheap guess of how many more workers the cluster has room for right now."""
-        return estimate_fitting(self._bundle, self._pool)
+        return estimate_fitting(self._spec.bundle, self._state.pool)

@@ -12,7 +12,14 @@ the decision; the policy only decides, so it is tested without Ray::
     print(decision)  # RETRY with 3 worker(s): ...
 """
 
-from raysgd_fault.decision import PHASES, Action, Decision, FailureStatus, describe
+from raysgd_fault.decision import (
+    PHASES,
+    Action,
+    Decision,
+    FailureStatus,
+    check_max_retries,
+    describe,
+)
 from raysgd_fault.policies import DefaultPolicy, ElasticPolicy, FailurePolicy, NeverRetryPolicy
 from raysgd_fault.registry import (
     ENTRY_POINT_GROUP,
@@ -33,6 +40,7 @@ __all__ = [
     "FailureStatus",
     "NeverRetryPolicy",
     "available_policies",
+    "check_max_retries",
     "describe",
     "get_policy",
     "register_policy",

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["PHASES", "Action", "Decision", "FailureStatus", "describe"]
+__all__ = ["PHASES", "Action", "Decision", "FailureStatus", "check_max_retries", "describe"]
 
 #: "failure": workers were just lost; "grow": start of `train()` with fewer workers than wanted.
 PHASES = ("failure", "grow")
@@ -23,6 +23,13 @@ def _check_count(name: str, value: object) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def check_max_retries(max_retries: object) -> int:
+    """Validate a `max_retries` (an int >= 0) and return it; the one rule the trainer checks its
+    `train(max_retries=...)` argument with before any work, and `FailureStatus` with later."""
+    _check_count("max_retries", max_retries)
+    return max_retries  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -55,9 +62,9 @@ class FailureStatus:
     phase: str = "failure"
 
     def __post_init__(self) -> None:
+        check_max_retries(self.max_retries)
         for name in (
             "failures",
-            "max_retries",
             "workers_wanted",
             "workers_alive",
             "workers_fitting",

@@ -22,7 +22,9 @@ class FailurePolicy(abc.ABC):
 
     Subclasses implement `decide`; it must not block, sleep or touch Ray: the trainer performs the
     decision (RETRY: resize to `num_workers`; WAIT: sleep `wait_s` then ask again with
-    `attempt + 1`; GIVE_UP: raise `RuntimeError(reason)`).
+    `attempt + 1`; GIVE_UP: raise `RuntimeError(reason)`). The policy alone owns the retry budget:
+    the trainer enforces no limit of its own, so a policy must eventually answer GIVE_UP (after
+    `max_retries` losses, after some fruitless `attempt`s) or training retries for ever.
     """
 
     #: Registry name, shown in logs.

@@ -119,18 +119,6 @@ class TorchTrainer(TrainerDriver):
             scheduler_creator=scheduler_creator,
             serialize_data_creation=serialize_data_creation,
         )
-        # Creator functions live inside the built class; listed so their modules travel by value.
-        self._user_code = tuple(
-            fn
-            for fn in (
-                model_creator,
-                data_creator,
-                optimizer_creator,
-                loss_creator,
-                scheduler_creator,
-            )
-            if fn is not None
-        )
         timeout = resolve_timeout(timeout_s)
         policy = get_policy(failure_policy)
 
@@ -154,8 +142,21 @@ class TorchTrainer(TrainerDriver):
             use_local=self._use_local,
             **start_timeout(),
         )
+        # The operator class (and the creator functions a built one holds) is pickled once, here:
+        # every start and restart reuses this copy. Pickling it again at a restart would take
+        # its closure cells as they are then: one that by then refers to the trainer itself
+        # would ship the whole trainer (or fail to pickle it).
+        creators = (model_creator, data_creator, optimizer_creator, loss_creator, scheduler_creator)
+        self._operator_ref = self._group.put(
+            self._operator_cls, by_value=tuple(fn for fn in creators if fn is not None)
+        )
         self._start_workers()
-        self._recovery = Recovery(trainer=self, policy=policy)
+        self._recovery = Recovery(
+            group=self._group,
+            num_workers=self._num_workers,
+            restore=self._restore_after_resize,
+            policy=policy,
+        )
 
     # --------------------------------------------------------------------------------- public
     def train(
@@ -180,9 +181,9 @@ class TorchTrainer(TrainerDriver):
         # The state is fetched only when something can use it: a retry, a checkpoint or a grow
         # (which restores `_last_state` on every worker, so it must be current before growing).
         # Tune's step (max_retries=0) thus pays no per-call snapshot.
-        if max_retries > 0 or checkpoint or self._group_size() < self._num_workers:
+        if max_retries > 0 or checkpoint or self._group.world_size < self._num_workers:
             self._capture_state()
-        self._grow_if_possible()
+        self._recovery.maybe_grow(max_retries=max_retries)
         if checkpoint:
             self._write_checkpoint(checkpoint)
 
@@ -332,7 +333,7 @@ class TorchTrainer(TrainerDriver):
     def num_workers(self) -> int:
         """Workers training now (fewer than asked for after a loss the cluster could not refill)."""
         self._check_alive()
-        return self._group_size()
+        return self._world_size()
 
     @property
     def failures(self) -> int:

@@ -77,10 +77,17 @@ class LocalWorker:
         ids = ray.get(self._holder.gpu_ids.remote())
         self.gpu_index = int(ids[0])
 
-    def close(self) -> None:
-        """Leave the process group, free the reservation, let another local group start."""
+    def forget_reservation(self) -> None:
+        """Drop the handles of the reservation (Ray is gone and took it along)."""
+        self.reservation_pg = self._holder = None
+
+    def close(self) -> list[Any]:
+        """Leave the process group, free the reservation, let another local group start.
+
+        Returns the placement groups whose removal was asked for (see `wait_removed`)."""
         import ray
 
+        removed = []
         self.runtime.destroy()
         if self._holder is not None:
             ray.kill(self._holder)
@@ -90,6 +97,7 @@ class LocalWorker:
 
             try:
                 remove_placement_group(self.reservation_pg)
+                removed.append(self.reservation_pg)
             except Exception:
                 logger.debug("removing the local reservation failed", exc_info=True)
             self.reservation_pg = None
@@ -102,6 +110,7 @@ class LocalWorker:
             and _ctx._process_default[0] is self.runtime.context
         ):
             _ctx._process_default[0] = None
+        return removed
 
 
 class _GpuHolder:

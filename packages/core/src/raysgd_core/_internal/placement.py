@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -21,6 +22,7 @@ __all__ = [
     "describe_request",
     "estimate_fitting",
     "make_bundle",
+    "wait_removed",
 ]
 
 logger = logging.getLogger("raysgd_core")
@@ -126,13 +128,15 @@ class SlotPool:
         elif slot not in self.free:
             self.free.append(slot)
 
-    def remove_all(self) -> None:
-        """Remove every placement group this pool created (killing anything still in them)."""
-        for pg in list(self.owned_pgs):
-            self._remove(pg)
-        self.free.clear()
+    def remove_all(self) -> list[Any]:
+        """Remove every placement group this pool created (killing anything still in them).
 
-    def _remove(self, pg: Any) -> None:
+        Returns the groups whose removal was asked for (see `wait_removed`)."""
+        removed = [pg for pg in list(self.owned_pgs) if self._remove(pg)]
+        self.free.clear()
+        return removed
+
+    def _remove(self, pg: Any) -> bool:
         from ray.util.placement_group import remove_placement_group
 
         if pg in self.owned_pgs:
@@ -141,6 +145,47 @@ class SlotPool:
             remove_placement_group(pg)
         except Exception:  # already gone (e.g. Ray shut down): nothing left to free
             logger.debug("remove_placement_group failed", exc_info=True)
+            return False
+        return True
+
+
+def wait_removed(pgs: list[Any], timeout_s: float) -> bool:
+    """Wait (bounded) until every group in `pgs` is removed and its resources are free again;
+    whether they all were.
+
+    `remove_placement_group` only asks for the removal: until the GCS has done it (the group's
+    state is REMOVED) and the nodes have reported the freed resources (no ``*_group_<id>`` entry
+    left in `ray.available_resources()`), the reserved CPUs are missing from the free ones, and a
+    caller that creates the next group right away could find the cluster full.
+    """
+    import ray
+    from ray.util import placement_group_table
+
+    deadline = time.monotonic() + timeout_s
+    pending = list(pgs)
+    delay = 0.005
+    while pending:
+        free = ray.available_resources()
+        pending = [pg for pg in pending if not _gone(placement_group_table, free, pg)]
+        if not pending:
+            return True
+        if time.monotonic() >= deadline:
+            logger.debug("%d placement group(s) not removed after %gs", len(pending), timeout_s)
+            return False
+        time.sleep(delay)
+        delay = min(0.1, delay * 2)
+    return True
+
+
+def _gone(table: Any, free: dict, pg: Any) -> bool:
+    try:
+        if str(table(pg).get("state", "REMOVED")) != "REMOVED":
+            return False
+    except Exception:  # no answer (Ray shut down): nothing is left to wait for
+        return True
+    # Resources reserved by a placement group show up as "<name>_group_<id>" until released.
+    suffix = f"_group_{pg.id.hex()}"
+    return not any(key.endswith(suffix) for key in free)
 
 
 def estimate_fitting(bundle: dict, pool: Optional[SlotPool]) -> int:

@@ -1,24 +1,24 @@
 """`WorkerGroup.recover`: keep the healthy workers, replace the rest, re-form the process group.
 
 Two paths. "keep-healthy": ping every worker with a short timeout (a worker stuck in a collective
-does not answer and is killed), drop the dead, destroy the old process group on the survivors, start
-new actors (as many as start within the time left) and form a new group over survivors + new ones.
+does not answer and is killed), drop the dead, start the replacements and, while they come up, make
+the survivors leave the old process group; then form a new group over survivors + new ones.
 Survivors keep their process, so their `store` (the trainer's runner, the model) is kept. If that
 fails, "full-restart": kill every remote worker and start all of them anew.
+
+Everything here works on a `GroupState` (what runs) and its `GroupSpec` (what to run).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from raysgd_core._internal.failures import Outcome, collect, raise_for
-from raysgd_core._internal.workers import Worker, await_started, kill_worker, run_hooks, spawn
-
-if TYPE_CHECKING:
-    from raysgd_core.group import WorkerGroup
-    from raysgd_core.info import RecoveryReport
+from raysgd_core._internal.state import GroupState
+from raysgd_core._internal.workers import Worker, await_started, run_hooks, spawn
+from raysgd_core.errors import WorkerError
+from raysgd_core.info import RecoveryReport
 
 __all__ = ["recover"]
 
@@ -28,106 +28,113 @@ logger = logging.getLogger("raysgd_core")
 PING_TIMEOUT_S = 5.0
 
 
-def recover(group: WorkerGroup, target_size: int, timeout_s: float) -> RecoveryReport:
+def recover(state: GroupState, num_workers: int, timeout_s: float) -> RecoveryReport:
     """See `WorkerGroup.recover`."""
-    from raysgd_core.info import RecoveryReport
-
     t0 = time.monotonic()
     deadline = t0 + timeout_s
-    old = list(group._workers)
+    old = list(state.workers)
     rank_before = {id(w): w.rank for w in old}
     try:
-        kept, started = _keep_healthy(group, target_size, deadline)
+        kept, started = _keep_healthy(state, num_workers, deadline)
         path = "keep-healthy"
     except Exception as exc:  # includes a failed re-formation; WorkerError from init_hook too
-        from raysgd_core.errors import WorkerError
-
         if isinstance(exc, WorkerError):
             raise
         logger.warning("keeping the healthy workers failed (%s); restarting all of them", exc)
-        kept, started = _full_restart(group, target_size, deadline)
+        kept, started = _full_restart(state, num_workers, deadline)
         path = "full-restart"
-    kept_map = {rank_before[id(w)]: w.rank for w in kept}
+    kept_ids = {id(k) for k in kept}
     report = RecoveryReport(
         path=path,
-        kept=kept_map,
+        kept={rank_before[id(w)]: w.rank for w in kept},
         started=[w.rank for w in started],
-        world_size=len(group._workers),
+        world_size=state.world_size,
         duration_s=time.monotonic() - t0,
-        lost=sorted(rank_before[id(w)] for w in old if id(w) not in {id(k) for k in kept}),
+        lost=sorted(rank_before[id(w)] for w in old if id(w) not in kept_ids),
     )
     logger.info("recovered (%s) to %d workers in %.2fs", path, report.world_size, report.duration_s)
     return report
 
 
-def _keep_healthy(group: WorkerGroup, target: int, deadline: float) -> tuple[list, list]:
-    workers = group._workers
+def _keep_healthy(state: GroupState, target: int, deadline: float) -> tuple[list, list]:
+    workers = state.workers
     alive = _ping(workers)
     for w in workers:
         if w not in alive:
-            kill_worker(w)
-            _release(group, w)
+            state.drop(w)
     survivors = [w for w in workers if w in alive]
     for w in survivors[target:]:  # shrinking: drop the highest ranks
-        kill_worker(w)
-        _release(group, w)
+        state.drop(w)
     survivors = survivors[:target]
-    if not group._broken and len(survivors) == len(workers) == target:
+    if not state.broken and len(survivors) == len(workers) == target:
         return survivors, []  # nothing to do: the old group is intact
-    # Leave the old group everywhere first; a survivor that cannot do that is not healthy.
-    refs = {w.actor.destroy_process_group.remote(): i for i, w in enumerate(survivors) if w.actor}
-    outcome = Outcome()
-    if group._local is not None:
-        group._local.runtime.destroy()
-    collect(refs, outcome, kill=lambda i: kill_worker(survivors[i]))
-    raise_for(outcome, lambda i: survivors[i].node_id)
-    group._workers = survivors
-    new = _start_new(group, target - len(survivors), deadline)
-    group._workers = survivors + new
-    group._broken = True
-    group._form()
+    # Replacements start first: their process start and imports (the slow part) overlap with the
+    # survivors leaving the old group.
+    spawned = _spawn(state, target - len(survivors))
+    try:
+        # Leave the old group everywhere; a survivor that cannot do that is not healthy.
+        refs = {
+            w.actor.destroy_process_group.remote(): i for i, w in enumerate(survivors) if w.actor
+        }
+        outcome = Outcome()
+        if state.local is not None:
+            state.local.runtime.destroy()
+        collect(refs, outcome, kill=lambda i: state.drop(survivors[i]))
+        raise_for(outcome, lambda i: survivors[i].node_id)
+        state.workers = survivors
+        new = _await_new(state, spawned, deadline)
+    except BaseException:
+        for w in spawned:
+            state.drop(w)
+        raise
+    state.workers = survivors + new
+    state.broken = True
+    state.form()
     return survivors, new
 
 
-def _full_restart(group: WorkerGroup, target: int, deadline: float) -> tuple[list, list]:
-    for w in group._workers:
-        kill_worker(w)
-    assert group._pool is not None
-    group._pool.remove_all()
+def _full_restart(state: GroupState, target: int, deadline: float) -> tuple[list, list]:
+    for w in state.workers:
+        state.drop(w)
+    assert state.pool is not None
+    state.pool.remove_all()
     kept: list[Worker] = []
-    if group._local is not None:
-        group._local.runtime.destroy()
-        local = next(w for w in group._workers if w.local is not None)
-        kept = [local]
-    group._workers = list(kept)
-    new = _start_new(group, target - len(kept), max(deadline, time.monotonic() + 5.0))
-    group._workers = kept + new
-    group._broken = True
-    group._form()
+    if state.local is not None:
+        state.local.runtime.destroy()
+        kept = [w for w in state.workers if w.local is not None][:1]
+    state.workers = list(kept)
+    spawned = _spawn(state, target - len(kept))
+    new = _await_new(state, spawned, max(deadline, time.monotonic() + 5.0))
+    state.workers = kept + new
+    state.broken = True
+    state.form()
     return kept, new
 
 
-def _start_new(group: WorkerGroup, count: int, deadline: float) -> list[Worker]:
-    """Start up to `count` workers, keeping those that come up before the deadline (less a
-    reserve for forming the group)."""
+def _spawn(state: GroupState, count: int) -> list[Worker]:
+    """Create `count` new actors without waiting for them (`_await_new` collects them)."""
     if count <= 0:
         return []
-    assert group._pool is not None
-    slots = [group._pool.acquire() for _ in range(count)]
-    spawned = spawn(slots, group._spec)
+    assert state.pool is not None
+    return spawn([state.pool.acquire() for _ in range(count)], state.spec.actor)
+
+
+def _await_new(state: GroupState, spawned: list[Worker], deadline: float) -> list[Worker]:
+    """Keep the spawned workers that come up before the deadline (less a reserve for forming the
+    group) and whose init hook succeeds; they will be ranked after `state.workers`."""
+    if not spawned:
+        return []
     reserve = min(10.0, 0.3 * (deadline - time.monotonic()))
     started, missing = await_started(spawned, max(0.5, deadline - time.monotonic() - reserve))
     for w in missing:
-        kill_worker(w)
-        _release(group, w)
+        state.drop(w)
     if missing:
-        logger.info("%d of %d new workers did not start in time", len(missing), count)
+        logger.info("%d of %d new workers did not start in time", len(missing), len(spawned))
     try:
-        run_hooks(started, None, group._spec.init_hook, first_rank=len(group._workers))
+        run_hooks(started, None, state.spec.actor.init_hook, first_rank=state.world_size)
     except BaseException:
         for w in started:
-            kill_worker(w)
-            _release(group, w)
+            state.drop(w)
         raise
     return started
 
@@ -148,9 +155,3 @@ def _ping(workers: list[Worker]) -> list[Worker]:
         except Exception:
             pass
     return [w for w in workers if w in alive]
-
-
-def _release(group: WorkerGroup, worker: Worker) -> None:
-    if worker.slot is not None and group._pool is not None:
-        group._pool.release(worker.slot)
-        worker.slot = None

@@ -19,6 +19,7 @@ __all__ = [
     "await_started",
     "form_group",
     "kill_worker",
+    "record_local",
     "run_hooks",
     "spawn",
     "wait_ready",
@@ -108,7 +109,7 @@ def run_hooks(
     outcome = Outcome()
     if local is not None and hook is not None:
         result = local.runtime.run(hook, (), {})
-        _record_local(outcome, 0, result)
+        record_local(outcome, 0, result)
     by_index = {first_rank + i: w for i, w in enumerate(workers)}
     pending = {w.info.pop("hook_ref"): i for i, w in by_index.items() if "hook_ref" in w.info}
     collect(pending, outcome, kill=lambda i: kill_worker(by_index[i]))
@@ -174,7 +175,7 @@ def form_group(
         # remote ranks were asked first.
         local = head.local
         result = local.runtime.run(local.runtime.form, (), kwargs(head, local.gpu_index))
-        _record_local(outcome, 0, result)
+        record_local(outcome, 0, result)
     collect(pending, outcome, kill=lambda r: kill_worker(workers[r]))
     raise_for(outcome, node_of)
     for w in workers:
@@ -193,7 +194,7 @@ def kill_worker(worker: Worker) -> None:
             logger.debug("ray.kill failed", exc_info=True)
 
 
-def _record_local(outcome: Outcome, rank: int, result: Any) -> None:
+def record_local(outcome: Outcome, rank: int, result: Any) -> None:
     from raysgd_core._internal.runtime import Failure
 
     if isinstance(result, Failure):

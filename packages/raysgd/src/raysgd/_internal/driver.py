@@ -42,8 +42,8 @@ class TrainerDriver:
     _group: WorkerGroup
     _num_workers: int
     _operator_cls: type
+    _operator_ref: Any  # `_operator_cls` in the object store, pickled once (see TorchTrainer)
     _options: TrainingOptions
-    _user_code: tuple[Any, ...]
     _user_config: dict[str, Any]
     _config: dict[str, Any]
     _use_local: bool
@@ -62,14 +62,13 @@ class TrainerDriver:
         try:
             self._group.start()
             group_ready = time.monotonic()
-            worker_config = self._split_config(self._group_size())
+            worker_config = self._split_config(self._world_size())
             states = self._group.execute(
                 worker.create_runner,
-                self._operator_cls,
+                self._operator_ref,
                 worker_config,
                 self._options,
                 True,
-                self._user_code,
             )
         except BaseException as exc:
             self._group.shutdown()
@@ -98,7 +97,7 @@ class TrainerDriver:
             self._config[BATCH_SIZE] = global_batch
         return worker_config
 
-    def _group_size(self) -> int:
+    def _world_size(self) -> int:
         return int(self._group.world_size)
 
     def _restore_after_resize(self, report: Any = None) -> None:
@@ -115,20 +114,15 @@ class TrainerDriver:
             else:
                 logger.warning("no worker survived: restoring the last state the driver holds")
             self._state_fresh = True
-        worker_config = self._split_config(self._group_size())
+        worker_config = self._split_config(self._world_size())
         state_ref = ray.put(self._last_state)
         self._group.execute(
             worker.restore_runner,
-            self._operator_cls,
+            self._operator_ref,
             worker_config,
             self._options,
             state_ref,
-            self._user_code,
         )
-
-    def _grow_if_possible(self) -> None:
-        """Seam for the recovery loop: grow back to `num_workers` when the cluster has room."""
-        self._recovery.maybe_grow()
 
     # ------------------------------------------------------------------------------- internals
     def _check_alive(self) -> None:
@@ -157,7 +151,7 @@ class TrainerDriver:
         if not self._group.needs_recovery:
             return
         try:
-            report = self._group.recover(max(1, self._group_size()))
+            report = self._group.recover(max(1, self._world_size()))
             self._restore_after_resize(report)
         except Exception:  # the original error matters more; the next train() recovers again
             logger.warning("could not repair the worker group after a failed call", exc_info=True)
@@ -176,7 +170,7 @@ class TrainerDriver:
         """Rank 0 was lost since the last call, with the state it held. Survivors hold the same
         state (DDP keeps replicas equal): re-form the group around them, read it from the new
         rank 0 (a survivor), then bring every worker to it."""
-        self._restore_after_resize(self._group.recover(max(1, self._group_size())))
+        self._restore_after_resize(self._group.recover(max(1, self._world_size())))
 
     def _load_bytes(self, data: bytes) -> None:
         # One object-store copy for all workers instead of one serialisation per worker.

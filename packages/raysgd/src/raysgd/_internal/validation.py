@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
+from raysgd_fault import check_max_retries
 from raysgd_operator import TrainingOperator
 
 __all__ = [
@@ -158,8 +159,7 @@ def resolve_operator_cls(
 
 def check_train_args(max_retries: Any, checkpoint: Any, num_steps: Any) -> None:
     """Arguments of `TorchTrainer.train` that are checked on the driver."""
-    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
-        raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
+    check_max_retries(max_retries)
     if checkpoint not in (None, False, "auto") and not isinstance(checkpoint, (str, os.PathLike)):
         raise ValueError(f"checkpoint must be None, 'auto' or a file path, got {checkpoint!r}")
     if num_steps is not None:

@@ -70,14 +70,11 @@ def create_runner(
     config: Mapping[str, Any],
     options: TrainingOptions,
     return_state: bool = False,
-    user_code: tuple[Any, ...] = (),
 ) -> Optional[bytes]:
     """Build this worker's runner (which runs the user's `setup`).
 
     With `return_state`, rank 0 also returns its initial state, so that the trainer has its first
-    in-memory checkpoint without another round trip before the first `train()`. `user_code` is not
-    used here: it lists the creator functions a creator-built operator class holds, because
-    raysgd_core ships the modules of call arguments by value and would not look inside the class.
+    in-memory checkpoint without another round trip before the first `train()`.
     """
     runner = _build(operator_cls, config, options)
     if return_state and get_context().world_rank == 0:
@@ -90,11 +87,8 @@ def restore_runner(
     config: Mapping[str, Any],
     options: TrainingOptions,
     state: bytes,
-    user_code: tuple[Any, ...] = (),
 ) -> None:
-    """After a resize: re-bind a kept runner (or build one on a new worker), then load `state`.
-
-    `user_code`: as for `create_runner`."""
+    """After a resize: re-bind a kept runner (or build one on a new worker), then load `state`."""
     ctx = get_context()
     runner: Optional[OperatorRunner] = ctx.store.get(RUNNER_KEY)
     rebound = False

@@ -293,3 +293,39 @@ def test_user_error_is_raised_once_with_traceback_and_trainer_still_works(tmp_pa
         assert trainer.num_workers == 2
     finally:
         trainer.shutdown()
+
+
+def _operator_that_refers_to_the_trainer() -> tuple[type, Any]:
+    """An operator class built in a function: pickled by value with its closure cells, like a class
+    from a script's `__main__`. It refers to a variable that later holds the trainer (the shape
+    ``trainer = None; class Op: ...; trainer = TorchTrainer(...)``)."""
+    trainer = None
+
+    class SeesTrainerOperator(ExitOnceOperator):
+        def trainer_is_set(self) -> bool:
+            return trainer is not None
+
+    def hold(value: Any) -> None:
+        nonlocal trainer
+        trainer = value
+
+    return SeesTrainerOperator, hold
+
+
+@pytest.mark.timeout(120)
+def test_restart_reuses_the_operator_class_shipped_at_construction(tmp_path: Path) -> None:
+    # Were the class pickled again at the restart, its closure would now carry the trainer; with
+    # rank 0 in this process that cannot be pickled, the restart would fail as a second loss and
+    # the redone epoch would run on one worker with another result.
+    op_cls, hold = _operator_that_refers_to_the_trainer()
+    trainer = _make(op_cls, tmp_path, use_local=True)
+    hold(trainer)
+    try:
+        stats = [trainer.train(max_retries=3), trainer.train(max_retries=3)]
+        assert (tmp_path / "exited").exists()
+        assert trainer.failures == 1
+        assert trainer.num_workers == 2
+        _assert_same_run(stats, _weights(trainer), tmp_path)
+    finally:
+        hold(None)
+        trainer.shutdown()

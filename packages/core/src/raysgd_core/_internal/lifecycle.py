@@ -1,0 +1,119 @@
+"""Starting and stopping the workers of a `GroupState` (`WorkerGroup.start` / `shutdown`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from raysgd_core._internal.local import LocalWorker
+from raysgd_core._internal.placement import (
+    SlotPool,
+    describe_free_resources,
+    describe_request,
+    wait_removed,
+)
+from raysgd_core._internal.state import GroupState
+from raysgd_core._internal.workers import (
+    Worker,
+    await_started,
+    kill_worker,
+    run_hooks,
+    spawn,
+    wait_ready,
+)
+from raysgd_core.errors import ResourcesUnavailableError, WorkerDiedError
+
+__all__ = ["start", "teardown"]
+
+logger = logging.getLogger("raysgd_core")
+
+#: How long `teardown` waits for the removed placement groups to give their resources back.
+REMOVE_WAIT_S = 10.0
+
+
+def start(state: GroupState, num_workers: int, borrowed: Any) -> None:
+    """Place, start and hook `num_workers` workers and form their process group; on any error the
+    caller tears the state down. `borrowed`: a placement group to place the workers in, or None."""
+    spec = state.spec
+    t0 = time.monotonic()
+    state.pool = pool = SlotPool(spec.bundle, spec.placement_strategy, borrowed)
+    n_remote = num_workers - (1 if spec.use_local else 0)
+    waits = []
+    if spec.use_local:
+        state.local = local = LocalWorker()
+        state.workers = [Worker(local=local, info=local.runtime.describe())]
+        if borrowed is None:
+            pg = local.reserve(spec.bundle, spec.start_timeout_s)
+            if pg is not None:
+                waits.append(pg.ready())
+    slots = pool.create_main([spec.bundle] * n_remote) if n_remote else []
+    if slots and slots[0].owned:
+        waits.append(slots[0].pg.ready())
+    # Actors are created before the placement group is ready: Ray starts each one the moment
+    # its bundle is reserved, with no round trip in between.
+    spawned = spawn(slots, spec.actor)
+    state.workers += spawned
+    request = describe_request(num_workers, spec.bundle, spec.placement_strategy)
+    if not wait_ready(waits, spec.start_timeout_s):
+        raise ResourcesUnavailableError(
+            f"Could not reserve {request} within {spec.start_timeout_s:g}s; "
+            f"the cluster has {describe_free_resources()}."
+        )
+    t_pg = time.monotonic()
+    if state.local is not None:
+        state.local.learn_gpu(spec.actor.num_gpus)
+    started, missing = await_started(spawned, spec.start_timeout_s)
+    died = [w.info["start_error"] for w in missing if "start_error" in w.info]
+    if died:
+        raise WorkerDiedError(
+            f"{len(died)} of {n_remote} worker actors died while starting: {died[0]}", [], []
+        )
+    if missing:
+        raise ResourcesUnavailableError(
+            f"Only {len(started)} of {n_remote} worker actors started within "
+            f"{spec.start_timeout_s:g}s for {request}; the cluster has {describe_free_resources()}."
+        )
+    t_actors = time.monotonic()
+    run_hooks(
+        started, state.local, spec.actor.init_hook, first_rank=state.world_size - len(started)
+    )
+    state.form()
+    t_done = time.monotonic()
+    logger.info(
+        "WorkerGroup of %d ready in %.2fs (placement %.2fs, actors %.2fs, process group %.2fs)",
+        num_workers,
+        t_done - t0,
+        t_pg - t0,
+        t_actors - t_pg,
+        t_done - t_actors,
+    )
+
+
+def teardown(state: GroupState, force: bool) -> None:
+    """Stop every worker and remove the placement groups; returns once Ray reports them removed
+    (bounded by `REMOVE_WAIT_S`), so that their resources are free when the caller goes on."""
+    import ray
+
+    if not ray.is_initialized():  # Ray already shut down: its actors and groups went with it
+        state.workers = []
+        if state.local is not None:
+            state.local.runtime.destroy()
+            state.local.forget_reservation()
+            state.local.close()
+            state.local = None
+        return
+    remote = [w for w in state.workers if w.actor is not None and w.alive]
+    if not force and remote:
+        refs = [w.actor.destroy_process_group.remote() for w in remote]
+        ray.wait(refs, num_returns=len(refs), timeout=5.0)
+    for w in state.workers:
+        kill_worker(w)
+    state.workers = []
+    removed = []
+    if state.pool is not None:
+        removed += state.pool.remove_all()
+    if state.local is not None:
+        removed += state.local.close()
+        state.local = None
+    wait_removed(removed, REMOVE_WAIT_S)

@@ -1,0 +1,69 @@
+"""What a `WorkerGroup` runs (`GroupSpec`) kept apart from what runs now (`GroupState`).
+
+`WorkerGroup` is the public face; starting, recovering and stopping all work on one `GroupState`,
+so that `recovery.py` needs neither the group class nor its private fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from raysgd_core._internal.local import LocalWorker
+from raysgd_core._internal.placement import SlotPool
+from raysgd_core._internal.workers import ActorSpec, Worker, form_group, kill_worker
+
+__all__ = ["GroupSpec", "GroupState"]
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What every worker of a group is started with; fixed when the group is built."""
+
+    actor: ActorSpec
+    bundle: dict
+    backend: str
+    timeout_s: float
+    start_timeout_s: float
+    placement_strategy: str
+    use_local: bool
+
+    @property
+    def formation_timeout_s(self) -> float:
+        """How long forming the process group may take (joining ranks wait this long)."""
+        return max(self.start_timeout_s, 10.0)
+
+
+@dataclass(eq=False)
+class GroupState:
+    """The running part of a group: its workers in rank order, their slots and its health."""
+
+    spec: GroupSpec
+    workers: list[Worker] = field(default_factory=list)
+    pool: Optional[SlotPool] = None
+    local: Optional[LocalWorker] = None
+    #: The process group is unusable (a worker raised or died) until it is re-formed.
+    broken: bool = False
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the current process group (the live size)."""
+        return len(self.workers)
+
+    def form(self) -> None:
+        """Form a new process group over `workers` (rank = position); the group is usable again."""
+        form_group(
+            self.workers,
+            backend=self.spec.backend,
+            timeout_s=self.spec.timeout_s,
+            formation_timeout_s=self.spec.formation_timeout_s,
+            remote_gpu_index=0 if self.spec.actor.num_gpus else None,
+        )
+        self.broken = False
+
+    def drop(self, worker: Worker) -> None:
+        """Kill a remote worker and give its slot back (the local rank is never killed)."""
+        kill_worker(worker)
+        if worker.slot is not None and self.pool is not None:
+            self.pool.release(worker.slot)
+            worker.slot = None

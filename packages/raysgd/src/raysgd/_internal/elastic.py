@@ -1,0 +1,59 @@
+"""The recovery loop's view of a worker group (`ElasticGroup`) and its named states (`LoopState`)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Protocol
+
+from raysgd_core import RecoveryReport
+from raysgd_fault import Action
+
+__all__ = ["NEXT_STATE", "ElasticGroup", "LoopState", "on_live_nodes"]
+
+
+class ElasticGroup(Protocol):
+    """What the recovery loop needs of a worker group; `raysgd_core.WorkerGroup` is one."""
+
+    @property
+    def world_size(self) -> int:
+        """Workers in the current process group (the live size)."""
+
+    @property
+    def needs_recovery(self) -> bool:
+        """A worker raised or died: `recover` must run before the next call."""
+
+    def recover(self, num_workers: int, *, timeout_s: float) -> RecoveryReport:
+        """Re-form the group with up to `num_workers` workers, keeping the healthy ones."""
+
+    def estimate_fitting(self) -> int:
+        """A cheap guess of how many more workers the cluster has room for."""
+
+
+class LoopState(str, enum.Enum):
+    """Where the recovery loop is in one `run()` call (see the module docstring)."""
+
+    RUNNING = "running"
+    FAILED = "failed"
+    WAITING = "waiting"
+    RESTARTING = "restarting"
+    SUCCEEDED = "succeeded"
+    GAVE_UP = "gave_up"
+
+
+#: The state each policy action leads to.
+NEXT_STATE = {
+    Action.RETRY: LoopState.RESTARTING,
+    Action.WAIT: LoopState.WAITING,
+    Action.GIVE_UP: LoopState.GAVE_UP,
+}
+
+
+def on_live_nodes(nodes: Sequence[str]) -> int:
+    """How many of `nodes` (one entry per lost worker) Ray still reports alive."""
+    if not nodes:
+        return 0
+    import ray
+
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    return sum(1 for node in nodes if node in alive)

@@ -1,0 +1,248 @@
+"""The recovery loop's decisions, driven through a fake worker group (no Ray, no processes).
+
+`FakeGroup` implements the loop's narrow view of a group (`ElasticGroup`): its live size, whether it
+needs recovery, `recover` and `estimate_fitting`. `room` is how many workers the fake cluster can
+hold; scripted attempts raise the errors a real group raises. Real losses are tested end to end in
+`test_recovery_trainer.py`; here every path of the state machine is walked in milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import pytest
+
+from raysgd._internal.elastic import LoopState
+from raysgd._internal.recovery import Recovery
+from raysgd_core import RecoveryReport, WorkerDiedError, WorkerError
+from raysgd_fault import Action, Decision, DefaultPolicy, FailurePolicy, FailureStatus
+
+
+class FakeGroup:
+    """A worker group whose size changes only through `recover`, bounded by `room`."""
+
+    def __init__(self, size: int, room: int) -> None:
+        self.world_size = size
+        self.room = room
+        self.needs_recovery = False
+        self.dead = 0  # workers lost since the last recover (still counted in `world_size`)
+        self.recover_calls: list[int] = []
+        self.recover_errors: list[BaseException] = []  # raised by the next recover calls
+
+    def recover(self, num_workers: int, *, timeout_s: float) -> RecoveryReport:
+        self.recover_calls.append(num_workers)
+        if self.recover_errors:
+            raise self.recover_errors.pop(0)
+        survivors = min(self.world_size - self.dead, num_workers)
+        self.world_size = min(num_workers, max(self.room, survivors))
+        self.needs_recovery, self.dead = False, 0
+        return RecoveryReport(
+            path="keep-healthy",
+            kept={r: r for r in range(survivors)},
+            started=list(range(survivors, self.world_size)),
+            world_size=self.world_size,
+            duration_s=0.0,
+            lost=[],
+        )
+
+    def estimate_fitting(self) -> int:
+        return max(0, self.room - (self.world_size - self.dead))
+
+
+def died(group: FakeGroup, ranks: Sequence[int]) -> WorkerDiedError:
+    """What a real group raises when `ranks` die: it needs recovery (its size changes only then)."""
+    group.needs_recovery = True
+    group.dead += len(ranks)
+    return WorkerDiedError("worker process exited", list(ranks), ["node"] * len(ranks))
+
+
+class Script:
+    """An attempt that raises the scripted errors one per call, then returns "done"."""
+
+    def __init__(self, *errors: Any) -> None:
+        self.errors = list(errors)
+        self.calls = 0
+
+    def __call__(self) -> str:
+        self.calls += 1
+        if self.errors:
+            make = self.errors.pop(0)
+            raise make()
+        return "done"
+
+
+def make_loop(
+    group: FakeGroup,
+    num_workers: int,
+    policy: Optional[FailurePolicy] = None,
+    *,
+    nodes_alive: bool = True,
+) -> tuple[Recovery, list[RecoveryReport], list[float]]:
+    restored: list[RecoveryReport] = []
+    sleeps: list[float] = []
+    loop = Recovery(
+        group=group,
+        num_workers=num_workers,
+        restore=restored.append,
+        policy=policy or DefaultPolicy(base_wait_s=0.5),
+        sleep=sleeps.append,
+        # A lost worker's slot is free again at once when its node lives on (a killed process).
+        reclaimable=lambda nodes: len(nodes) if nodes_alive else 0,
+    )
+    return loop, restored, sleeps
+
+
+def actions(loop: Recovery) -> list[str]:
+    return [e.action for e in loop.events if e.kind == "decision"]
+
+
+def test_retry_replaces_the_lost_worker_and_redoes_the_attempt() -> None:
+    group = FakeGroup(size=2, room=2)
+    loop, restored, _ = make_loop(group, 2)
+    attempt = Script(lambda: died(group, [1]))
+    assert loop.run(attempt, max_retries=3) == "done"
+    assert attempt.calls == 2 and group.recover_calls == [2] and group.world_size == 2
+    assert [r.started for r in restored] == [[1]]  # the restore callback saw the new worker
+    assert loop.failures == 1 and loop.state is LoopState.SUCCEEDED
+    assert [e.kind for e in loop.events] == ["failure", "decision", "resize", "recovered"]
+
+
+def test_shrink_when_the_lost_worker_cannot_be_replaced() -> None:
+    group = FakeGroup(size=3, room=2)  # the lost worker's slot is gone with its node
+    loop, restored, _ = make_loop(group, 3, nodes_alive=False)
+    assert loop.run(Script(lambda: died(group, [2])), max_retries=3) == "done"
+    assert group.recover_calls == [2] and group.world_size == 2
+    assert restored[0].world_size == 2
+
+
+def test_wait_backs_off_until_room_appears() -> None:
+    group = FakeGroup(size=2, room=0)  # every worker lost with its node, nothing fits for now
+    loop, _, sleeps = make_loop(group, 2, nodes_alive=False)
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        if len(sleeps) == 2:
+            group.room = 2  # the cluster got its nodes back while we waited
+
+    loop._sleep = sleep
+    assert loop.run(Script(lambda: died(group, [0, 1])), max_retries=3) == "done"
+    assert sleeps == [0.5, 1.0]  # exponential backoff from base_wait_s
+    assert actions(loop) == ["wait", "wait", "retry"]
+    assert group.recover_calls == [2] and group.world_size == 2
+
+
+def test_gives_up_when_the_policy_says_the_budget_is_spent() -> None:
+    group = FakeGroup(size=2, room=2)
+    loop, _, _ = make_loop(group, 2)
+    attempt = Script(*[lambda: died(group, [1])] * 5)
+    with pytest.raises(RuntimeError, match="max_retries=1") as excinfo:
+        loop.run(attempt, max_retries=1)
+    assert isinstance(excinfo.value.__cause__, WorkerDiedError)
+    assert str(excinfo.value).count("rank(s) [1] on node(s)") == 2  # every loss is named
+    assert attempt.calls == 2 and loop.failures == 2 and loop.state is LoopState.GAVE_UP
+
+
+def test_gives_up_after_fruitless_attempts() -> None:
+    group = FakeGroup(size=2, room=0)
+    loop, _, sleeps = make_loop(
+        group, 2, DefaultPolicy(max_attempts=2, base_wait_s=0.5), nodes_alive=False
+    )
+    with pytest.raises(RuntimeError, match="2 attempt"):
+        loop.run(Script(lambda: died(group, [0, 1])), max_retries=3)
+    assert sleeps == [0.5, 1.0] and actions(loop) == ["wait", "wait", "give_up"]
+
+
+def test_restart_that_starts_nobody_counts_as_a_fruitless_attempt() -> None:
+    group = FakeGroup(size=1, room=0)
+    loop, _, _ = make_loop(group, 1, nodes_alive=False)
+    # The estimate says one fits, but the start fails for want of room: RETRY finds nobody.
+    group.estimate_fitting = lambda: 1  # type: ignore[method-assign]
+    seen: list[int] = []
+    policy = loop.policy
+
+    class Recording(FailurePolicy):
+        def decide(self, status: FailureStatus) -> Decision:
+            seen.append(status.attempt)
+            if status.attempt == 2:
+                group.room = 1
+            return policy.decide(status)
+
+    loop.policy = Recording()
+    assert loop.run(Script(lambda: died(group, [0])), max_retries=3) == "done"
+    assert seen == [0, 1, 2] and group.recover_calls == [1, 1, 1]
+
+
+def test_a_failed_restart_is_one_more_loss_and_is_retried() -> None:
+    group = FakeGroup(size=2, room=2)
+    group.recover_errors = [WorkerDiedError("new worker died", [1], ["node"])]
+    loop, restored, _ = make_loop(group, 2)
+    assert loop.run(Script(lambda: died(group, [1])), max_retries=3) == "done"
+    assert loop.failures == 2 and len(restored) == 1
+    assert [e.kind for e in loop.events].count("restart_failed") == 1
+
+
+def test_the_policy_alone_owns_the_budget() -> None:
+    class Stubborn(FailurePolicy):
+        def decide(self, status: FailureStatus) -> Decision:
+            return Decision(Action.RETRY, num_workers=status.workers_wanted, reason="again")
+
+    group = FakeGroup(size=2, room=2)
+    loop, _, _ = make_loop(group, 2, Stubborn())
+    # max_retries=0, yet the loop retries as long as its policy says so.
+    attempt = Script(*[lambda: died(group, [1])] * 4)
+    assert loop.run(attempt, max_retries=0) == "done"
+    assert attempt.calls == 5 and loop.failures == 4
+
+
+def test_user_error_is_not_retried_and_the_group_is_repaired() -> None:
+    group = FakeGroup(size=2, room=2)
+    loop, restored, _ = make_loop(group, 2)
+
+    def raise_user_error() -> WorkerError:
+        group.needs_recovery = True  # the raising rank left its process group
+        return WorkerError("boom", 1, "node", "Traceback ...")
+
+    attempt = Script(raise_user_error)
+    with pytest.raises(WorkerError, match="boom"):
+        loop.run(attempt, max_retries=3)
+    assert attempt.calls == 1 and loop.failures == 0
+    assert group.recover_calls == [2] and len(restored) == 1  # repaired at the same size
+    assert [e.kind for e in loop.events] == ["user_error", "resize"]
+
+
+def test_a_group_left_broken_is_reformed_before_the_attempt() -> None:
+    group = FakeGroup(size=2, room=2)
+    group.needs_recovery = True
+    loop, restored, _ = make_loop(group, 2)
+    attempt = Script()
+    assert loop.run(attempt, max_retries=3) == "done"
+    assert group.recover_calls == [2] and len(restored) == 1 and attempt.calls == 1
+
+
+def test_grow_back_to_the_requested_size_with_the_callers_budget() -> None:
+    group = FakeGroup(size=1, room=3)
+    seen: list[FailureStatus] = []
+
+    class Recording(DefaultPolicy):
+        def decide(self, status: FailureStatus) -> Decision:
+            seen.append(status)
+            return super().decide(status)
+
+    loop, restored, _ = make_loop(group, 3, Recording())
+    assert loop.maybe_grow(max_retries=5) is True
+    assert group.recover_calls == [3] and group.world_size == 3 and len(restored) == 1
+    assert seen[0].phase == "grow" and seen[0].max_retries == 5
+    assert loop.maybe_grow(max_retries=5) is False  # at the requested size: nothing asked
+    assert len(seen) == 1
+
+
+def test_grow_that_starts_nobody_backs_off() -> None:
+    group = FakeGroup(size=1, room=1)
+    group.estimate_fitting = lambda: 1  # type: ignore[method-assign]  # a promise not kept
+    loop, _, _ = make_loop(group, 2)
+    assert loop.maybe_grow(max_retries=3) is False
+    assert group.recover_calls == [2]
+    assert loop.maybe_grow(max_retries=3) is False  # within the backoff: not even tried
+    assert group.recover_calls == [2]
+    assert "not trying again" in loop.events[-1].message
