@@ -44,6 +44,7 @@ class FakeGroup:
             world_size=self.world_size,
             duration_s=0.0,
             lost=[],
+            timings={"start_s": 0.25, "form_s": 0.125},
         )
 
     def estimate_fitting(self) -> int:
@@ -106,6 +107,8 @@ def test_retry_replaces_the_lost_worker_and_redoes_the_attempt() -> None:
     assert [r.started for r in restored] == [[1]]  # the restore callback saw the new worker
     assert loop.failures == 1 and loop.state is LoopState.SUCCEEDED
     assert [e.kind for e in loop.events] == ["failure", "decision", "resize", "recovered"]
+    phases = loop.events[2].phases  # the group's own phases, plus the restore's
+    assert phases["start_s"] == 0.25 and phases["form_s"] == 0.125 and phases["restore_s"] >= 0
 
 
 def test_shrink_when_the_lost_worker_cannot_be_replaced() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["RecoveryReport", "WorkerInfo"]
 
@@ -32,6 +32,10 @@ class RecoveryReport:
         world_size: the size of the re-formed group (0 when nothing could be started).
         duration_s: wall time of the recovery.
         lost: old ranks that were dead, stuck or dropped.
+        timings: seconds per phase: "ping_s" (finding the dead and stuck), "leave_s" (survivors
+            leaving the old process group, while the replacements start), "start_s" (from asking
+            for the replacements until they are up and their init hook ran), "form_s" (the new
+            process group). A phase that did not happen is absent.
     """
 
     path: str
@@ -40,3 +44,4 @@ class RecoveryReport:
     world_size: int
     duration_s: float
     lost: list[int]
+    timings: dict[str, float] = field(default_factory=dict)

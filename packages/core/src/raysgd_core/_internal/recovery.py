@@ -34,14 +34,16 @@ def recover(state: GroupState, num_workers: int, timeout_s: float) -> RecoveryRe
     deadline = t0 + timeout_s
     old = list(state.workers)
     rank_before = {id(w): w.rank for w in old}
+    timings: dict[str, float] = {}
     try:
-        kept, started = _keep_healthy(state, num_workers, deadline)
+        kept, started = _keep_healthy(state, num_workers, deadline, timings)
         path = "keep-healthy"
     except Exception as exc:  # includes a failed re-formation; WorkerError from init_hook too
         if isinstance(exc, WorkerError):
             raise
         logger.warning("keeping the healthy workers failed (%s); restarting all of them", exc)
-        kept, started = _full_restart(state, num_workers, deadline)
+        timings.clear()
+        kept, started = _full_restart(state, num_workers, deadline, timings)
         path = "full-restart"
     kept_ids = {id(k) for k in kept}
     report = RecoveryReport(
@@ -51,14 +53,19 @@ def recover(state: GroupState, num_workers: int, timeout_s: float) -> RecoveryRe
         world_size=state.world_size,
         duration_s=time.monotonic() - t0,
         lost=sorted(rank_before[id(w)] for w in old if id(w) not in kept_ids),
+        timings=timings,
     )
     logger.info("recovered (%s) to %d workers in %.2fs", path, report.world_size, report.duration_s)
     return report
 
 
-def _keep_healthy(state: GroupState, target: int, deadline: float) -> tuple[list, list]:
+def _keep_healthy(
+    state: GroupState, target: int, deadline: float, timings: dict[str, float]
+) -> tuple[list, list]:
     workers = state.workers
+    t0 = time.monotonic()
     alive = _ping(workers)
+    timings["ping_s"] = time.monotonic() - t0
     for w in workers:
         if w not in alive:
             state.drop(w)
@@ -70,6 +77,7 @@ def _keep_healthy(state: GroupState, target: int, deadline: float) -> tuple[list
         return survivors, []  # nothing to do: the old group is intact
     # Replacements start first: their process start and imports (the slow part) overlap with the
     # survivors leaving the old group.
+    t_spawn = time.monotonic()
     spawned = _spawn(state, target - len(survivors))
     try:
         # Leave the old group everywhere; a survivor that cannot do that is not healthy.
@@ -81,19 +89,21 @@ def _keep_healthy(state: GroupState, target: int, deadline: float) -> tuple[list
             state.local.runtime.destroy()
         collect(refs, outcome, kill=lambda i: state.drop(survivors[i]))
         raise_for(outcome, lambda i: survivors[i].node_id)
+        timings["leave_s"] = time.monotonic() - t_spawn
         state.workers = survivors
         new = _await_new(state, spawned, deadline)
+        timings["start_s"] = time.monotonic() - t_spawn
     except BaseException:
         for w in spawned:
             state.drop(w)
         raise
-    state.workers = survivors + new
-    state.broken = True
-    state.form()
+    _form(state, survivors + new, timings)
     return survivors, new
 
 
-def _full_restart(state: GroupState, target: int, deadline: float) -> tuple[list, list]:
+def _full_restart(
+    state: GroupState, target: int, deadline: float, timings: dict[str, float]
+) -> tuple[list, list]:
     for w in state.workers:
         state.drop(w)
     assert state.pool is not None
@@ -103,12 +113,21 @@ def _full_restart(state: GroupState, target: int, deadline: float) -> tuple[list
         state.local.runtime.destroy()
         kept = [w for w in state.workers if w.local is not None][:1]
     state.workers = list(kept)
+    t_spawn = time.monotonic()
     spawned = _spawn(state, target - len(kept))
     new = _await_new(state, spawned, max(deadline, time.monotonic() + 5.0))
-    state.workers = kept + new
-    state.broken = True
-    state.form()
+    timings["start_s"] = time.monotonic() - t_spawn
+    _form(state, kept + new, timings)
     return kept, new
+
+
+def _form(state: GroupState, workers: list[Worker], timings: dict[str, float]) -> None:
+    """Form the new process group over `workers` (rank = position)."""
+    state.workers = workers
+    state.broken = True  # until the new group is formed
+    t0 = time.monotonic()
+    state.form()
+    timings["form_s"] = time.monotonic() - t0
 
 
 def _spawn(state: GroupState, count: int) -> list[Worker]:

@@ -8,11 +8,17 @@ Sides, all on the same 2-worker job (`workload.py`), each run in a fresh process
   no switch to force its "full-restart" path (it falls back to it only when re-joining survivors
   fails), so this is the cost of that path (new processes, imports, data) measured the only way a
   user can cause it; the trainer then reports "keep-healthy" with no survivor kept.
+- raysgd_digits: the digits CNN of `raysgd_examples.digits` (a real job: its data set, Adam, a
+  shuffled loader), rank 1 dies; the job where a user sees recovery.
 - ray_train: Ray Train `TorchTrainer` with ``FailureConfig(max_failures=1)``; rank 1 dies.
 - torchrun: ``torchrun --max-restarts=1``; rank 1 dies, the agent restarts both processes.
 
 The dying worker stamps the wall-clock time of its death in a timeline file; rank 0 (whichever
-process it is by then) stamps every finished step; the result is the gap between the two.
+process it is by then) stamps every finished step; the result is the gap between the two. The raysgd
+sides also report its phases, from the trainer's recovery events: detect (kill -> the loop sees the
+loss), start (replacement actors up; the survivors leave the old group meanwhile), re-form (the new
+process group), restore (runners re-bound or built, last good state loaded) and redo (-> the first
+step of the redone epoch).
 Measured by the CEO on a small 2-worker job: Ray Train ~10.4 s, torchrun ~2.8 s. Goal: raysgd < 2 s.
 
     hatch run bench:recovery [--quick] [--repeats N] [--steps N] [--kill-at K]
@@ -28,9 +34,11 @@ from typing import Any
 
 from raysgd_examples.bench import _common
 
-__all__ = ["SIDES", "main", "measure"]
+__all__ = ["PHASES", "SIDES", "main", "measure", "phases"]
 
-SIDES = ("raysgd", "raysgd_all_killed", "torchrun", "ray_train")
+SIDES = ("raysgd", "raysgd_all_killed", "raysgd_digits", "torchrun", "ray_train")
+#: The phases of a raysgd recovery, in order (seconds each; see the module docstring).
+PHASES = ("detect_s", "start_s", "reform_s", "restore_s", "redo_s")
 _MODULE = "raysgd_examples.bench.recovery"
 
 
@@ -68,21 +76,41 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
 
             with _common.local_ray(settle=True):
                 _ray_train.fit(cfg, num_workers=args.workers, max_failures=1)
-        elif side in ("raysgd", "raysgd_all_killed"):
-            from raysgd_examples.bench import _raysgd
+        elif side in ("raysgd", "raysgd_all_killed", "raysgd_digits"):
+            from raysgd_examples.bench import _digits, _raysgd
 
+            make = _digits.make_trainer if side == "raysgd_digits" else _raysgd.make_trainer
             with _common.local_ray(settle=True, raysgd=True):
-                trainer = _raysgd.make_trainer(cfg, num_workers=args.workers)
+                trainer = make(cfg, num_workers=args.workers)
                 try:
                     trainer.train(num_steps=cfg["steps"], max_retries=1)
-                    paths = [e.path for e in trainer.recovery_events if getattr(e, "path", None)]
+                    events = trainer.recovery_events
+                    paths = [e.path for e in events if getattr(e, "path", None)]
                     result.update(path=",".join(paths), failures=trainer.failures)
+                    result.update(phases(events, Timeline(cfg["timeline"]).read()))
                 finally:
                     trainer.shutdown()
         else:
             raise ValueError(f"unknown side {side!r}")
         result["recovery_s"] = recovery_from_timeline(Timeline(cfg["timeline"]))
     return result
+
+
+def phases(events: list[Any], timeline: list[dict[str, Any]]) -> dict[str, float]:
+    """The phases of the first recovery (`PHASES`), from the trainer's recovery events and the
+    timeline's kill and step stamps (wall-clock times, comparable across processes)."""
+    kill = min(e["t"] for e in timeline if e["event"] == "kill")
+    failure = next(e for e in events if e.kind == "failure")
+    resize = next(e for e in events if e.kind == "resize" and e.timestamp >= failure.timestamp)
+    step = min(e["t"] for e in timeline if e["event"] == "step" and e["t"] > resize.timestamp)
+    times = dict(resize.phases)
+    return {
+        "detect_s": failure.timestamp - kill,
+        "start_s": times.get("start_s", 0.0),
+        "reform_s": times.get("form_s", 0.0),
+        "restore_s": times.get("restore_s", 0.0),
+        "redo_s": step - resize.timestamp,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -107,7 +135,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         note="kill -> next finished step; raysgd_all_killed: every rank killed",
     )
     _common.print_metric(m)
-    _common.write_results(args.out, "recovery", [m], args, workload=_loop_config(args))
+    raysgd_runs = {side: r for side, r in runs.items() if side.startswith("raysgd")}
+    parts = [
+        _common.metric(f"recovery phase {key[:-2]}", "s", False, raysgd_runs, key) for key in PHASES
+    ]
+    if raysgd_runs:
+        print("\nraysgd recovery phases (s, median): " + ", ".join(PHASES))
+        for side in raysgd_runs:
+            cells = [p["sides"][side].get("median") for p in parts]
+            text = "  ".join("   -  " if c is None else f"{c:6.3f}" for c in cells)
+            print(f"  {side:<22} {text}")
+    _common.write_results(args.out, "recovery", [m, *parts], args, workload=_loop_config(args))
     return m
 
 

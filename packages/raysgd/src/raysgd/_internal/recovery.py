@@ -267,6 +267,7 @@ class Recovery:
             num_workers_before=before,
             num_workers_after=report.world_size,
             path=report.path,
+            phases={**getattr(report, "timings", {}), "restore_s": done - formed},
         )
         return True
 

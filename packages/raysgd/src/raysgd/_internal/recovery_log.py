@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from raysgd_core import WorkerDiedError, WorkerError
@@ -83,6 +83,9 @@ class RecoveryEvent:
         path: For a resize, "keep-healthy" or "full-restart" as reported by the worker group.
         action: For a decision, the policy's action ("retry", "wait", "give_up").
         error: Error text for failures and user errors.
+        phases: For a resize, seconds per phase: the worker group's (`RecoveryReport.timings`:
+            "ping_s", "leave_s", "start_s", "form_s") and "restore_s" (runners re-bound or built
+            and the last good state loaded).
     """
 
     kind: str
@@ -96,6 +99,7 @@ class RecoveryEvent:
     path: Optional[str] = None
     action: Optional[str] = None
     error: Optional[str] = None
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 class RecoveryLog:
