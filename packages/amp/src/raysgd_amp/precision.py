@@ -62,6 +62,17 @@ class Precision:
         """The dtype that `autocast()` computes in (`torch.float32` when not reduced)."""
         return torch.float32
 
+    def param_dtypes(self) -> tuple[Optional[torch.dtype], Optional[torch.dtype]]:
+        """`(param_dtype, reduce_dtype)` for wrappers that cast parameters themselves (FSDP2).
+
+        The one rule for sharded training: full precision keeps everything as it is
+        (`(None, None)`); a reduced-precision backend computes in its `dtype` and reduces
+        gradients in fp32, so that summing many workers' gradients loses no precision.
+        """
+        if not self.enabled:
+            return None, None
+        return self.dtype, torch.float32
+
     def setup(
         self,
         models: Sequence[nn.Module],

@@ -12,6 +12,8 @@ from raysgd_operator.metrics import (
 from raysgd_operator.operator import TrainingOperator
 from raysgd_operator.options import SCHEDULER_STEP_FREQS, TrainingOptions
 from raysgd_operator.runner import OperatorRunner
+from raysgd_operator.strategies import available_strategies, get_strategy, register_strategy
+from raysgd_operator.strategy import Strategy, WrapContext
 
 __version__ = "0.1.0"
 __all__ = [
@@ -22,10 +24,15 @@ __all__ = [
     "AverageMeter",
     "AverageMeterCollection",
     "OperatorRunner",
+    "Strategy",
     "TimerCollection",
     "TrainingOperator",
     "TrainingOptions",
+    "WrapContext",
+    "available_strategies",
+    "get_strategy",
     "check_batch_size",
     "reduce_worker_results",
+    "register_strategy",
     "split_batch_size",
 ]

@@ -8,13 +8,14 @@ from collections.abc import Iterable
 from typing import Any, Callable
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from raysgd_operator._internal.base import OperatorBase
 from raysgd_operator._internal.precision import Precision, get_precision
 from raysgd_operator.creator import from_creators as _from_creators
 from raysgd_operator.metrics import NUM_SAMPLES, AverageMeterCollection, TimerCollection
 from raysgd_operator.options import TrainingOptions
+from raysgd_operator.strategies.registry import resolve_strategy
+from raysgd_operator.strategy import Strategy
 
 __all__ = ["TrainingOperator"]
 
@@ -74,6 +75,11 @@ class TrainingOperator(OperatorBase):
                 self._options.use_fp16, device=self._device, apex_args=self._options.apex_args
             )
         )
+        self._strategy = resolve_strategy(
+            self._options.strategy, self._options.strategy_args, wrap_ddp=self._options.wrap_ddp
+        )
+        compile_args = self._options.compile_args
+        self._compile = dict(compile_args or {}) if self._options.compile else None
         self.global_step = 0
         self.timers = TimerCollection()
         self.setup(config)
@@ -160,6 +166,11 @@ class TrainingOperator(OperatorBase):
         return self._options.use_tqdm
 
     @property
+    def strategy(self) -> Strategy:
+        """How the models are spread over the workers (`ddp`, `fsdp`, `none`, ...)."""
+        return self._strategy
+
+    @property
     def scheduler_step_freq(self) -> str | None:
         """``"batch"``, ``"epoch"``, ``"manual"`` or None."""
         return self._options.scheduler_step_freq
@@ -209,7 +220,14 @@ class TrainingOperator(OperatorBase):
         """Clip the gradients of ``optimizer``'s parameters to ``max_norm`` (unscaled first)."""
         optimizer = optimizer if optimizer is not None else self.optimizer
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        return self._precision.clip_grad_norm(params, max_norm, optimizer)
+        return self._strategy.clip_grad_norm(params, max_norm, optimizer, self._precision)
+
+    def no_sync(
+        self, model: torch.nn.Module | None = None
+    ) -> contextlib.AbstractContextManager[Any]:
+        """Context for batches after which the optimizer does not step: gradients stay local."""
+        model = model if model is not None else self.model
+        return self._strategy.no_sync(self._uncompiled.get(id(model), model))
 
     def _to_device(self, batch: Any) -> Any:
         if isinstance(batch, torch.Tensor):
@@ -290,7 +308,7 @@ class TrainingOperator(OperatorBase):
         ``train_loss`` is the detached loss tensor (``float()`` it if you need the number here).
 
         With ``accumulate_grad_batches=k`` the loss is divided by k and the optimizer steps every
-        k-th global step; the batches in between skip DDP's gradient all-reduce (``no_sync``).
+        k-th global step; the batches in between skip the gradient sync (``no_sync``).
         """
         model, optimizer, criterion = self.model, self.optimizer, self.criterion
         if criterion is None:
@@ -299,9 +317,7 @@ class TrainingOperator(OperatorBase):
         k = self._options.accumulate_grad_batches
         window_start = self.global_step % k == 0
         will_step = (self.global_step + 1) % k == 0
-        sync = contextlib.nullcontext()
-        if not will_step and isinstance(model, DistributedDataParallel):
-            sync = model.no_sync()
+        sync = contextlib.nullcontext() if will_step else self.no_sync(model)
         if window_start:
             optimizer.zero_grad()
         with sync:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from raysgd_operator._internal.precision import check_precision
+from raysgd_operator.strategies.registry import resolve_strategy
 
 __all__ = ["SCHEDULER_STEP_FREQS", "TrainingOptions"]
 
@@ -58,6 +59,11 @@ class TrainingOptions:
         accumulate_grad_batches: batches whose gradients are summed before each optimizer step.
         clip_grad_norm: clip the gradient norm to this value before each step (None: no clipping).
         num_threads: torch intra-op threads per worker (None: leave torch's default).
+        strategy: how models are spread over the workers: "ddp" (default), "fsdp", "none", a
+            registered name or a `raysgd_operator.Strategy` instance or subclass.
+        strategy_args: keyword arguments of that strategy (checked by the strategy itself).
+        compile: `torch.compile` every model on every worker, after wrapping.
+        compile_args: keyword arguments for `torch.compile` (with ``compile=True``).
 
     Raises TypeError or ValueError naming the option when a value is invalid. Use
     `dataclasses.replace(options, name=value)` for a changed copy (validated again).
@@ -73,14 +79,19 @@ class TrainingOptions:
     accumulate_grad_batches: int = 1
     clip_grad_norm: Optional[float] = None
     num_threads: Optional[int] = None
+    strategy: Any = "ddp"
+    strategy_args: Optional[Mapping[str, Any]] = None
+    compile: bool = False
+    compile_args: Optional[Mapping[str, Any]] = None
 
     def __post_init__(self) -> None:
         self._check()
         # Normalised copies, so that the options do not change when the caller's objects do.
         for name in _SWITCHES:
             object.__setattr__(self, name, bool(getattr(self, name)))
-        if self.apex_args is not None:
-            object.__setattr__(self, "apex_args", dict(self.apex_args))
+        for name in ("apex_args", "strategy_args", "compile_args"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, dict(getattr(self, name)))
 
     def _check(self) -> None:
         check_precision(self.use_fp16, apex_args=self.apex_args)
@@ -101,6 +112,19 @@ class TrainingOptions:
             )
         if self.num_threads is not None:
             _check_positive_int("num_threads", self.num_threads)
+        # The strategy validates its own name and arguments (and wrap_ddp=False against it).
+        resolve_strategy(self.strategy, self.strategy_args, wrap_ddp=bool(self.wrap_ddp))
+        if not isinstance(self.compile, bool):
+            raise TypeError(f"compile must be True or False, got {self.compile!r}")
+        if self.compile_args is not None and not isinstance(self.compile_args, Mapping):
+            raise TypeError(f"compile_args must be a dict, got {type(self.compile_args).__name__}")
+        if self.compile_args and not self.compile:
+            raise ValueError("compile_args were given but compile=False")
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the chosen strategy shards the model (each worker holds only part of it)."""
+        return bool(resolve_strategy(self.strategy, self.strategy_args).sharded)
 
     @classmethod
     def build(cls, options: Optional[TrainingOptions] = None, **overrides: Any) -> TrainingOptions:

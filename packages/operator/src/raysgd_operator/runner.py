@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from raysgd_operator._internal import sharded as _sharded
 from raysgd_operator._internal.precision import get_precision
 from raysgd_operator._internal.stream import BatchStream
 from raysgd_operator.operator import TrainingOperator
@@ -171,8 +172,13 @@ class OperatorRunner:
         return metrics
 
     # -- state -------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """A CPU snapshot of everything needed to continue training exactly here."""
+    @property
+    def sharded(self) -> bool:
+        """Whether each worker holds only part of the model (see `sharded_snapshot`)."""
+        return bool(self.operator.strategy.sharded)
+
+    def _progress_state(self) -> dict[str, Any]:
+        """The part of the state that is the same on every worker and is not a model tensor."""
         op = self.operator
         schedulers = op._groups.get("schedulers", ([], None))[0]
         return {
@@ -180,13 +186,74 @@ class OperatorRunner:
             "position": self._train.consumed(),
             "global_step": op.global_step,
             "operator": _to_cpu_copy(op.state_dict()),
+            "schedulers": [_to_cpu_copy(s.state_dict()) for s in schedulers],
+            "precision": _to_cpu_copy(self.precision.state_dict()),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """A CPU snapshot of everything needed to continue training exactly here.
+
+        Not available with a sharded strategy (no worker holds the whole model): use
+        `sharded_snapshot`.
+        """
+        op = self.operator
+        if self.sharded:
+            raise RuntimeError(
+                f"strategy {op.strategy.name!r} shards the model: no worker has its whole state "
+                "(use sharded_snapshot)"
+            )
+        return {
+            **self._progress_state(),
             "models": [_to_cpu_copy(m.state_dict()) for m in op._original_models],
             "optimizers": [
                 _to_cpu_copy(o.state_dict()) for o in op._groups.get("optimizers", ([], None))[0]
             ],
-            "schedulers": [_to_cpu_copy(s.state_dict()) for s in schedulers],
-            "precision": _to_cpu_copy(self.precision.state_dict()),
         }
+
+    def sharded_snapshot(self, directory: str) -> dict[str, Any]:
+        """Write this worker's part of the models and optimizers under `directory` in
+        `torch.distributed.checkpoint` format (a collective: every worker calls it at once) and
+        return the rest of the state (plain, small, the same on every worker)."""
+        op = self.operator
+        tensors, others = _sharded.tensor_state(op._original_models, self._optimizers())
+        _sharded.save_files(tensors, directory)
+        return {**self._progress_state(), "tensor_others": others, "strategy": op.strategy.name}
+
+    def load_sharded(self, directory: str, state: dict[str, Any]) -> None:
+        """Load a checkpoint directory written by `sharded_snapshot` (with any number of workers),
+        resharded to this group, plus the `state` it returned. A collective, for any strategy."""
+        _sharded.load_files(
+            self.operator._original_models,
+            self._optimizers(),
+            directory,
+            dict(state.get("tensor_others") or {}),
+        )
+        self._load_progress(state)
+
+    def needed_files(self, metadata: bytes) -> set[str]:
+        """The data files of a checkpoint with `metadata` that loading it here reads."""
+        return _sharded.needed_files(self.operator._original_models, self._optimizers(), metadata)
+
+    def _optimizers(self) -> list[Any]:
+        return list(self.operator._groups.get("optimizers", ([], None))[0])
+
+    def _load_progress(self, state: dict[str, Any]) -> None:
+        op = self.operator
+        schedulers = op._groups.get("schedulers", ([], None))[0]
+        if len(state.get("schedulers", [])) != len(schedulers):
+            raise ValueError(
+                f"state has {len(state.get('schedulers', []))} schedulers but this operator "
+                f"registered {len(schedulers)}"
+            )
+        for sched, sd in zip(schedulers, state["schedulers"]):
+            sched.load_state_dict(sd)
+        if state.get("precision") is not None:
+            self.precision.load_state_dict(state["precision"])
+        op.load_state_dict(state.get("operator"))
+        op.global_step = int(state.get("global_step", op.global_step))
+        self.epoch = int(state["epoch"])
+        self._train.reset(resume=int(state.get("position", 0)))
+        self._val.reset()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict`; the next train call redoes the saved epoch from its position."""
@@ -202,19 +269,18 @@ class OperatorRunner:
                 raise ValueError(
                     f"state has {len(state.get(key, []))} {key} but this operator registered {len(have)}"
                 )
-        for model, sd in zip(op._original_models, state["models"]):
-            model.load_state_dict(sd)
-        for opt, sd in zip(optimizers, state["optimizers"]):
-            opt.load_state_dict(sd)
-        for sched, sd in zip(schedulers, state["schedulers"]):
-            sched.load_state_dict(sd)
-        if state.get("precision") is not None:
-            self.precision.load_state_dict(state["precision"])
-        op.load_state_dict(state.get("operator"))
-        op.global_step = int(state.get("global_step", op.global_step))
-        self.epoch = int(state["epoch"])
-        self._train.reset(resume=int(state.get("position", 0)))
-        self._val.reset()
+        if self.sharded:
+            # A whole-model state (from ddp or none) into sharded modules: each worker keeps
+            # its own part of every tensor.
+            _sharded.load_full(
+                op._original_models, optimizers, state["models"], state["optimizers"]
+            )
+        else:
+            for model, sd in zip(op._original_models, state["models"]):
+                model.load_state_dict(sd)
+            for opt, sd in zip(optimizers, state["optimizers"]):
+                opt.load_state_dict(sd)
+        self._load_progress(state)
 
     # -- misc --------------------------------------------------------------------------------
     def get_models(
@@ -226,10 +292,12 @@ class OperatorRunner:
         hold a tensor off the CPU, the others as they are (what a caller without that device, such
         as a driver without CUDA, needs to be able to unpickle and use them).
         """
-        models = [
-            getattr(m, "module", m) if isinstance(m, nn.parallel.DistributedDataParallel) else m
-            for m in self.operator._original_models
-        ]
+        if self.sharded:
+            raise NotImplementedError(
+                f"get_model() with strategy {self.operator.strategy.name!r}: the model is sharded "
+                "and no worker holds it whole; save() it and load it with strategy='none'"
+            )
+        models = [self.operator.strategy.unwrap(m) for m in self.operator._original_models]
         return [
             copy.deepcopy(m).cpu() if to_cpu or (cpu_if_on_device and on_device(m)) else m
             for m in models

@@ -8,13 +8,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from raysgd_operator._internal import loaders as _loaders
 from raysgd_operator._internal.precision import Precision, check_apex_args
 from raysgd_operator._internal.shapes import flatten, reshape, same_objects
 from raysgd_operator.batch import BATCH_SIZE
 from raysgd_operator.options import SCHEDULER_STEP_FREQS, TrainingOptions
+from raysgd_operator.strategies.ddp import DDPStrategy
+from raysgd_operator.strategy import Strategy, WrapContext
 
 __all__ = ["OperatorBase"]
 
@@ -76,11 +77,15 @@ class OperatorBase:
     _config: dict[str, Any]
     _options: TrainingOptions
     _precision: Precision
+    _strategy: Strategy
+    _compile: dict[str, Any] | None
 
     def _init_state(self) -> None:
         self._groups: dict[str, tuple[list[Any], Any]] = {}
         self._assigned: dict[str, Any] = {}
         self._original_models: list[nn.Module] = []
+        # compiled model (by id) -> the wrapped model inside it, which the strategy knows
+        self._uncompiled: dict[int, nn.Module] = {}
         self._ddp_args: dict[str, Any] = {}
         self._loader_sources: dict[str, Any] = {"train": None, "validation": None}
         self._loaders: dict[str, Any] = {"train": None, "validation": None}
@@ -150,9 +155,9 @@ class OperatorBase:
                 del self._assigned[name]
         self._original_models = list(model_list)
         self._ddp_args = dict(ddp_args or {})
+        self._groups["optimizers"] = (opt_list, opt_shape)
         wrapped = self._wrap_models(model_list)
         self._groups["models"] = (wrapped, model_shape)
-        self._groups["optimizers"] = (opt_list, opt_shape)
         self._groups["criterion"] = ([criterion], "single")
         returned = [reshape(wrapped, model_shape), reshape(opt_list, opt_shape)]
         if criterion is not None:
@@ -166,24 +171,47 @@ class OperatorBase:
         return tuple(returned)
 
     def _wrap_models(self, models: list[nn.Module]) -> list[nn.Module]:
-        if not (self._options.wrap_ddp and self._world_size > 1 and dist.is_initialized()):
-            return list(models)
-        return self._configure_ddp(models, self.device_ids, self._ddp_args)
+        """Wrap the models with the strategy (DDP by default), then compile them if asked to."""
+        wrapped = list(models)
+        if dist.is_available() and dist.is_initialized():
+            if isinstance(self._strategy, DDPStrategy):
+                wrapped = self._configure_ddp(
+                    wrapped, self.device_ids, {**self._strategy.ddp_kwargs, **self._ddp_args}
+                )
+            else:
+                optimizers = self._groups.get("optimizers", ([], None))[0]
+                wrapped = self._strategy.wrap(wrapped, optimizers, self._wrap_context())
+        self._uncompiled = {}
+        if self._compile is not None:
+            compiled = []
+            for model in wrapped:
+                fast = torch.compile(model, **self._compile)
+                self._uncompiled[id(fast)] = model
+                compiled.append(fast)
+            wrapped = compiled
+        return wrapped
+
+    def _wrap_context(self, ddp_args: dict[str, Any] | None = None) -> WrapContext:
+        return WrapContext(
+            device=self.device,
+            world_size=self._world_size,
+            precision=self._precision,
+            device_ids=self.device_ids,
+            ddp_args=dict(self._ddp_args if ddp_args is None else ddp_args),
+        )
 
     def _configure_ddp(
         self, models: list[nn.Module], device_ids: list[int] | None, ddp_args: dict[str, Any]
     ) -> list[nn.Module]:
-        """Wrap models for data parallelism; override to use another wrapper.
+        """Wrap models for data parallelism (strategy "ddp"); override to use another wrapper.
 
         A model without trainable parameters (a frozen feature extractor) has no gradients to
         synchronize, and DDP refuses it, so it stays unwrapped.
         """
-        return [
-            DistributedDataParallel(m, device_ids=device_ids, **ddp_args)
-            if any(p.requires_grad for p in m.parameters())
-            else m
-            for m in models
-        ]
+        context = self._wrap_context(ddp_args)
+        if device_ids != context.device_ids:
+            context = WrapContext(**{**context.__dict__, "device_ids": device_ids})
+        return DDPStrategy().wrap(models, [], context)
 
     def register_data(self, *, train_loader: Any = None, validation_loader: Any = None) -> None:
         """Register the training and validation data (DataLoaders or any iterables of batches).
@@ -218,6 +246,8 @@ class OperatorBase:
         self, *, world_rank: int, local_rank: int, world_size: int, config: dict[str, Any]
     ) -> bool:
         """Re-wrap DDP and re-shard the loaders for a re-formed process group; False if impossible."""
+        if "models" in self._groups and not self._strategy.rewrappable:
+            return False  # e.g. sharded modules: the caller builds the operator again
         old_size, old_config = self._world_size, self._config
         new_bs = config.get(BATCH_SIZE)
         batch_changed = new_bs is not None and new_bs != old_config.get(BATCH_SIZE)

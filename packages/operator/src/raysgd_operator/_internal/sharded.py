@@ -1,0 +1,278 @@
+"""A worker's training state as `torch.distributed.checkpoint` (DCP) files, written and read safely.
+
+Used for strategies whose workers each hold part of the model (`Strategy.sharded`). The tensors go
+through DCP, so every worker writes only its own shards and reads only the parts it needs when the
+number of workers changed (DCP reshards on load); everything else (epoch, position, schedulers,
+optimizer hyper-parameters, ...) is small, the same on every worker, and travels as a plain dict.
+
+Loading never runs code from the files:
+
+- DCP reads tensors with `torch.load(weights_only=True)`, but it un-pickles its `.metadata` file with
+  plain `pickle` and non-tensor entries with `torch.load(weights_only=False)`. raysgd writes no
+  non-tensor entry (they live in the plain dict) and refuses any at load (`_TensorsOnlyPlanner`),
+  and reads the metadata with an unpickler that accepts only DCP's own metadata classes and torch's
+  dtype/size/layout constants (`read_metadata`).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.optim import Optimizer
+
+__all__ = [
+    "METADATA_FILE",
+    "load_files",
+    "load_full",
+    "merge",
+    "needed_files",
+    "read_metadata",
+    "save_files",
+    "split",
+    "tensor_state",
+]
+
+#: DCP's metadata file name inside a checkpoint directory.
+METADATA_FILE = ".metadata"
+#: Key in `others` listing the optimizers that had not stepped yet (saved without state).
+FRESH = "fresh_optimizers"
+
+
+def _container(models: Sequence[nn.Module]) -> nn.Module:
+    # DCP's state-dict helpers take one module: a ModuleList gives every model a stable prefix
+    # ("0.", "1.", ...) and lets several optimizers over several models be saved together.
+    return nn.ModuleList(list(models))
+
+
+def split(tree: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split nested dicts into (tensor leaves, every other leaf), both keeping the nesting."""
+    tensors: dict[str, Any] = {}
+    others: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            t, o = split(value)
+            if t:
+                tensors[key] = t
+            if o:
+                others[key] = o
+        elif isinstance(value, torch.Tensor):
+            tensors[key] = value
+        else:
+            others[key] = value
+    return tensors, others
+
+
+def merge(tensors: dict[str, Any], others: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of `split`."""
+    out = dict(tensors)
+    for key, value in others.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def tensor_state(
+    models: Sequence[nn.Module], optimizers: Sequence[Optimizer]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tensors, others) of the models and optimizers: sharded (DTensor) parts where sharded.
+
+    DCP's `get_state_dict` gives an optimizer that has not stepped yet a state by taking a step
+    with zero gradients and a zero learning rate. That step would count in Adam's bias correction,
+    so such optimizers are emptied again afterwards, and `others[FRESH]` lists them so that loading
+    leaves them empty too. The tensors still serve as the template a checkpoint is loaded into.
+    """
+    fresh = [i for i, optimizer in enumerate(optimizers) if not optimizer.state]
+    model_sd, optim_sd = get_state_dict(
+        _container(models), list(optimizers), options=StateDictOptions(full_state_dict=False)
+    )
+    for i in fresh:
+        optimizers[i].state.clear()
+    tensors, others = split({"models": model_sd, "optimizers": optim_sd})
+    others[FRESH] = fresh
+    return tensors, others
+
+
+def save_files(tensors: dict[str, Any], directory: str) -> None:
+    """Write this worker's part of `tensors` under `directory` (a collective over the group).
+
+    Each worker may pass its own directory: the data files are per worker, and the worker of rank 0
+    also writes the metadata file there.
+    """
+    dcp.save(tensors, storage_writer=FileSystemWriter(directory, single_file_per_rank=True))
+
+
+class _TensorsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, refusing non-tensor entries (DCP un-pickles those unsafely)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        raise ValueError(
+            "checkpoint holds a non-tensor entry in its tensor files "
+            f"({read_item.dest_index.fqn!r}); raysgd does not load such entries (they could run code)"
+        )
+
+
+class _SafeReader(FileSystemReader):
+    """`FileSystemReader` whose metadata is read by the restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with open(os.path.join(self.path, METADATA_FILE), "rb") as handle:
+            metadata = read_metadata(handle.read())
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def load_files(
+    models: Sequence[nn.Module],
+    optimizers: Sequence[Optimizer],
+    directory: str,
+    others: dict[str, Any],
+) -> None:
+    """Load the tensors under `directory` (resharded to this group) plus `others` into the models
+    and optimizers. A collective over the group."""
+    template, _ = tensor_state(models, optimizers)
+    dcp.load(template, storage_reader=_SafeReader(directory), planner=_TensorsOnlyPlanner())
+    others = dict(others)
+    fresh = others.pop(FRESH, [])
+    state = merge(template, others)
+    set_state_dict(
+        _container(models),
+        list(optimizers),
+        model_state_dict=state["models"],
+        optim_state_dict=state.get("optimizers", {}),
+        options=StateDictOptions(full_state_dict=False),
+    )
+    for i in fresh:
+        optimizers[i].state.clear()
+
+
+def needed_files(
+    models: Sequence[nn.Module], optimizers: Sequence[Optimizer], metadata: bytes
+) -> set[str]:
+    """The data files this worker reads when loading a checkpoint with `metadata` (no collective).
+
+    Lets a worker fetch only the shards that overlap its own part instead of the whole model.
+    """
+    template, _ = tensor_state(models, optimizers)
+    planner = DefaultLoadPlanner()
+    meta = read_metadata(metadata)
+    planner.set_up_planner(template, meta, is_coordinator=False)
+    plan = planner.create_local_plan()
+    files = set()
+    for item in plan.items:
+        info = meta.storage_data.get(item.storage_index) if meta.storage_data else None
+        if info is None or not hasattr(info, "relative_path"):
+            return set()  # a layout this function does not know: the caller fetches everything
+        files.add(str(info.relative_path))
+    return files
+
+
+_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith("torch.distributed.checkpoint.") and not name.startswith("__"):
+            import importlib
+
+            found = getattr(importlib.import_module(module), name, None)
+            # Only plain data: DCP's dataclasses and enums, never a function.
+            if isinstance(found, type):
+                return found
+        if module == "torch":
+            found = getattr(torch, name, None)
+            if found is torch.Size or isinstance(found, _TORCH_CONSTANTS):
+                return found
+        if module == "torch.serialization" and name == "_get_layout":
+            # maps a layout's name ("torch.strided") to the layout object; nothing else
+            return torch.serialization._get_layout
+        if module == "builtins" and name in ("set", "frozenset", "slice", "complex"):
+            import builtins
+
+            return getattr(builtins, name)
+        if module == "pathlib" and name in (
+            "PosixPath",
+            "PurePosixPath",
+            "WindowsPath",
+            "PureWindowsPath",
+        ):
+            import pathlib
+
+            return getattr(pathlib, name)  # the checkpoint's own path, recorded by DCP
+        if module == "collections" and name == "OrderedDict":
+            from collections import OrderedDict
+
+            return OrderedDict
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}: not allowed")
+
+
+def read_metadata(data: bytes) -> Metadata:
+    """DCP metadata from its bytes, refusing anything but DCP's data classes (no code runs)."""
+    try:
+        meta = _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:  # any unpickling error means: not metadata raysgd can read safely
+        raise ValueError(f"not DCP checkpoint metadata that can be loaded safely: {exc}") from None
+    if not isinstance(meta, Metadata):
+        raise ValueError(f"not DCP checkpoint metadata: got {type(meta).__name__}")
+    return meta
+
+
+def load_full(
+    models: Sequence[nn.Module],
+    optimizers: Sequence[Optimizer],
+    model_states: Sequence[dict[str, Any]],
+    optimizer_states: Sequence[dict[str, Any]],
+) -> None:
+    """Load whole-model state dicts (`model.state_dict()`, `optimizer.state_dict()` of an unsharded
+    run) into possibly sharded models: every worker keeps its own part of each tensor.
+
+    Optimizer states name parameters by position; they are matched to this run's parameters by
+    position in the parameter groups, which registering the same models in the same order keeps.
+    """
+    container = _container(models)
+    model_sd = {
+        f"{i}.{key}": value for i, sd in enumerate(model_states) for key, value in sd.items()
+    }
+    fqn_of = {id(p): name for name, p in container.named_parameters()}
+    optim_sd: dict[str, Any] = {"state": {}, "param_groups": []}
+    for optimizer, saved in zip(optimizers, optimizer_states):
+        live = [p for group in optimizer.param_groups for p in group["params"]]
+        saved_ids = [i for group in saved["param_groups"] for i in group["params"]]
+        if len(live) != len(saved_ids):
+            raise ValueError(
+                f"optimizer state has {len(saved_ids)} parameters, the optimizer has {len(live)}"
+            )
+        to_fqn = {sid: fqn_of[id(p)] for sid, p in zip(saved_ids, live)}
+        for sid, param_state in saved["state"].items():
+            optim_sd["state"][to_fqn[sid]] = param_state
+        for group in saved["param_groups"]:
+            optim_sd["param_groups"].append(
+                {**group, "params": [to_fqn[i] for i in group["params"]]}
+            )
+    set_state_dict(
+        container,
+        list(optimizers),
+        model_state_dict=model_sd,
+        optim_state_dict=optim_sd,
+        options=StateDictOptions(full_state_dict=True),
+    )

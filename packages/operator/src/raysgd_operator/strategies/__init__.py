@@ -1,0 +1,23 @@
+"""Built-in strategies (`none`, `ddp`, `fsdp`) and the registry that picks one by name."""
+
+from raysgd_operator.strategies.ddp import DDPStrategy
+from raysgd_operator.strategies.fsdp import FSDPStrategy
+from raysgd_operator.strategies.none import NoStrategy
+from raysgd_operator.strategies.registry import (
+    ENTRY_POINT_GROUP,
+    available_strategies,
+    get_strategy,
+    register_strategy,
+    resolve_strategy,
+)
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "DDPStrategy",
+    "FSDPStrategy",
+    "NoStrategy",
+    "available_strategies",
+    "get_strategy",
+    "register_strategy",
+    "resolve_strategy",
+]

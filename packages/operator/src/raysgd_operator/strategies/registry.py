@@ -1,0 +1,166 @@
+"""Choosing a strategy: `get_strategy(strategy, strategy_args)`, names and `raysgd.strategy` entry points.
+
+Resolution order: a `Strategy` instance is used as given; a `Strategy` subclass is built with
+`strategy_args`; a name is looked up among built-ins (`ddp`, `fsdp`, `none`), `register_strategy`
+registrations, then, lazily, the entry points of group `raysgd.strategy`::
+
+    [project.entry-points."raysgd.strategy"]
+    my_tp = "my_package.strategy:TensorParallelStrategy"
+
+Each strategy validates its own arguments: a factory is called as `factory(**strategy_args)` and an
+unknown argument is a ValueError naming the strategy and what it accepts.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from importlib import metadata
+from typing import Any, Callable, Optional, Union
+
+from raysgd_operator.strategies.ddp import DDPStrategy
+from raysgd_operator.strategies.fsdp import FSDPStrategy
+from raysgd_operator.strategies.none import NoStrategy
+from raysgd_operator.strategy import Strategy
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "StrategyFactory",
+    "available_strategies",
+    "get_strategy",
+    "register_strategy",
+    "resolve_strategy",
+]
+
+ENTRY_POINT_GROUP = "raysgd.strategy"
+
+#: Builds a strategy from its keyword arguments.
+StrategyFactory = Callable[..., Strategy]
+
+_BUILTIN: dict[str, StrategyFactory] = {
+    "ddp": DDPStrategy,
+    "fsdp": FSDPStrategy,
+    "none": NoStrategy,
+}
+_registry: dict[str, StrategyFactory] = dict(_BUILTIN)
+
+
+def register_strategy(name: str, factory: StrategyFactory, *, replace: bool = False) -> None:
+    """Make `get_strategy(name)` build a strategy with `factory` (a `Strategy` subclass or callable).
+
+    Names are case-insensitive; registering a name that exists raises ValueError unless `replace`.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if not callable(factory):
+        raise TypeError(f"factory must be a Strategy subclass or a callable, got {factory!r}")
+    key = name.strip().lower()
+    if key in _registry and not replace:
+        raise ValueError(f"a strategy named {key!r} is already registered (pass replace=True)")
+    _registry[key] = factory
+
+
+def _entry_points() -> list[Any]:
+    return list(metadata.entry_points().select(group=ENTRY_POINT_GROUP))
+
+
+def available_strategies() -> list[str]:
+    """Every name `get_strategy` accepts: built-in, registered and entry-point strategies."""
+    return sorted(set(_registry) | {ep.name.lower() for ep in _entry_points()})
+
+
+def _build(name: str, factory: Any, args: Mapping[str, Any]) -> Strategy:
+    if isinstance(factory, Strategy):  # an entry point may name a ready instance
+        if args:
+            raise ValueError(f"strategy {name!r} is a ready instance: it takes no strategy_args")
+        return factory
+    try:
+        inspect.signature(factory).bind(**args)
+    except TypeError as exc:
+        raise ValueError(
+            f"bad strategy_args for strategy {name!r}: {exc}; it accepts {_accepted(factory)}"
+        ) from None
+    except ValueError:  # no signature to check: let the call itself decide
+        pass
+    built = factory(**args)
+    if not isinstance(built, Strategy):
+        raise TypeError(f"strategy {name!r} built {type(built).__name__}, not a Strategy")
+    return built
+
+
+def _accepted(factory: Any) -> str:
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return "unknown arguments"
+    names = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        names.append("**kwargs")
+    return "(" + ", ".join(names) + ")" if names else "no arguments"
+
+
+def get_strategy(
+    strategy: Union[str, Strategy, type, None] = "ddp",
+    strategy_args: Optional[Mapping[str, Any]] = None,
+) -> Strategy:
+    """Map the trainer's `strategy` (and `strategy_args`) to a `Strategy`.
+
+    - "ddp" (default, also for None): DistributedDataParallel; args go to its constructor.
+    - "fsdp": FSDP2 (`shard_modules`, `reshard_after_forward`, `cpu_offload`).
+    - "none": no wrapping.
+    - a `Strategy` instance (no args) or subclass (built with the args); any other name:
+      `register_strategy` or the `raysgd.strategy` entry points.
+
+    Unknown names and arguments raise ValueError listing the choices.
+    """
+    if strategy_args is not None and not isinstance(strategy_args, Mapping):
+        raise TypeError(f"strategy_args must be a dict, got {type(strategy_args).__name__}")
+    args = dict(strategy_args or {})
+    if isinstance(strategy, Strategy):
+        if args:
+            raise ValueError("strategy_args cannot be combined with a Strategy instance")
+        return strategy
+    if isinstance(strategy, type) and issubclass(strategy, Strategy):
+        return _build(strategy.__name__, strategy, args)
+    if strategy is None:
+        strategy = "ddp"
+    if not isinstance(strategy, str):
+        raise ValueError(
+            f"strategy must be a name, a Strategy instance or subclass; got {strategy!r} "
+            f"(names: {available_strategies()})"
+        )
+    key = strategy.strip().lower()
+    if key in _registry:
+        return _build(key, _registry[key], args)
+    for ep in _entry_points():
+        if ep.name.lower() == key:
+            try:
+                factory = ep.load()
+            except Exception as exc:  # a broken plugin must say which one it is
+                raise ImportError(
+                    f"strategy {key!r} (entry point {ep.value!r} in group {ENTRY_POINT_GROUP!r}) "
+                    f"failed to load: {exc}"
+                ) from exc
+            return _build(key, factory, args)
+    raise ValueError(f"unknown strategy {strategy!r}; choose one of {available_strategies()}")
+
+
+def resolve_strategy(
+    strategy: Union[str, Strategy, type, None],
+    strategy_args: Optional[Mapping[str, Any]] = None,
+    *,
+    wrap_ddp: bool = True,
+) -> Strategy:
+    """`get_strategy`, honouring RaySGD's `wrap_ddp=False` (train unwrapped: strategy "none").
+
+    `wrap_ddp=False` together with a strategy other than ddp/none is contradictory: ValueError.
+    """
+    chosen = get_strategy(strategy, strategy_args)
+    if wrap_ddp:
+        return chosen
+    if isinstance(chosen, (DDPStrategy, NoStrategy)) and not strategy_args:
+        return NoStrategy()
+    raise ValueError(
+        f"wrap_ddp=False means no wrapping, which contradicts strategy={chosen.name!r} "
+        "(drop wrap_ddp=False, or use strategy='none')"
+    )

@@ -1,0 +1,105 @@
+"""The strategy interface: how one worker's models are spread over the process group.
+
+A strategy wraps the registered models once the process group exists, and answers the few questions
+the training loop has about that wrapping::
+
+    models = strategy.wrap(models, optimizers, context)      # after precision.setup
+    with strategy.no_sync(model):                            # accumulation batches: no gradient sync
+        precision.backward(loss, optimizer)
+    strategy.clip_grad_norm(params, 1.0, optimizer, precision)  # total norm over every worker's part
+
+The base class is itself a complete strategy: no wrapping at all (each worker trains its own copy,
+RaySGD's `wrap_ddp=False`). `ddp` replicates the model with DistributedDataParallel (the default);
+`fsdp` shards parameters, gradients and optimizer state with FSDP2's `fully_shard`. Third-party
+strategies subclass `Strategy` and register under the entry-point group `raysgd.strategy` (see
+`raysgd_operator.strategies.registry`).
+
+Strategies whose `sharded` is True hold only part of each tensor on a worker; the runner then keeps
+its state in `torch.distributed.checkpoint` form (one part per worker) instead of one whole copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ContextManager
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from raysgd_operator._internal.precision import Precision
+
+__all__ = ["Strategy", "WrapContext"]
+
+
+@dataclass(frozen=True)
+class WrapContext:
+    """What a strategy may need to know when it wraps a worker's models.
+
+    Attributes:
+        device: the device the models are on.
+        world_size: number of workers in the process group (1 is legitimate).
+        precision: the worker's precision backend (its `param_dtypes()` says how to cast).
+        device_ids: `[device.index]` on a GPU, else None (what DDP wants).
+        ddp_args: keyword arguments the operator gave `register(ddp_args=...)`.
+    """
+
+    device: torch.device
+    world_size: int
+    precision: Precision
+    device_ids: list[int] | None = None
+    ddp_args: dict[str, Any] = field(default_factory=dict)
+
+
+class Strategy:
+    """A data-parallel strategy; the defaults implement `none` (no wrapping).
+
+    Method contract (the operator and the runner rely on it):
+
+    - `wrap(models, optimizers, context)` is called once the process group exists, after
+      `precision.setup`. It returns the models to train with. A strategy that replaces parameters
+      (sharding does) must update `optimizers`' parameter groups in place, in the same order.
+    - `no_sync(model)` is entered around forward and backward of batches after which the
+      optimizer does not step (gradient accumulation); gradients must then stay local.
+    - `clip_grad_norm(...)` clips with the total norm over all workers' parameters.
+    - `rewrappable`: whether `wrap` may be called again on the original modules after the process
+      group was re-formed with another size; when False the runner builds a new operator instead.
+    - `sharded`: whether each worker holds only a part of the parameters (checkpoints are then
+      written per worker, in `torch.distributed.checkpoint` format).
+    """
+
+    #: Short name used in logs, errors and checkpoints.
+    name: str = "none"
+    sharded: bool = False
+    rewrappable: bool = True
+
+    def wrap(
+        self, models: Sequence[nn.Module], optimizers: Sequence[Optimizer], context: WrapContext
+    ) -> list[nn.Module]:
+        """The models to train with (the base class leaves them as they are)."""
+        return list(models)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside a wrapper (the model itself when not wrapped)."""
+        return model
+
+    def no_sync(self, model: nn.Module) -> ContextManager[Any]:
+        """A context in which backward passes do not synchronize gradients across workers."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(
+        self,
+        parameters: Iterable[torch.Tensor],
+        max_norm: float,
+        optimizer: Optimizer,
+        precision: Precision,
+        *,
+        norm_type: float = 2.0,
+    ) -> torch.Tensor:
+        """Unscale `optimizer`'s gradients and clip `parameters` to `max_norm` (total norm returned)."""
+        return precision.clip_grad_norm(list(parameters), max_norm, optimizer, norm_type=norm_type)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
