@@ -17,6 +17,7 @@ from raysgd._internal.checkpoint import read_file, state_from_bytes, state_to_by
 from raysgd._internal.cluster import driver_has_cuda, ensure_ray
 from raysgd._internal.driver import TrainerDriver
 from raysgd._internal.recovery import Recovery
+from raysgd._internal.sharded_state import ShardedState, is_sharded_checkpoint
 from raysgd._internal.tensorboard import ScalarLogger
 from raysgd._internal.validation import (
     check_optional_args,
@@ -27,7 +28,7 @@ from raysgd._internal.validation import (
     resolve_timeout,
     start_timeout,
 )
-from raysgd_core import WorkerGroup, require_cluster_gpus, resolve_use_gpu
+from raysgd_core import WorkerDiedError, WorkerError, WorkerGroup, require_cluster_gpus, resolve_use_gpu
 from raysgd_fault import FailurePolicy, get_policy
 from raysgd_operator import TrainingOptions, check_batch_size
 
@@ -85,6 +86,10 @@ class TorchTrainer(TrainerDriver):
         failure_policy: Union[str, FailurePolicy] = "default",
         checkpoint_dir: Optional[str] = None,
         logdir: Optional[str] = None,
+        strategy: Any = "ddp",
+        strategy_args: Optional[dict[str, Any]] = None,
+        compile: bool = False,
+        compile_args: Optional[dict[str, Any]] = None,
     ) -> None:
         # Everything that can be checked on the driver is checked before any worker starts.
         self._num_workers = check_positive_int("num_workers", num_workers)
@@ -109,6 +114,10 @@ class TorchTrainer(TrainerDriver):
             accumulate_grad_batches=accumulate_grad_batches,
             clip_grad_norm=clip_grad_norm,
             num_threads=max(1, int(num_cpus_per_worker)),
+            strategy=strategy,
+            strategy_args=strategy_args,
+            compile=compile,
+            compile_args=compile_args,
         )
         self._operator_cls = resolve_operator_cls(
             training_operator_cls,
@@ -131,6 +140,7 @@ class TorchTrainer(TrainerDriver):
         self._user_config: dict[str, Any] = dict(config or {})
         self._config: dict[str, Any] = dict(self._user_config)
         self._checkpoint_dir = checkpoint_dir
+        self._sharded = ShardedState() if self._options.sharded else None
         self._last_state, self._state_fresh, self._shut_down = b"", False, False
         self._group: WorkerGroup = WorkerGroup(
             self._num_workers,
@@ -216,6 +226,9 @@ class TorchTrainer(TrainerDriver):
         `precision`, position), on the CPU."""
         self._check_alive()
         self._capture_state()
+        if self._sharded is not None:
+            # Every worker's part comes to this process: what asking for the whole state means.
+            return self._sharded.gather(self._group)
         return state_from_bytes(self._last_state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -225,20 +238,44 @@ class TorchTrainer(TrainerDriver):
             raise TypeError(
                 f"state must be a dict from TorchTrainer.state_dict(), got {type(state)}"
             )
+        if state.get("format") == "raysgd-dcp":
+            self._load_sharded(lambda: self._sharded_view().load_gathered(self._group, state))
+            return
         self._load_bytes(state_to_bytes(state))
 
     def save(self, path: Union[str, os.PathLike]) -> str:
         """Write the state to `path` atomically; returns the absolute path."""
         self._check_alive()
         self._capture_state()
+        if self._sharded is not None:
+            return self._sharded.write(self._group, os.fspath(path))
         return write_file(path, self._last_state)
 
     def load(self, path: Union[str, os.PathLike]) -> None:
         """Load a checkpoint written by `save` into every worker. Never runs code from the file; a
         file that is not a checkpoint raises ValueError and leaves the trainer as it was."""
         self._check_alive()
+        if is_sharded_checkpoint(os.fspath(path)):
+            self._load_sharded(lambda: self._sharded_view().load(self._group, os.fspath(path)))
+            return
         data, _ = read_file(path)
         self._load_bytes(data)
+
+    def _sharded_view(self) -> ShardedState:
+        # A ddp/none trainer loads sharded checkpoints too, through a throw-away view.
+        return self._sharded if self._sharded is not None else ShardedState()
+
+    def _load_sharded(self, load: Callable[[], None]) -> None:
+        self._capture_state()  # so that a failed load can be rolled back
+        try:
+            load()
+        except (WorkerError, WorkerDiedError) as exc:
+            self._repair()
+            if isinstance(exc, WorkerError) and isinstance(exc.__cause__, Exception):
+                raise exc.__cause__ from exc
+            raise
+        self._state_fresh = False
+        self._capture_state()
 
     def get_model(self, to_cpu: bool = False) -> Any:
         """The trained model(s), without DDP wrappers (one model bare, several as a list).

@@ -19,6 +19,7 @@ import ray
 
 from raysgd._internal import worker
 from raysgd._internal.checkpoint import write_file
+from raysgd._internal.sharded_state import ShardedState
 from raysgd._internal.tensorboard import ScalarLogger
 from raysgd_core import WorkerDiedError, WorkerError, WorkerGroup
 from raysgd_operator import (
@@ -34,6 +35,8 @@ logger = logging.getLogger("raysgd")
 
 #: File name of the `checkpoint="auto"` state inside `checkpoint_dir`.
 AUTO_CHECKPOINT_NAME = "raysgd_checkpoint.pt"
+#: Directory name of the `checkpoint="auto"` state with a sharded strategy.
+AUTO_SHARDED_CHECKPOINT_NAME = "raysgd_checkpoint"
 
 
 class TrainerDriver:
@@ -52,6 +55,8 @@ class TrainerDriver:
     _recovery: Any
     # The last good state (bytes of rank 0's state dict) and whether it matches the workers now.
     _last_state: bytes = b""
+    # With a sharded strategy (fsdp) the state lives on the workers; this is the driver's view.
+    _sharded: Optional[ShardedState] = None
     _state_fresh: bool = False
     _shut_down: bool = False
 
@@ -68,8 +73,10 @@ class TrainerDriver:
                 self._operator_ref,
                 worker_config,
                 self._options,
-                True,
+                self._sharded is None,
             )
+            if self._sharded is not None:
+                self._sharded.capture(self._group)
         except BaseException as exc:
             self._group.shutdown()
             self._shut_down = True
@@ -81,7 +88,7 @@ class TrainerDriver:
                 # own frames do not survive the trip back from the worker).
                 raise exc.__cause__ from exc
             raise
-        self._last_state, self._state_fresh = states[0], True
+        self._last_state, self._state_fresh = states[0] or b"", True
         done = time.monotonic()
         logger.debug(
             "trainer ready in %.2fs (workers %.2fs, operator set-up %.2fs)",
@@ -108,6 +115,9 @@ class TrainerDriver:
         When `_last_state` is not current (train() skipped the snapshot, e.g. max_retries=0), it is
         first read from rank 0, a survivor of the old group when there is one.
         """
+        if self._sharded is not None:
+            self._restore_sharded()
+            return
         if not self._state_fresh:
             if getattr(report, "kept", None):
                 self._last_state = self._group.execute_single(0, worker.state_bytes)
@@ -123,6 +133,24 @@ class TrainerDriver:
             self._options,
             state_ref,
         )
+
+    def _restore_sharded(self) -> None:
+        """`_restore_after_resize` for sharded strategies: every runner is rebuilt from the last
+        snapshot's parts (survivors' own and their replicas), resharded to the new size, and a new
+        snapshot is taken at once so that every part has a replica again."""
+        assert self._sharded is not None
+        if not self._state_fresh:
+            logger.warning(
+                "restoring the last sharded snapshot: the work done after it will be redone"
+            )
+        self._sharded.restore(
+            self._group,
+            self._operator_ref,
+            self._split_config(self._world_size()),
+            self._options,
+        )
+        self._sharded.capture(self._group)
+        self._state_fresh = True
 
     # ------------------------------------------------------------------------------- internals
     def _check_alive(self) -> None:
@@ -161,7 +189,10 @@ class TrainerDriver:
         if self._state_fresh:
             return
         try:
-            self._last_state = self._group.execute_single(0, worker.state_bytes)
+            if self._sharded is not None:
+                self._sharded.capture(self._group)
+            else:
+                self._last_state = self._group.execute_single(0, worker.state_bytes)
         except WorkerDiedError:
             self._recover_between_calls()
         self._state_fresh = True
@@ -175,14 +206,22 @@ class TrainerDriver:
     def _load_bytes(self, data: bytes) -> None:
         # One object-store copy for all workers instead of one serialisation per worker.
         self._call(worker.load_state, ray.put(data))
-        self._last_state, self._state_fresh = data, True
+        if self._sharded is not None:
+            self._state_fresh = False  # each worker kept only its part: snapshot again
+            self._capture_state()
+        else:
+            self._last_state, self._state_fresh = data, True
 
     def _write_checkpoint(self, checkpoint: Union[str, os.PathLike]) -> str:
+        """Write the current state (captured by the caller) to `checkpoint` or the auto path."""
         if checkpoint == "auto":
             if self._checkpoint_dir is None:
                 self._checkpoint_dir = tempfile.mkdtemp(prefix="raysgd-checkpoints-")
                 logger.info("checkpoint='auto' writes to %s", self._checkpoint_dir)
-            checkpoint = os.path.join(self._checkpoint_dir, AUTO_CHECKPOINT_NAME)
+            name = AUTO_CHECKPOINT_NAME if self._sharded is None else AUTO_SHARDED_CHECKPOINT_NAME
+            checkpoint = os.path.join(self._checkpoint_dir, name)
+        if self._sharded is not None:
+            return self._sharded.write(self._group, os.fspath(checkpoint))
         return write_file(checkpoint, self._last_state)
 
     def _results(self, kind: str, results: list[dict], reduce_results: bool) -> Any:

@@ -1,0 +1,202 @@
+"""The driver's side of sharded training state: snapshots, checkpoint directories, recovery.
+
+With a sharded strategy no process holds the whole model, so the driver keeps only what is small:
+the DCP metadata of the last snapshot and the replicated rest of the state (epoch, position,
+schedulers, ...). The tensors stay on the workers (see `worker_sharded`), each part also on a peer.
+
+A checkpoint is a directory: DCP's `.metadata`, one `__<rank>_0.distcp` data file per worker, and
+`raysgd_state.pt` (the rest, read with `torch.load(weights_only=True)`). Workers on the driver's
+node write their files straight into it; the others send theirs through Ray's object store. It is
+written into a temporary directory beside the target and renamed into place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any, Optional
+
+import ray
+import torch
+
+from raysgd._internal import worker_sharded as ws
+from raysgd_core import WorkerGroup
+
+__all__ = ["STATE_FILE", "ShardedState", "is_sharded_checkpoint", "read_checkpoint"]
+
+logger = logging.getLogger("raysgd")
+
+#: The replicated part of the state inside a sharded checkpoint directory.
+STATE_FILE = "raysgd_state.pt"
+
+
+def is_sharded_checkpoint(path: str) -> bool:
+    """Whether `path` is a checkpoint directory (rather than a one-file checkpoint)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ws.METADATA_FILE))
+
+
+def read_checkpoint(path: str) -> tuple[bytes, dict[str, Any]]:
+    """(metadata, state) of a checkpoint directory, validated; nothing in it runs as code."""
+    from raysgd_operator._internal.sharded import read_metadata
+
+    if not is_sharded_checkpoint(path):
+        raise ValueError(f"{path!r} is not a raysgd checkpoint directory (no {ws.METADATA_FILE})")
+    with open(os.path.join(path, ws.METADATA_FILE), "rb") as handle:
+        metadata = handle.read()
+    read_metadata(metadata)  # raises ValueError unless it is plain DCP metadata
+    try:
+        state = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=True)
+    except Exception as exc:  # unpickling errors come in many types; all mean "not ours"
+        raise ValueError(f"{path!r}: {STATE_FILE} cannot be loaded safely: {exc}") from None
+    if not isinstance(state, dict) or "epoch" not in state:
+        raise ValueError(f"{path!r}: {STATE_FILE} is not a raysgd state")
+    return metadata, state
+
+
+def _driver_node() -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def _source_for(group: WorkerGroup, path: str) -> ws.Source:
+    """`path` itself when every worker is on this node, else its files through the object store."""
+    if all(w.node_id == _driver_node() for w in group.workers):
+        return path
+    source: dict[str, Any] = {}
+    for name in os.listdir(path):
+        if name.endswith(".distcp"):
+            with open(os.path.join(path, name), "rb") as handle:
+                source[name] = ray.put({name: handle.read()})
+    return source
+
+
+class ShardedState:
+    """The last good sharded snapshot, as far as the driver knows it."""
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self.metadata: Optional[bytes] = None
+        self.state: Optional[dict[str, Any]] = None
+        self.world_size = 0
+        #: The last checkpoint written or loaded: the fallback when a part is lost for good.
+        self.last_checkpoint: Optional[str] = None
+
+    def capture(self, group: WorkerGroup) -> None:
+        """Snapshot every worker's part and give each part to its peer (collectives)."""
+        generation = self.generation + 1
+        results = group.execute(ws.snapshot, generation)
+        refs = [ref for _, _, ref in results]
+        group.execute(ws.keep_replica, generation, refs)
+        self.metadata, self.state = results[0][0], results[0][1]
+        self.generation, self.world_size = generation, len(results)
+
+    def write(self, group: WorkerGroup, path: str) -> str:
+        """Write the current snapshot as a checkpoint directory at `path`; returns its absolute path."""
+        if self.metadata is None or self.state is None:
+            raise RuntimeError("no sharded snapshot to write")
+        path = os.path.abspath(os.fspath(path))
+        parent = os.path.dirname(path)
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".raysgd-ckpt-", dir=parent)
+        try:
+            refs = group.execute(ws.write_own, self.generation, tmp, _driver_node())
+            for ref in refs:
+                if ref is not None:  # a worker on another node: its files came through Ray
+                    ws._write_dir(tmp, ray.get(ref))
+            ws._write_dir(tmp, {ws.METADATA_FILE: self.metadata})
+            torch.save(self.state, os.path.join(tmp, STATE_FILE))
+            _replace_dir(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.last_checkpoint = path
+        return path
+
+    def load(self, group: WorkerGroup, path: str) -> None:
+        """Load a checkpoint directory into every worker, resharded to the group's size."""
+        path = os.path.abspath(os.fspath(path))
+        metadata, state = read_checkpoint(path)
+        group.execute(ws.load_checkpoint, metadata, state, _source_for(group, path))
+        self.last_checkpoint = path
+
+    def gather(self, group: WorkerGroup) -> dict[str, Any]:
+        """The whole snapshot in this process (what `TorchTrainer.state_dict()` returns)."""
+        tmp = tempfile.mkdtemp(prefix="raysgd-state-")
+        try:
+            path = self.write(group, os.path.join(tmp, "ckpt"))
+            files = ws._read_dir(path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return {"format": "raysgd-dcp", "files": files}
+
+    def load_gathered(self, group: WorkerGroup, state: dict[str, Any]) -> None:
+        """Load what `gather` returned."""
+        files = state.get("files")
+        if not isinstance(files, dict) or not all(isinstance(v, bytes) for v in files.values()):
+            raise ValueError("a sharded state dict must hold {'files': {name: bytes}}")
+        tmp = tempfile.mkdtemp(prefix="raysgd-state-")
+        try:
+            for name in files:
+                if os.path.basename(name) != name or name in (".", ".."):
+                    raise ValueError(f"bad file name in sharded state: {name!r}")
+            ws._write_dir(tmp, files)
+            keep = self.last_checkpoint
+            self.load(group, tmp)
+            self.last_checkpoint = keep
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def restore(
+        self,
+        group: WorkerGroup,
+        operator_cls: type,
+        config: dict[str, Any],
+        options: dict[str, Any],
+        user_code: tuple[Any, ...],
+    ) -> None:
+        """After a resize: rebuild every runner from the survivors' parts and replicas (or, when
+        a part is lost with its replica, from the last checkpoint), resharded to the new size."""
+        if self.metadata is None or self.state is None:
+            raise RuntimeError("no sharded snapshot to restore")
+        offers = group.execute(ws.offer, self.generation)
+        held: dict[int, tuple[list[str], Any]] = {}
+        for offered in offers:
+            held.update(offered)
+        missing = sorted(set(range(self.world_size)) - set(held))
+        metadata, state = self.metadata, self.state
+        if not missing:
+            source: ws.Source = {name: ref for names, ref in held.values() for name in names}
+        elif self.last_checkpoint is not None:
+            logger.warning(
+                "the in-memory parts of worker(s) %s were lost together with their replicas: "
+                "restoring the last checkpoint %s (work since then is redone)",
+                missing,
+                self.last_checkpoint,
+            )
+            metadata, state = read_checkpoint(self.last_checkpoint)
+            source = _source_for(group, self.last_checkpoint)
+        else:
+            raise RuntimeError(
+                f"the state of worker(s) {missing} was lost together with its replica and there "
+                "is no checkpoint to fall back on (save one, or train with checkpoint='auto')"
+            )
+        # `operator_ref`: the operator class in the object store (a top-level ref, resolved there)
+        group.execute(ws.restore, operator_ref, config, options, metadata, state, source)
+        self.metadata, self.state = metadata, state
+
+
+def _replace_dir(tmp: str, path: str) -> None:
+    """Move the finished directory `tmp` to `path`; an older checkpoint there is replaced only now."""
+    if not os.path.exists(path):
+        os.replace(tmp, path)
+        return
+    old = tempfile.mkdtemp(prefix=".raysgd-old-", dir=os.path.dirname(path))
+    os.rmdir(old)
+    os.replace(path, old)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        os.replace(old, path)  # put the previous checkpoint back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
