@@ -149,27 +149,36 @@ def test_bad_strategy_names_and_arguments_fail_before_workers_start() -> None:
         TorchTrainer(training_operator_cls=TransformerOperator, strategy="fsdp", wrap_ddp=False)
 
 
+def _first_time(path: str) -> bool:
+    """True exactly once per marker path across all processes (O_EXCL create is atomic)."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    return True
+
+
 class ExitOnceOperator(TransformerOperator):
-    """Rank 1 `os._exit`s mid-way through the second epoch, on the first attempt only."""
+    """Rank 1 `os._exit`s mid-way through the second epoch, and both ranks mid-way through the
+    third (each on the first attempt only)."""
 
     def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
-        if self.world_rank == 1 and batch_info["global_step"] == 5:
-            try:
-                os.close(os.open(self.config["marker"], os.O_CREAT | os.O_EXCL))
-            except FileExistsError:
-                pass
-            else:
-                os._exit(1)
+        step, marker = batch_info["global_step"], self.config["marker"]
+        if step == 5 and self.world_rank == 1 and _first_time(marker):
+            os._exit(1)
+        if step == 9 and _first_time(f"{marker}-all-{self.world_rank}"):
+            os._exit(1)
         return super().train_batch(batch, batch_info)
 
 
-def test_fsdp_trains_like_ddp_with_a_shard_per_worker_and_recovers_a_lost_worker(
-    tmp_path: Any,
+def test_fsdp_trains_like_ddp_with_a_shard_per_worker_and_recovers_lost_workers(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # One ddp run is the reference; the fsdp run loses rank 1 mid-way through its second epoch.
-    # With gradient accumulation (no sync on the first batch of two) and clipping (a total norm
-    # over both workers' shards), fsdp must still compute what ddp computes, and the lost shards
-    # must come back from the survivor's in-memory replica: no checkpoint is ever written.
+    # One ddp run is the reference; the fsdp run loses rank 1 mid-way through its second epoch and
+    # both ranks in its third. With gradient accumulation (no sync on the first batch of two) and
+    # clipping (a total norm over both workers' shards), fsdp must still compute what ddp computes.
+    # Rank 1's shards come back from rank 0's in-memory replica; when both die, a shard and its
+    # replica are lost together and the checkpoint written at the start of the call is used.
     runs = {}
     for strategy, cls in (("ddp", TransformerOperator), ("fsdp", ExitOnceOperator)):
         trainer = TorchTrainer(
@@ -183,16 +192,21 @@ def test_fsdp_trains_like_ddp_with_a_shard_per_worker_and_recovers_a_lost_worker
         )
         try:
             pids = trainer.apply_all_workers(os.getpid)
-            losses = [trainer.train(max_retries=2)["train_loss"] for _ in range(3)]
+            losses = [
+                trainer.train(max_retries=2, checkpoint="auto")["train_loss"] for _ in range(3)
+            ]
             runs[strategy] = (losses, trainer.apply_all_operators(_full_loss)[0])
             runs[strategy + "_bytes"] = trainer.apply_all_operators(_local_bytes)
             if strategy == "fsdp":
-                assert trainer.failures == 1 and trainer.num_workers == 2
-                new_pids = trainer.apply_all_workers(os.getpid)
-                assert new_pids[0] == pids[0] and new_pids[1] != pids[1]
+                assert trainer.failures == 2 and trainer.num_workers == 2
+                assert not set(trainer.apply_all_workers(os.getpid)) & set(pids)
         finally:
             trainer.shutdown()
-    assert (tmp_path / "exited").exists()  # the failure really happened
+    # the failures really happened
+    assert all((tmp_path / name).exists() for name in ("exited", "exited-all-0", "exited-all-1"))
+    assert (
+        caplog.text.count("lost together with their replicas: restoring the last checkpoint") == 1
+    )
     (ddp_losses, ddp_final), (fsdp_losses, fsdp_final) = runs["ddp"], runs["fsdp"]
     assert ddp_losses[-1] < ddp_losses[0]  # it learns, so equal losses mean equal training
     assert fsdp_losses == pytest.approx(ddp_losses, rel=LOSS_RTOL)
@@ -204,3 +218,21 @@ def test_fsdp_trains_like_ddp_with_a_shard_per_worker_and_recovers_a_lost_worker
             assert 0.4 * full[kind] <= part[kind] <= 0.6 * full[kind]
     for kind in ("params", "optim"):
         assert sum(p[kind] for p in runs["fsdp_bytes"]) == full[kind]
+
+
+def _model_type(operator: Any) -> str:
+    return type(operator.model).__name__
+
+
+def test_compile_trains_under_ddp_and_fsdp() -> None:
+    # Dynamo's "eager" backend keeps this test quick (inductor's C++ compile takes minutes on two
+    # cores); the wrapping order and the gradient-sync path are the same whatever the backend.
+    losses = {}
+    for strategy in ("ddp", "fsdp"):
+        trainer = _trainer(2, strategy, compile=True, compile_args={"backend": "eager"})
+        try:
+            assert trainer.apply_all_operators(_model_type) == ["OptimizedModule"] * 2
+            losses[strategy] = trainer.train()["train_loss"]
+        finally:
+            trainer.shutdown()
+    assert losses["fsdp"] == pytest.approx(losses["ddp"], rel=LOSS_RTOL)

@@ -28,7 +28,13 @@ from raysgd._internal.validation import (
     resolve_timeout,
     start_timeout,
 )
-from raysgd_core import WorkerDiedError, WorkerError, WorkerGroup, require_cluster_gpus, resolve_use_gpu
+from raysgd_core import (
+    WorkerDiedError,
+    WorkerError,
+    WorkerGroup,
+    require_cluster_gpus,
+    resolve_use_gpu,
+)
 from raysgd_fault import FailurePolicy, get_policy
 from raysgd_operator import TrainingOptions, check_batch_size
 
@@ -46,6 +52,13 @@ class TorchTrainer(TrainerDriver):
     `accumulate_grad_batches`, `clip_grad_norm`, `failure_policy` ("default", a registered name or a
     `raysgd_fault.FailurePolicy`), `checkpoint_dir` (where `train(checkpoint="auto")` writes) and
     `logdir` (TensorBoard scalars of every result). `timeout_s=None` reads `NCCL_TIMEOUT_S`, else 1800.
+
+    `strategy` says how models are spread over the workers: "ddp" (default; `wrap_ddp=False` means
+    "none"), "fsdp" (FSDP2: parameters, gradients and optimizer state sharded; `strategy_args`
+    `shard_modules`, `reshard_after_forward`, `cpu_offload`), "none", or a registered
+    `raysgd_operator.Strategy`. With "fsdp", `save()`/`checkpoint=` write a checkpoint directory
+    (each worker its shards) that loads with any number of workers and any strategy.
+    `compile=True` runs `torch.compile(model, **compile_args)` on every worker after wrapping.
 
     Example::
 
@@ -285,6 +298,12 @@ class TorchTrainer(TrainerDriver):
         CPU comes back as it is.
         """
         self._check_alive()
+        if self._sharded is not None:
+            raise NotImplementedError(
+                "get_model() with a sharded strategy: no worker holds the whole model. save() a "
+                "checkpoint and load it into a TorchTrainer(strategy='none'), or use "
+                "apply_all_operators"
+            )
         models = self._call(worker.get_models, to_cpu, not driver_has_cuda(), rank=0)
         if isinstance(models, (list, tuple)) and len(models) == 1:
             return models[0]

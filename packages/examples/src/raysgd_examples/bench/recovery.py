@@ -4,6 +4,8 @@ Sides, all on the same 2-worker job (`workload.py`), each run in a fresh process
 
 - raysgd: ``train(max_retries=1)``; rank 1 dies; the survivor is kept and re-joined ("keep-healthy",
   the path the trainer takes when it can; the path it reports is recorded).
+- raysgd_fsdp: as raysgd with ``strategy="fsdp"``: the lost worker's shards come back from the
+  survivor's in-memory replica and every worker rebuilds its sharded model for the new group.
 - raysgd_all_killed: every rank dies at step k, so every worker is started anew. The trainer has
   no switch to force its "full-restart" path (it falls back to it only when re-joining survivors
   fails), so this is the cost of that path (new processes, imports, data) measured the only way a
@@ -36,7 +38,7 @@ from raysgd_examples.bench import _common
 
 __all__ = ["PHASES", "SIDES", "main", "measure", "phases"]
 
-SIDES = ("raysgd", "raysgd_all_killed", "raysgd_digits", "torchrun", "ray_train")
+SIDES = ("raysgd", "raysgd_fsdp", "raysgd_all_killed", "raysgd_digits", "torchrun", "ray_train")
 #: The phases of a raysgd recovery, in order (seconds each; see the module docstring).
 PHASES = ("detect_s", "start_s", "reform_s", "restore_s", "redo_s")
 _MODULE = "raysgd_examples.bench.recovery"
@@ -76,12 +78,14 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
 
             with _common.local_ray(settle=True):
                 _ray_train.fit(cfg, num_workers=args.workers, max_failures=1)
-        elif side in ("raysgd", "raysgd_all_killed", "raysgd_digits"):
+        elif side in ("raysgd", "raysgd_fsdp", "raysgd_all_killed", "raysgd_digits"):
             from raysgd_examples.bench import _digits, _raysgd
 
             make = _digits.make_trainer if side == "raysgd_digits" else _raysgd.make_trainer
+            # raysgd_fsdp: the same job sharded; the lost shards come back from a peer's replica
+            extra = {"strategy": "fsdp"} if side == "raysgd_fsdp" else {}
             with _common.local_ray(settle=True, raysgd=True):
-                trainer = make(cfg, num_workers=args.workers)
+                trainer = make(cfg, num_workers=args.workers, **extra)
                 try:
                     trainer.train(num_steps=cfg["steps"], max_retries=1)
                     events = trainer.recovery_events

@@ -23,6 +23,7 @@ import torch
 
 from raysgd._internal import worker_sharded as ws
 from raysgd_core import WorkerGroup
+from raysgd_operator import TrainingOptions
 
 __all__ = ["STATE_FILE", "ShardedState", "is_sharded_checkpoint", "read_checkpoint"]
 
@@ -152,7 +153,7 @@ class ShardedState:
         group: WorkerGroup,
         operator_cls: type,
         config: dict[str, Any],
-        options: dict[str, Any],
+        options: TrainingOptions,
         user_code: tuple[Any, ...],
     ) -> None:
         """After a resize: rebuild every runner from the survivors' parts and replicas (or, when

@@ -18,7 +18,7 @@ import ray
 
 from raysgd._internal.worker import RUNNER_KEY, _build, _runner
 from raysgd_core import get_context
-from raysgd_operator import OperatorRunner
+from raysgd_operator import OperatorRunner, TrainingOptions
 
 __all__ = [
     "METADATA_FILE",
@@ -141,7 +141,7 @@ def load_checkpoint(metadata: bytes, state: dict, source: Source) -> None:
 def restore(
     operator_cls: type,
     config: dict[str, Any],
-    options: dict[str, Any],
+    options: TrainingOptions,
     metadata: bytes,
     state: dict,
     source: Source,

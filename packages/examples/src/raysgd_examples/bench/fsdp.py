@@ -1,0 +1,130 @@
+"""Sharded vs replicated: per-worker memory and throughput of `strategy="fsdp"` against `"ddp"`.
+
+Both sides train the same transformer with the same global batch on 2 workers, one after the other
+in one run. Per worker it records the bytes of parameters, gradients and optimizer state it holds
+(exact: counted from its local tensors), its peak resident memory (CPU) or peak allocated CUDA
+memory (GPU), and the samples per second over the timed steps. Ratios are fsdp / ddp.
+
+    hatch run bench:fsdp [--quick] [--steps N] [--workers N] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from raysgd import TorchTrainer, TrainingOperator
+from raysgd.utils import BATCH_SIZE
+from raysgd_examples.bench import _common
+
+__all__ = ["main"]
+
+
+class _Operator(TrainingOperator):
+    def setup(self, config: dict[str, Any]) -> None:
+        torch.manual_seed(0)
+        width, layers = config["width"], config["layers"]
+        layer = nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True)
+        model = nn.Sequential(nn.TransformerEncoder(layer, layers, enable_nested_tensor=False))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self.register(models=model, optimizers=optimizer, criterion=nn.MSELoss())
+        n = config[BATCH_SIZE] * (config["steps"] + 2)
+        x = torch.randn(n, 32, width, generator=torch.Generator().manual_seed(1))
+        self.register_data(
+            train_loader=DataLoader(TensorDataset(x, x), batch_size=config[BATCH_SIZE])
+        )
+
+
+def _worker_memory(operator: Any) -> dict[str, float]:
+    from torch.distributed.tensor import DTensor
+
+    def size(t: torch.Tensor) -> int:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        return local.numel() * local.element_size()
+
+    params = list(operator.model.parameters())
+    state = sum(size(p) + (size(p.grad) if p.grad is not None else 0) for p in params)
+    state += sum(
+        size(v)
+        for s in operator.optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    )
+    if operator.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(operator.device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    return {"state_mb": state / 2**20, "peak_mb": peak / 2**20}
+
+
+def _side(strategy: str, args: argparse.Namespace) -> dict[str, Any]:
+    trainer = TorchTrainer(
+        training_operator_cls=_Operator,
+        config={
+            BATCH_SIZE: args.batch * args.workers,
+            "width": args.width,
+            "layers": args.layers,
+            "steps": args.steps,
+        },
+        num_workers=args.workers,
+        use_gpu="auto",
+        strategy=strategy,
+        strategy_args={"shard_modules": nn.TransformerEncoderLayer} if strategy == "fsdp" else None,
+    )
+    try:
+        trainer.train(num_steps=2, max_retries=0)  # warm-up (allocator, first collectives)
+        started = time.perf_counter()
+        trainer.train(num_steps=args.steps, max_retries=0)
+        elapsed = time.perf_counter() - started
+        memory = trainer.apply_all_operators(_worker_memory)
+    finally:
+        trainer.shutdown()
+    return {
+        "samples_per_s": args.steps * args.batch * args.workers / elapsed,
+        "state_mb_per_worker": max(m["state_mb"] for m in memory),
+        "peak_mb_per_worker": max(m["peak_mb"] for m in memory),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=8, help="per worker")
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--quick", action="store_true", help="a small model and few steps")
+    parser.add_argument("--out", default="bench_results")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.width, args.layers = 4, 64, 2
+    sides = {strategy: _side(strategy, args) for strategy in ("ddp", "fsdp")}
+    ratios = {
+        key: sides["fsdp"][key] / sides["ddp"][key] for key in sides["ddp"] if sides["ddp"][key]
+    }
+    result = {
+        "benchmark": "fsdp",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": _common.machine_info(),
+        "args": vars(args),
+        "sides": sides,
+        "ratio_fsdp_over_ddp": ratios,
+    }
+    print(json.dumps({"sides": sides, "ratio_fsdp_over_ddp": ratios}, indent=2))
+    path = Path(args.out) / "fsdp.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
