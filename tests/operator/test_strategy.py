@@ -82,7 +82,7 @@ class _RunsCode:
 
 
 def test_dcp_metadata_reader_refuses_anything_but_metadata() -> None:
-    with pytest.raises(ValueError, match="posix.system: not allowed"):
+    with pytest.raises(ValueError, match=r"posix\.system: not allowed"):
         read_metadata(pickle.dumps(_RunsCode()))
     with pytest.raises(ValueError, match="not DCP checkpoint metadata"):
         read_metadata(pickle.dumps({"a": 1}))
