@@ -1,5 +1,6 @@
 """TrainingOperator, OperatorRunner, metrics and BATCH_SIZE for raysgd (torch only, no Ray)."""
 
+from raysgd_operator._internal.sharded import read_metadata as read_dcp_metadata
 from raysgd_operator.batch import BATCH_SIZE, check_batch_size, split_batch_size
 from raysgd_operator.metrics import (
     BATCH_COUNT,
@@ -32,6 +33,7 @@ __all__ = [
     "available_strategies",
     "check_batch_size",
     "get_strategy",
+    "read_dcp_metadata",
     "reduce_worker_results",
     "register_strategy",
     "split_batch_size",

@@ -40,13 +40,13 @@ def is_sharded_checkpoint(path: str) -> bool:
 
 def read_checkpoint(path: str) -> tuple[bytes, dict[str, Any]]:
     """(metadata, state) of a checkpoint directory, validated; nothing in it runs as code."""
-    from raysgd_operator._internal.sharded import read_metadata
+    from raysgd_operator import read_dcp_metadata
 
     if not is_sharded_checkpoint(path):
         raise ValueError(f"{path!r} is not a raysgd checkpoint directory (no {ws.METADATA_FILE})")
     with open(os.path.join(path, ws.METADATA_FILE), "rb") as handle:
         metadata = handle.read()
-    read_metadata(metadata)  # raises ValueError unless it is plain DCP metadata
+    read_dcp_metadata(metadata)  # raises ValueError unless it is plain DCP metadata
     try:
         state = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=True)
     except Exception as exc:  # unpickling errors come in many types; all mean "not ours"
@@ -151,10 +151,9 @@ class ShardedState:
     def restore(
         self,
         group: WorkerGroup,
-        operator_cls: type,
+        operator_ref: Any,
         config: dict[str, Any],
         options: TrainingOptions,
-        user_code: tuple[Any, ...],
     ) -> None:
         """After a resize: rebuild every runner from the survivors' parts and replicas (or, when
         a part is lost with its replica, from the last checkpoint), resharded to the new size."""
