@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import ray
-import torch
 
 __all__ = ["require_cluster_gpus", "resolve_use_gpu"]
 
@@ -19,6 +18,9 @@ def resolve_use_gpu(use_gpu: Any) -> bool:
     workers are about to be placed.
     """
     if use_gpu is None or use_gpu == "auto":
+        # Imported here: `import raysgd_core` stays light for frameworks that only want the pool.
+        import torch
+
         return torch.cuda.is_available()
     if isinstance(use_gpu, bool):
         return use_gpu
