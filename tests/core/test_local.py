@@ -77,3 +77,24 @@ def test_local_rank0_and_remote_death(ray_local):
     # The process is free for another local group.
     with WorkerGroup(1, use_local=True) as single:
         assert single.execute(_all_reduce_info) == [(0, os.getpid(), 1.0)]
+
+
+def test_a_local_group_left_behind_by_a_ray_restart_does_not_block_the_next(ray_local):
+    """A use_local group never shut down (a test failed half-way), then Ray shut down and started
+    again, as RaySGD's own test fixtures do: a new use_local group starts in this process."""
+    import ray
+
+    from raysgd_core import local_ray_options
+
+    abandoned = WorkerGroup(2, use_local=True)
+    abandoned.start()
+    ray.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    ray.init(address="local", num_cpus=4, **local_ray_options(), configure_logging=False)
+    try:
+        with WorkerGroup(2, use_local=True) as group:
+            assert [r for r, _, _ in group.execute(_all_reduce_info)] == [0, 1]
+            assert group.execute(_all_reduce_info)[0][2] == 3.0
+    finally:
+        ray.shutdown()  # the shared fixture starts its cluster again for the next test

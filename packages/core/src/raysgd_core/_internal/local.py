@@ -24,6 +24,10 @@ class LocalWorker:
     def __init__(self) -> None:
         import torch.distributed as dist
 
+        if _active[0] is not None and _active[0].outlived_its_cluster():
+            # Ray was shut down (or restarted) under it without `shutdown()`, e.g. after a test
+            # failed half-way: its workers are gone, so it holds nothing but this slot.
+            _active[0].close_quietly()
         if _active[0] is not None:
             raise RuntimeError(
                 "Another WorkerGroup with use_local=True is alive in this process; a process can "
@@ -38,7 +42,21 @@ class LocalWorker:
         self.gpu_index: Optional[int] = None
         self.reservation_pg: Any = None
         self._holder: Any = None
+        self._node_id = _current_node_id()
         _active[0] = self
+
+    def outlived_its_cluster(self) -> bool:
+        """True when the Ray session this rank 0 was made in is gone (shut down or replaced)."""
+        return self._node_id is None or _current_node_id() != self._node_id
+
+    def close_quietly(self) -> None:
+        """`close`, for a group whose cluster is gone: nothing left to free may raise."""
+        try:
+            self.close()
+        except Exception:
+            logger.debug("closing a local group whose cluster is gone", exc_info=True)
+        if _active[0] is self:
+            _active[0] = None
 
     def reserve(self, bundle: dict, timeout_s: float) -> Optional[Any]:
         """Reserve rank 0's share of the cluster on this node (a one-bundle placement group).
@@ -111,6 +129,15 @@ class LocalWorker:
         ):
             _ctx._process_default[0] = None
         return removed
+
+
+def _current_node_id() -> Optional[str]:
+    """This process's Ray node id, or None when Ray is not initialised."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().get_node_id()
 
 
 class _GpuHolder:
