@@ -13,6 +13,7 @@ from raysgd_operator.metrics import (
 from raysgd_operator.operator import TrainingOperator
 from raysgd_operator.options import SCHEDULER_STEP_FREQS, TrainingOptions
 from raysgd_operator.runner import OperatorRunner
+from raysgd_operator.shards import DatasetOptions
 from raysgd_operator.strategies import available_strategies, get_strategy, register_strategy
 from raysgd_operator.strategy import Strategy, WrapContext
 
@@ -24,6 +25,7 @@ __all__ = [
     "SCHEDULER_STEP_FREQS",
     "AverageMeter",
     "AverageMeterCollection",
+    "DatasetOptions",
     "OperatorRunner",
     "Strategy",
     "TimerCollection",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
 import torch
@@ -59,6 +59,7 @@ class TrainingOperator(OperatorBase):
         device: torch.device | str | None = None,
         options: TrainingOptions | None = None,
         precision: Precision | None = None,
+        datasets: Mapping[str, Any] | None = None,
         **option_overrides: Any,
     ) -> None:
         # `option_overrides` (use_fp16=..., scheduler_step_freq=...) keep keyword-style
@@ -82,6 +83,7 @@ class TrainingOperator(OperatorBase):
         self._compile = dict(compile_args or {}) if self._options.compile else None
         self.global_step = 0
         self.timers = TimerCollection()
+        self._dataset_shards = dict(datasets or {})
         self.setup(config)
 
     @classmethod
@@ -200,6 +202,16 @@ class TrainingOperator(OperatorBase):
     @validation_loader.setter
     def validation_loader(self, value: Any) -> None:
         self._own_loaders["validation"] = value
+
+    def get_dataset_shard(self, name: str) -> Any:
+        """This worker's shard of the trainer's ``datasets[name]`` (a Ray Data ``DataIterator``), or
+        None when the trainer was given no such dataset.
+
+        The trainer feeds the ``"train"`` and ``"validation"`` shards to the loops itself; other
+        names are for custom loops. After a resize or a recovery every worker gets a new shard, so
+        fetch it when iterating rather than keeping the one seen in ``setup``.
+        """
+        return self._dataset_shards.get(name)
 
     # -- helpers for custom loops ---------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:

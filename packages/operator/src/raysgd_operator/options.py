@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from raysgd_operator._internal.precision import check_precision
+from raysgd_operator.shards import DatasetOptions
 from raysgd_operator.strategies.registry import resolve_strategy
 
 __all__ = ["SCHEDULER_STEP_FREQS", "TrainingOptions"]
@@ -64,6 +65,8 @@ class TrainingOptions:
         strategy_args: keyword arguments of that strategy (checked by the strategy itself).
         compile: `torch.compile` every model on every worker, after wrapping.
         compile_args: keyword arguments for `torch.compile` (with ``compile=True``).
+        dataset_options: how a worker draws batches from its dataset shards (`DatasetOptions`;
+            None: its defaults).
 
     Raises TypeError or ValueError naming the option when a value is invalid. Use
     `dataclasses.replace(options, name=value)` for a changed copy (validated again).
@@ -83,6 +86,7 @@ class TrainingOptions:
     strategy_args: Optional[Mapping[str, Any]] = None
     compile: bool = False
     compile_args: Optional[Mapping[str, Any]] = None
+    dataset_options: Optional[DatasetOptions] = None
 
     def __post_init__(self) -> None:
         self._check()
@@ -120,6 +124,13 @@ class TrainingOptions:
             raise TypeError(f"compile_args must be a dict, got {type(self.compile_args).__name__}")
         if self.compile_args and not self.compile:
             raise ValueError("compile_args were given but compile=False")
+        if self.dataset_options is not None and not isinstance(
+            self.dataset_options, DatasetOptions
+        ):
+            raise TypeError(
+                "dataset_options must be a DatasetOptions or None, "
+                f"got {type(self.dataset_options).__name__}"
+            )
 
     @property
     def sharded(self) -> bool:

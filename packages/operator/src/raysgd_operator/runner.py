@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -11,9 +13,12 @@ from torch import nn
 
 from raysgd_operator._internal import sharded as _sharded
 from raysgd_operator._internal.precision import get_precision
+from raysgd_operator._internal.shard_loader import ShardLoader
 from raysgd_operator._internal.stream import BatchStream
+from raysgd_operator.batch import BATCH_SIZE
 from raysgd_operator.operator import TrainingOperator
 from raysgd_operator.options import TrainingOptions
+from raysgd_operator.shards import DatasetOptions
 
 __all__ = ["OperatorRunner", "on_device"]
 
@@ -22,6 +27,9 @@ def on_device(module: nn.Module) -> bool:
     """Whether ``module`` holds a parameter or buffer anywhere but on the CPU."""
     tensors = itertools.chain(module.parameters(), module.buffers())
     return any(t.device.type != "cpu" for t in tensors)
+
+
+logger = logging.getLogger(__name__)
 
 
 def _to_cpu_copy(obj: Any) -> Any:
@@ -39,7 +47,8 @@ def _missing_loader_error(kind: str) -> ValueError:
     call = "train()" if kind == "train" else "validate()"
     return ValueError(
         f"{call} needs a {kind} loader: call self.register_data({kind}_loader=...) in setup() "
-        "(or return (train_loader, validation_loader) from data_creator)"
+        "(or return (train_loader, validation_loader) from data_creator), or give the trainer "
+        f'datasets={{"{kind}": ...}}'
     )
 
 
@@ -62,6 +71,11 @@ class OperatorRunner:
     profiling, and the state dict: ``epoch``, ``operator``, ``models``, ``optimizers``,
     ``schedulers``, ``precision``, ``position`` and ``global_step``, all plain tensors and
     containers (``torch.load(weights_only=True)`` reads them).
+
+    ``datasets`` maps names to this worker's dataset shards (objects with ``iter_torch_batches``,
+    such as Ray Data ``DataIterator``s); the ``"train"`` and ``"validation"`` shards replace the
+    loaders registered under those names, drawn in batches of ``config[BATCH_SIZE]`` on ``device``
+    as ``options.dataset_options`` says. One pass over a shard is one epoch.
     """
 
     def __init__(
@@ -73,6 +87,7 @@ class OperatorRunner:
         local_rank: int = 0,
         world_size: int = 1,
         device: torch.device = torch.device("cpu"),
+        datasets: Mapping[str, Any] | None = None,
         options: TrainingOptions | None = None,
         **option_overrides: Any,
     ) -> None:
@@ -88,6 +103,13 @@ class OperatorRunner:
             # oversubscribe its cores (the same setting torchrun users get from OMP_NUM_THREADS).
             torch.set_num_threads(options.num_threads)
         self.precision = get_precision(options.use_fp16, device=device, apex_args=options.apex_args)
+        if datasets and BATCH_SIZE not in config:
+            raise ValueError(
+                "datasets need config[BATCH_SIZE] (each worker's share is its batch size)"
+            )
+        self.device = device
+        self.options = options
+        self._shard_loaders: dict[str, ShardLoader] = {}
         self.epoch = 0
         self._train = BatchStream(lambda: self._loader("train"), self._on_train_pass)
         self._val = BatchStream(lambda: self._loader("validation"), lambda resuming: None)
@@ -99,13 +121,41 @@ class OperatorRunner:
             device=device,
             options=options,
             precision=self.precision,
+            datasets=datasets,
         )
+        self._bind_shards()
+        for kind in self._shard_loaders:
+            if self.operator._loaders.get(kind) is not None and world_rank == 0:
+                logger.warning(
+                    "the %s loader registered in setup() is not used: datasets[%r] feeds %s",
+                    kind,
+                    kind,
+                    "train()" if kind == "train" else "validate()",
+                )
+
+    def _bind_shards(self) -> None:
+        """Loaders over the operator's current dataset shards, in this worker's batch size."""
+        op = self.operator
+        self._shard_loaders = {
+            kind: ShardLoader(
+                shard,
+                name=kind,
+                batch_size=int(op.config[BATCH_SIZE]),
+                device=self.device,
+                options=self.options.dataset_options or DatasetOptions(),
+            )
+            for kind in ("train", "validation")
+            if (shard := op.get_dataset_shard(kind)) is not None
+        }
 
     def _loader(self, kind: str) -> Any:
-        loader = self.operator._loaders.get(kind)
+        loader = self._shard_loaders.get(kind) or self.operator._loaders.get(kind)
         if loader is None:
             raise _missing_loader_error(kind)
         return loader
+
+    def _has_loader(self, kind: str) -> bool:
+        return kind in self._shard_loaders or self.operator._loaders.get(kind) is not None
 
     def _base_info(self, num_steps: int | None) -> dict[str, Any]:
         # The dunder keys are the ones RaySGD 1.x operators read (its NUM_STEPS/USE_FP16 constants).
@@ -131,7 +181,7 @@ class OperatorRunner:
         op = self.operator
         op.timers.enabled = profile
         op.timers.reset()
-        if op._loaders.get("train") is None:
+        if not self._has_loader("train"):
             # A custom train_epoch may bring its own data; each call is then one epoch.
             self.epoch += 1
             batches: Any = _MissingLoader("train")
@@ -158,7 +208,7 @@ class OperatorRunner:
         op = self.operator
         op.timers.enabled = profile
         op.timers.reset()
-        if op._loaders.get("validation") is None:
+        if not self._has_loader("validation"):
             batches: Any = _MissingLoader("validation")
         else:
             batches = self._val.begin_call(num_steps)
@@ -313,18 +363,30 @@ class OperatorRunner:
         return fn(self.operator)
 
     def rebind(
-        self, *, world_rank: int, local_rank: int, world_size: int, config: dict[str, Any]
+        self,
+        *,
+        world_rank: int,
+        local_rank: int,
+        world_size: int,
+        config: dict[str, Any],
+        datasets: Mapping[str, Any] | None = None,
     ) -> bool:
         """Adopt a re-formed process group: re-wrap DDP, re-shard the loaders the runner built.
 
-        ``config`` is the new per-worker config (``BATCH_SIZE`` already split). Returns False when a
-        loader cannot follow (the user's own sampler or an IterableDataset whose batch size or
-        sharding would have to change); the caller should then build a new runner.
+        ``config`` is the new per-worker config (``BATCH_SIZE`` already split) and ``datasets`` this
+        worker's shards of the datasets split over the new group. Returns False when a loader cannot
+        follow (the user's own sampler or an IterableDataset whose batch size or sharding would have
+        to change); the caller should then build a new runner.
         """
         if not self.operator._rebind(
-            world_rank=world_rank, local_rank=local_rank, world_size=world_size, config=dict(config)
+            world_rank=world_rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            config=dict(config),
+            datasets=dict(datasets or {}),
         ):
             return False
+        self._bind_shards()
         # Batches of another size or shard do not line up with the old position: the caller
         # loads the last good state next, which sets the position it wants.
         self._train.reset(resume=self._train.consumed())

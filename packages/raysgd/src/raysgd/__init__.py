@@ -12,7 +12,14 @@ load it when first used.
 
 from raysgd.compat import PyTorchTrainer
 from raysgd.trainer import TorchTrainer
-from raysgd_operator import BATCH_SIZE, TrainingOperator
+from raysgd_operator import BATCH_SIZE, DatasetOptions, TrainingOperator
 
 __version__ = "0.1.0"
-__all__ = ["BATCH_SIZE", "PyTorchTrainer", "TorchTrainer", "TrainingOperator", "__version__"]
+__all__ = [
+    "BATCH_SIZE",
+    "DatasetOptions",
+    "PyTorchTrainer",
+    "TorchTrainer",
+    "TrainingOperator",
+    "__version__",
+]

@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 from raysgd._internal import worker
 from raysgd._internal.checkpoint import read_file, state_from_bytes, state_to_bytes, write_file
 from raysgd._internal.cluster import driver_has_cuda, ensure_ray
+from raysgd._internal.datasets import DatasetSplitter, check_datasets
 from raysgd._internal.driver import TrainerDriver
 from raysgd._internal.recovery import Recovery
 from raysgd._internal.sharded_state import ShardedState, is_sharded_checkpoint
@@ -36,7 +37,7 @@ from raysgd_core import (
     resolve_use_gpu,
 )
 from raysgd_fault import FailurePolicy, get_policy
-from raysgd_operator import TrainingOptions, check_batch_size
+from raysgd_operator import DatasetOptions, TrainingOptions, check_batch_size
 
 __all__ = ["TorchTrainer"]
 
@@ -59,6 +60,12 @@ class TorchTrainer(TrainerDriver):
     `raysgd_operator.Strategy`. With "fsdp", `save()`/`checkpoint=` write a checkpoint directory
     (each worker its shards) that loads with any number of workers and any strategy.
     `compile=True` runs `torch.compile(model, **compile_args)` on every worker after wrapping.
+
+    `datasets={"train": ds, "validation": ds2}` feeds the loops from Ray Data (`raysgd[data]`): each
+    dataset is split over the workers with `streaming_split(n, equal=True)`, again after every
+    resize or recovery, and each worker draws batches of its `config[BATCH_SIZE]` share;
+    `dataset_options` (a `raysgd.DatasetOptions` or a dict of its fields) sets the columns that
+    make the `(*features, target)` batch, dtypes, a collate function and shuffling.
 
     Example::
 
@@ -103,9 +110,12 @@ class TorchTrainer(TrainerDriver):
         strategy_args: Optional[dict[str, Any]] = None,
         compile: bool = False,
         compile_args: Optional[dict[str, Any]] = None,
+        datasets: Optional[dict[str, Any]] = None,
+        dataset_options: Union[DatasetOptions, dict[str, Any], None] = None,
     ) -> None:
         # Everything that can be checked on the driver is checked before any worker starts.
         self._num_workers = check_positive_int("num_workers", num_workers)
+        given_datasets, dataset_options = check_datasets(datasets, dataset_options, config or {})
         check_optional_args(
             config=config,
             num_cpus_per_worker=num_cpus_per_worker,
@@ -131,6 +141,7 @@ class TorchTrainer(TrainerDriver):
             strategy_args=strategy_args,
             compile=compile,
             compile_args=compile_args,
+            dataset_options=dataset_options,
         )
         self._operator_cls = resolve_operator_cls(
             training_operator_cls,
@@ -140,6 +151,7 @@ class TorchTrainer(TrainerDriver):
             loss_creator=loss_creator,
             scheduler_creator=scheduler_creator,
             serialize_data_creation=serialize_data_creation,
+            has_datasets=bool(given_datasets),
         )
         timeout = resolve_timeout(timeout_s)
         policy = get_policy(failure_policy)
@@ -154,6 +166,7 @@ class TorchTrainer(TrainerDriver):
         self._config: dict[str, Any] = dict(self._user_config)
         self._checkpoint_dir = checkpoint_dir
         self._sharded = ShardedState() if self._options.sharded else None
+        self._datasets = DatasetSplitter(given_datasets)
         self._last_state, self._state_fresh, self._shut_down = b"", False, False
         self._group: WorkerGroup = WorkerGroup(
             self._num_workers,
@@ -170,6 +183,9 @@ class TorchTrainer(TrainerDriver):
         # its closure cells as they are then: one that by then refers to the trainer itself
         # would ship the whole trainer (or fail to pickle it).
         creators = (model_creator, data_creator, optimizer_creator, loss_creator, scheduler_creator)
+        if dataset_options is not None:
+            # Travels inside the options: registering its module ships it by value too.
+            creators += (dataset_options.collate_fn,)
         self._operator_ref = self._group.put(
             self._operator_cls, by_value=tuple(fn for fn in creators if fn is not None)
         )

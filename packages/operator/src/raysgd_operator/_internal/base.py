@@ -90,6 +90,7 @@ class OperatorBase:
         self._loader_sources: dict[str, Any] = {"train": None, "validation": None}
         self._loaders: dict[str, Any] = {"train": None, "validation": None}
         self._own_loaders: dict[str, Any] = {}  # see TrainingOperator.train_loader
+        self._dataset_shards: dict[str, Any] = {}
 
     # -- registration ------------------------------------------------------------------------
     def register(
@@ -243,9 +244,18 @@ class OperatorBase:
 
     # -- resize ------------------------------------------------------------------------------
     def _rebind(
-        self, *, world_rank: int, local_rank: int, world_size: int, config: dict[str, Any]
+        self,
+        *,
+        world_rank: int,
+        local_rank: int,
+        world_size: int,
+        config: dict[str, Any],
+        datasets: dict[str, Any] | None = None,
     ) -> bool:
-        """Re-wrap DDP and re-shard the loaders for a re-formed process group; False if impossible."""
+        """Re-wrap DDP and re-shard the loaders for a re-formed process group; False if impossible.
+
+        ``datasets`` are this worker's shards of the new split (the old shards belong to a split
+        over the old group and must not be read again)."""
         if "models" in self._groups and not self._strategy.rewrappable:
             return False  # e.g. sharded modules: the caller builds the operator again
         old_size, old_config = self._world_size, self._config
@@ -253,9 +263,10 @@ class OperatorBase:
         batch_changed = new_bs is not None and new_bs != old_config.get(BATCH_SIZE)
         sampler_changed = self._options.add_dist_sampler and world_size != old_size
         plans: dict[str, int | None] = {}
+        shards = dict(datasets or {})
         for name, source in self._loader_sources.items():
-            if source is None:
-                continue
+            if source is None or name in shards:
+                continue  # a loader that a dataset shard replaces is never read
             derived = batch_changed and getattr(source, "batch_size", None) == old_config.get(
                 BATCH_SIZE
             )
@@ -264,6 +275,7 @@ class OperatorBase:
             plans[name] = new_bs if derived else None
         self._world_rank, self._local_rank, self._world_size = world_rank, local_rank, world_size
         self._config = config
+        self._dataset_shards = shards
         for name, batch_size in plans.items():
             self._loaders[name] = self._prepare_loader(self._loader_sources[name], batch_size)
         if "models" in self._groups:

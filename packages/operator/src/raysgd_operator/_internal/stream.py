@@ -45,6 +45,8 @@ class BatchStream:
         self.iterator: Iterator[Any] | None = None
         self.position = 0
         self.resume: int | None = None
+        # A batch drawn ahead to learn whether a pass of unknown length had ended (_END: none).
+        self._peeked: Any = _END
 
     def _exhausted(self) -> bool:
         length = _known_len(self._get_loader())
@@ -59,6 +61,7 @@ class BatchStream:
     def reset(self, resume: int | None = None) -> None:
         """Drop the current pass; the next one skips ``resume`` batches without a new epoch."""
         self.iterator, self.position, self.resume = None, 0, resume or None
+        self._peeked = _END
 
     def begin_call(self, num_steps: int | None) -> CallBatches:
         """Batches for one call: ``num_steps`` of them (wrapping into new passes), else the rest."""
@@ -66,6 +69,12 @@ class BatchStream:
             raise ValueError(f"num_steps must be >= 0 or None, got {num_steps}")
         if self.iterator is not None and self._exhausted():
             self.iterator = None
+        if self.iterator is not None and _known_len(self._get_loader()) is None:
+            # Of unknown length (an iterable data set, a streamed shard), a pass that the last call
+            # drew to its very end has not said so yet: look one batch ahead, so that this call
+            # starts the next epoch rather than returning an empty one.
+            if self._peek() is _END:
+                self.iterator = None
         if self.iterator is None:
             self._new_pass()
         length = num_steps
@@ -77,7 +86,7 @@ class BatchStream:
     def end_call(self, num_steps: int | None) -> None:
         """A call without ``num_steps`` finishes its pass, even if the loop stopped early."""
         if num_steps is None:
-            self.iterator = None
+            self.iterator, self._peeked = None, _END
 
     def _new_pass(self) -> None:
         loader = self._get_loader()
@@ -86,13 +95,34 @@ class BatchStream:
         sampler = getattr(loader, "sampler", None)
         if epoch is not None and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
-        self.iterator = iter(loader)
+        self.iterator, self._peeked = iter(loader), _END
         self.position = 0
-        self._skipped = skip
         for _ in range(skip):
             if next(self.iterator, _END) is _END:
                 break
             self.position += 1
+        if skip and (self.position < skip or self._peek() is _END):
+            # The saved position was the end of its epoch (a pass of unknown length cannot tell
+            # before it is drawn past): that epoch is done, so start the next one.
+            self._new_pass()
+
+    def _peek(self) -> Any:
+        """Draw the next batch ahead (kept for the next draw); _END when the pass is over."""
+        if self._peeked is _END and self.iterator is not None:
+            self._peeked = next(self.iterator, _END)
+        return self._peeked
+
+    def _batches(self) -> Iterator[Any]:
+        if self._peeked is not _END:
+            peeked, self._peeked = self._peeked, _END
+            yield peeked
+        # Not ``yield from``: closing this generator when a call stops mid-pass must not close the
+        # loader's iterator, whose pass the next call continues.
+        while self.iterator is not None:
+            batch = next(self.iterator, _END)
+            if batch is _END:
+                return
+            yield batch
 
     def _draw(self, num_steps: int | None) -> Iterator[Any]:
         drawn = 0
@@ -100,8 +130,7 @@ class BatchStream:
             return
         while True:
             yielded = False
-            assert self.iterator is not None
-            for batch in self.iterator:
+            for batch in self._batches():
                 self.position += 1
                 drawn += 1
                 yielded = True
@@ -110,7 +139,7 @@ class BatchStream:
                     return
             self.iterator = None
             # An empty loader would otherwise wrap forever.
-            if num_steps is None or (not yielded and self._skipped == 0):
+            if num_steps is None or not yielded:
                 return
             self._new_pass()
 

@@ -19,6 +19,7 @@ import ray
 
 from raysgd._internal import worker
 from raysgd._internal.checkpoint import write_file
+from raysgd._internal.datasets import DatasetSplitter
 from raysgd._internal.sharded_state import ShardedState
 from raysgd._internal.tensorboard import ScalarLogger
 from raysgd_core import WorkerDiedError, WorkerError, WorkerGroup
@@ -47,6 +48,7 @@ class TrainerDriver:
     _operator_cls: type
     _operator_ref: Any  # `_operator_cls` in the object store, pickled once (see TorchTrainer)
     _options: TrainingOptions
+    _datasets: DatasetSplitter
     _user_config: dict[str, Any]
     _config: dict[str, Any]
     _use_local: bool
@@ -74,6 +76,7 @@ class TrainerDriver:
                 worker_config,
                 self._options,
                 self._sharded is None,
+                self._datasets.split(self._world_size()),
             )
             if self._sharded is not None:
                 self._sharded.capture(self._group)
@@ -111,7 +114,8 @@ class TrainerDriver:
         """Seam for the recovery loop: make every worker of the re-formed group ready to train.
 
         Kept workers re-bind their runner to the new ranks and size (rebuilt when that is not
-        possible), new workers build one, the global batch is re-split, and all load `_last_state`.
+        possible), new workers build one, the global batch and the datasets are re-split, and all
+        load `_last_state`.
         When `_last_state` is not current (train() skipped the snapshot, e.g. max_retries=0), it is
         first read from rank 0, a survivor of the old group when there is one.
         """
@@ -132,6 +136,8 @@ class TrainerDriver:
             worker_config,
             self._options,
             state_ref,
+            # A split belongs to the group it was made for: the new group reads a new one.
+            self._datasets.split(self._world_size()),
         )
 
     def _restore_sharded(self) -> None:
@@ -148,6 +154,7 @@ class TrainerDriver:
             self._operator_ref,
             self._split_config(self._world_size()),
             self._options,
+            self._datasets.split(self._world_size()),
         )
         self._sharded.capture(self._group)
         self._state_fresh = True

@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import ray
@@ -154,9 +155,11 @@ class ShardedState:
         operator_ref: Any,
         config: dict[str, Any],
         options: TrainingOptions,
+        shards: Sequence[Mapping[str, Any]] = (),
     ) -> None:
         """After a resize: rebuild every runner from the survivors' parts and replicas (or, when
-        a part is lost with its replica, from the last checkpoint), resharded to the new size."""
+        a part is lost with its replica, from the last checkpoint), resharded to the new size.
+        `shards`: the datasets split over the new group (every rank's, in rank order)."""
         if self.metadata is None or self.state is None:
             raise RuntimeError("no sharded snapshot to restore")
         offers = group.execute(ws.offer, self.generation)
@@ -182,7 +185,7 @@ class ShardedState:
                 "is no checkpoint to fall back on (save one, or train with checkpoint='auto')"
             )
         # `operator_ref`: the operator class in the object store (a top-level ref, resolved there)
-        group.execute(ws.restore, operator_ref, config, options, metadata, state, source)
+        group.execute(ws.restore, operator_ref, config, options, metadata, state, source, shards)
         self.metadata, self.state = metadata, state
 
 

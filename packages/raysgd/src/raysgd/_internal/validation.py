@@ -107,12 +107,14 @@ def resolve_operator_cls(
     loss_creator: Optional[Any],
     scheduler_creator: Optional[Callable[..., Any]],
     serialize_data_creation: bool,
+    has_datasets: bool = False,
 ) -> type:
     """The operator class to ship: the user's, or one built from creator functions.
 
     A custom operator given together with creators (e.g. a GAN operator overriding `train_batch`)
     gets the creators through its own `from_creators`, so its overridden loops run on the models the
-    creators build.
+    creators build. With `has_datasets` (the trainer's `datasets=` feed the loops) no `data_creator`
+    is needed.
     """
     creators = {
         "model_creator": model_creator,
@@ -137,11 +139,12 @@ def resolve_operator_cls(
                 "model_creator=, data_creator= and optimizer_creator="
             )
         return training_operator_cls
-    missing = [n for n in ("model_creator", "data_creator", "optimizer_creator") if n not in given]
+    needed = ("model_creator", "optimizer_creator") + (() if has_datasets else ("data_creator",))
+    missing = [n for n in needed if n not in given]
     if missing:
         raise ValueError(
-            f"creator-style construction needs model_creator, data_creator and optimizer_creator; "
-            f"missing: {', '.join(missing)}"
+            f"creator-style construction needs model_creator, data_creator (or datasets=) and "
+            f"optimizer_creator; missing: {', '.join(missing)}"
         )
     for name, fn in given.items():
         if not callable(fn):

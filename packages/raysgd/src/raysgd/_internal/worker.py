@@ -8,7 +8,7 @@ pickles them by reference.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -44,8 +44,18 @@ def _runner() -> OperatorRunner:
     return runner
 
 
+def _my_shards(shards: Sequence[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
+    """This worker's dataset shards out of every rank's (None without datasets)."""
+    if not shards:
+        return None
+    return dict(shards[get_context().world_rank])
+
+
 def _build(
-    operator_cls: type, config: Mapping[str, Any], options: TrainingOptions
+    operator_cls: type,
+    config: Mapping[str, Any],
+    options: TrainingOptions,
+    shards: Sequence[Mapping[str, Any]] = (),
 ) -> OperatorRunner:
     ctx = get_context()
     if torch.device(ctx.device).type == "cuda":
@@ -59,6 +69,7 @@ def _build(
         local_rank=ctx.local_rank,
         world_size=ctx.world_size,
         device=ctx.device,
+        datasets=_my_shards(shards),
         options=options,
     )
     ctx.store[RUNNER_KEY] = runner
@@ -70,13 +81,15 @@ def create_runner(
     config: Mapping[str, Any],
     options: TrainingOptions,
     return_state: bool = False,
+    shards: Sequence[Mapping[str, Any]] = (),
 ) -> Optional[bytes]:
     """Build this worker's runner (which runs the user's `setup`).
 
     With `return_state`, rank 0 also returns its initial state, so that the trainer has its first
-    in-memory checkpoint without another round trip before the first `train()`.
+    in-memory checkpoint without another round trip before the first `train()`. `shards` holds every
+    rank's dataset shards (`{name: DataIterator}` in rank order); each worker takes its own.
     """
-    runner = _build(operator_cls, config, options)
+    runner = _build(operator_cls, config, options, shards)
     if return_state and get_context().world_rank == 0:
         return state_to_bytes(runner.state_dict())
     return None
@@ -87,8 +100,11 @@ def restore_runner(
     config: Mapping[str, Any],
     options: TrainingOptions,
     state: bytes,
+    shards: Sequence[Mapping[str, Any]] = (),
 ) -> None:
-    """After a resize: re-bind a kept runner (or build one on a new worker), then load `state`."""
+    """After a resize: re-bind a kept runner (or build one on a new worker), then load `state`.
+
+    `shards`: the datasets split over the new group, as for `create_runner`."""
     ctx = get_context()
     runner: Optional[OperatorRunner] = ctx.store.get(RUNNER_KEY)
     rebound = False
@@ -98,12 +114,13 @@ def restore_runner(
             local_rank=ctx.local_rank,
             world_size=ctx.world_size,
             config=dict(config),
+            datasets=_my_shards(shards),
         )
         if not rebound:
             ctx.store.pop(RUNNER_KEY, None)
             runner.shutdown()
     if not rebound:
-        runner = _build(operator_cls, config, options)
+        runner = _build(operator_cls, config, options, shards)
     assert runner is not None
     runner.load_state_dict(state_from_bytes(state))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
 import ray
@@ -145,11 +146,13 @@ def restore(
     metadata: bytes,
     state: dict,
     source: Source,
+    shards: Sequence[Mapping[str, Any]] = (),
 ) -> None:
     """After a resize: build a new runner (sharded modules cannot change their group) and load
-    the last good state into it, resharded for the new group."""
+    the last good state into it, resharded for the new group. `shards`: every rank's dataset
+    shards of a split over the new group (each worker takes its own)."""
     ctx = get_context()
     old: Optional[OperatorRunner] = ctx.store.pop(RUNNER_KEY, None)
     if old is not None:
         old.shutdown()
-    _load_into(_build(operator_cls, config, options), metadata, state, source)
+    _load_into(_build(operator_cls, config, options, shards), metadata, state, source)

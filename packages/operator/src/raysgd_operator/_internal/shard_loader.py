@@ -1,0 +1,59 @@
+"""A dataset shard seen as a loader: every ``iter()`` is one pass (one epoch) over the shard."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from raysgd_operator.shards import DatasetOptions
+
+__all__ = ["ShardLoader"]
+
+
+class ShardLoader:
+    """Batches of one worker's shard of a dataset (anything with ``iter_torch_batches``).
+
+    Its length is unknown (a streamed shard does not know its row count before the pass ends), so
+    the runner learns the end of a pass by drawing past it.
+    """
+
+    def __init__(
+        self,
+        shard: Any,
+        *,
+        name: str,
+        batch_size: int,
+        device: torch.device,
+        options: DatasetOptions,
+    ) -> None:
+        if not callable(getattr(shard, "iter_torch_batches", None)):
+            raise TypeError(
+                f"the shard of dataset {name!r} has no iter_torch_batches(): expected a Ray Data "
+                f"DataIterator, got {type(shard).__name__}"
+            )
+        self.shard, self.name = shard, name
+        self.batch_size = batch_size
+        self._columns = options.columns
+        self._kwargs = options.iter_kwargs(batch_size, device)
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = self.shard.iter_torch_batches(**self._kwargs)
+        if self._columns is None:
+            return iter(batches)
+        return (self._select(batch) for batch in batches)
+
+    def _select(self, batch: Any) -> tuple[Any, ...]:
+        if not isinstance(batch, Mapping):
+            raise TypeError(
+                f"dataset {self.name!r}: DatasetOptions.columns needs dict batches, got "
+                f"{type(batch).__name__}"
+            )
+        try:
+            return tuple(batch[c] for c in self._columns or ())
+        except KeyError as err:
+            raise KeyError(
+                f"dataset {self.name!r} has no column {err.args[0]!r} (DatasetOptions.columns); "
+                f"its batches have {sorted(batch)}"
+            ) from None

@@ -1,0 +1,275 @@
+"""Ray Data input: `TorchTrainer(datasets=...)` on real Ray Data pipelines and real worker deaths.
+
+Every row carries its id, and the operator records the ids each worker trained on in the last
+train/validate call, so that a test can check that an epoch covered every row once over all workers
+(count and checksum). The pipelines read a Parquet file the test writes, or numpy arrays, through a
+``map_batches`` step. The shared cluster has 4 CPUs: 2 go to the workers, the rest run Ray Data's
+tasks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+import torch
+from torch import nn
+
+from raysgd import DatasetOptions, TorchTrainer, TrainingOperator
+from raysgd.utils import BATCH_SIZE
+from raysgd_fault import Action, Decision, FailurePolicy, FailureStatus
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+NUM_ROWS = 103  # uneven: not a multiple of the workers nor of the batch
+NUM_VAL_ROWS = 64
+GLOBAL_BATCH = 16
+OPTIONS = DatasetOptions(columns=("id", "x", "y"), dtypes=torch.float32)
+
+
+def _features(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    ids = batch["id"]
+    x = (ids.astype(np.float32) / NUM_ROWS).reshape(-1, 1)
+    return {"id": ids, "x": x, "y": 3 * x + 1}
+
+
+def _from_numpy(num_rows: int) -> Any:
+    return ray.data.from_numpy(np.arange(num_rows)).map_batches(
+        lambda b: _features({"id": b["data"]})
+    )
+
+
+@pytest.fixture(scope="module")
+def parquet_dataset(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """`NUM_ROWS` rows in a Parquet file of 4 row groups, read back through `map_batches`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    path = tmp_path_factory.mktemp("data") / "rows.parquet"
+    pq.write_table(pa.table({"id": np.arange(NUM_ROWS)}), path, row_group_size=26)
+    return ray.data.read_parquet(str(path)).map_batches(_features)
+
+
+class RecordingOperator(TrainingOperator):
+    """Linear regression on `x`; records the ids and batch sizes of the current call."""
+
+    def setup(self, config: dict[str, Any]) -> None:
+        torch.manual_seed(0)
+        model = nn.Linear(1, 1)
+        self.register(
+            models=model,
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+            criterion=nn.MSELoss(),
+        )
+        self.ids: list[int] = []
+        self.sizes: list[int] = []
+
+    def train_epoch(self, iterator: Any, info: dict[str, Any]) -> dict[str, Any]:
+        self.ids, self.sizes = [], []
+        return super().train_epoch(iterator, info)
+
+    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        ids, x, y = batch
+        self._maybe_die(batch_info)
+        self.ids.extend(int(i) for i in ids.flatten())
+        self.sizes.append(len(ids))
+        return super().train_batch((x, y), batch_info)
+
+    def validate(self, val_iterator: Any, info: dict[str, Any]) -> dict[str, Any]:
+        self.ids = []
+        return super().validate(val_iterator, info)
+
+    def validate_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        ids, x, y = batch
+        self.ids.extend(int(i) for i in ids.flatten())
+        return super().validate_batch((x, y), batch_info)
+
+    def _maybe_die(self, batch_info: dict[str, Any]) -> None:
+        """Exit at the second batch of a call when the test left a `die-rank<r>` file (once)."""
+        folder = self.config.get("marker_dir")
+        if not folder or batch_info["batch_idx"] != 1:
+            return
+        marker = os.path.join(folder, f"die-rank{self.world_rank}")
+        try:
+            os.rename(marker, marker + ".done")  # atomic: exactly one process claims it
+        except FileNotFoundError:
+            return
+        os._exit(1)
+
+
+def _ids(trainer: TorchTrainer) -> list[list[int]]:
+    return trainer.apply_all_operators(lambda op: list(op.ids))
+
+
+def _assert_once(per_worker: list[list[int]], num_rows: int) -> None:
+    """Every row once over all workers; the equal split drops fewer rows than there are workers."""
+    seen = [i for ids in per_worker for i in ids]
+    assert len(set(seen)) == len(seen), "a row was trained twice in one epoch"
+    assert set(seen) <= set(range(num_rows))
+    assert num_rows - len(per_worker) < len(seen) <= num_rows
+    assert len({len(ids) for ids in per_worker}) == 1, "the shards are not equal"
+
+
+def _live_split_coordinators() -> int:
+    """Alive Ray Data split coordinators (one per dataset split that is still referenced).
+
+    No public Ray API lists actors without the dashboard (`ray.util.state` needs it), so this reads
+    the actor table through Ray's private state module; the tests assert it finds the live ones,
+    so a change there fails loudly.
+    """
+    from ray._private import state
+
+    return sum(
+        1
+        for actor in state.actors().values()
+        if actor.get("ActorClassName") == "SplitCoordinator" and actor.get("State") == "ALIVE"
+    )
+
+
+def _wait_for_coordinators(expected: int, timeout_s: float = 15.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    live = _live_split_coordinators()
+    while live != expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+        live = _live_split_coordinators()
+    return live
+
+
+def _make(datasets: dict[str, Any], tmp_path: Path, **kwargs: Any) -> TorchTrainer:
+    return TorchTrainer(
+        training_operator_cls=RecordingOperator,
+        config={BATCH_SIZE: GLOBAL_BATCH, "marker_dir": str(tmp_path)},
+        num_workers=2,
+        datasets=datasets,
+        dataset_options=OPTIONS,
+        timeout_s=60,  # safety net only: no test depends on it
+        **kwargs,
+    )
+
+
+@pytest.mark.timeout(180)
+def test_each_epoch_sees_every_row_once_over_the_workers(
+    parquet_dataset: Any, tmp_path: Path
+) -> None:
+    validation = _from_numpy(NUM_VAL_ROWS)
+    trainer = _make({"train": parquet_dataset, "validation": validation}, tmp_path, use_local=True)
+    try:
+        result = trainer.train()
+        per_worker = _ids(trainer)
+        _assert_once(per_worker, NUM_ROWS)
+        assert result["epoch"] == 1 and result["num_samples"] == sum(map(len, per_worker))
+        # Each worker's batches are its share of the global batch.
+        sizes = trainer.apply_all_operators(lambda op: list(op.sizes))
+        assert all(s[:-1] == [GLOBAL_BATCH // 2] * (len(s) - 1) for s in sizes)
+
+        # The second epoch in pieces: num_steps continues and the last call ends the epoch.
+        first = trainer.train(num_steps=3)
+        ids = _ids(trainer)
+        rest = trainer.train()
+        ids = [a + b for a, b in zip(ids, _ids(trainer))]
+        assert (first["epoch"], rest["epoch"]) == (2, 2)
+        _assert_once(ids, NUM_ROWS)
+
+        val = trainer.validate()
+        val_ids = _ids(trainer)
+        assert val["num_samples"] == NUM_VAL_ROWS  # divides over 2 workers: nothing dropped
+        assert sorted(i for ids in val_ids for i in ids) == list(range(NUM_VAL_ROWS))
+        assert sum(i for ids in val_ids for i in ids) == NUM_VAL_ROWS * (NUM_VAL_ROWS - 1) // 2
+        assert val["val_loss"] < 1.0  # the model learned y = 3x + 1 a bit
+    finally:
+        trainer.shutdown()
+
+
+class ShrinkThenGrowPolicy(FailurePolicy):
+    """On a loss keep only the survivors (a full restart when none is left); grow back later."""
+
+    name = "shrink-then-grow"
+
+    def decide(self, status: FailureStatus) -> Decision:
+        if status.phase == "grow":
+            return Decision(Action.RETRY, num_workers=status.workers_wanted, reason="grow back")
+        if status.failures > status.max_retries:
+            return Decision(Action.GIVE_UP, reason="retries exhausted")
+        size = status.workers_alive or status.workers_wanted
+        return Decision(Action.RETRY, num_workers=size, reason="survivors only")
+
+
+def _actor_handle() -> Any:
+    ctx = ray.get_runtime_context()
+    return ctx.current_actor
+
+
+@pytest.mark.timeout(180)
+def test_every_resize_resplits_and_the_epoch_goes_on_from_its_position(
+    parquet_dataset: Any, tmp_path: Path
+) -> None:
+    baseline = _live_split_coordinators()
+    trainer = _make({"train": parquet_dataset}, tmp_path, failure_policy=ShrinkThenGrowPolicy())
+    try:
+        trainer.train(num_steps=2)  # 2 global batches into epoch 1
+        before = _ids(trainer)
+        assert _live_split_coordinators() == baseline + 1
+
+        # Rank 1 dies mid-epoch; the policy keeps the survivor only, and the rest of the epoch is
+        # redone on it, over a split of one, skipping the 2 global batches already trained.
+        (tmp_path / "die-rank1").touch()
+        result = trainer.train(max_retries=2)
+        assert (tmp_path / "die-rank1.done").exists() and trainer.failures == 1
+        assert trainer.num_workers == 1
+        resize = next(e for e in trainer.recovery_events if e.kind == "resize")
+        assert (resize.path, resize.num_workers_after) == ("keep-healthy", 1)
+        after = _ids(trainer)
+        assert result["epoch"] == 1 and result["num_samples"] == len(after[0])
+        # The epoch has its full count; at most the 2 global batches' rows came twice (the new
+        # split skips by count: it cannot know which rows the old one handed out).
+        epoch = [i for ids in before + after for i in ids]
+        assert len(epoch) == NUM_ROWS  # 32 rows before, then a split of one skips 32: 71 more
+        assert len(epoch) - len(set(epoch)) <= 2 * GLOBAL_BATCH
+        # The old split went with the group that read it; only the new one is left.
+        assert _wait_for_coordinators(baseline + 1) == baseline + 1
+
+        result = trainer.train(max_retries=2)  # grows back to 2 and splits over them
+        assert trainer.num_workers == 2 and result["epoch"] == 2
+        _assert_once(_ids(trainer), NUM_ROWS)
+
+        # Every worker lost between calls: a full restart (new processes) from the state the
+        # driver holds, over a new split.
+        pids = trainer.apply_all_workers(os.getpid)
+        for handle in trainer.apply_all_workers(_actor_handle):
+            ray.kill(handle, no_restart=True)
+        trainer.train(max_retries=2)
+        assert trainer.num_workers == 2
+        assert not set(trainer.apply_all_workers(os.getpid)) & set(pids)
+        _assert_once(_ids(trainer), NUM_ROWS)
+        assert _wait_for_coordinators(baseline + 1) == baseline + 1
+    finally:
+        trainer.shutdown()
+    assert _wait_for_coordinators(baseline) == baseline
+
+
+def test_datasets_are_checked_before_any_worker_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    ds = ray.data.range(8)
+
+    def make(**kwargs: Any) -> TorchTrainer:
+        kwargs.setdefault("config", {BATCH_SIZE: 4})
+        return TorchTrainer(training_operator_cls=RecordingOperator, **kwargs)
+
+    with pytest.raises(ValueError, match=r"config\[BATCH_SIZE\]"):
+        make(datasets={"train": ds}, config={})
+    with pytest.raises(TypeError, match=r"must be a ray\.data\.Dataset"):
+        make(datasets={"train": [1, 2, 3]})
+    with pytest.raises(ValueError, match="without datasets"):
+        make(dataset_options=OPTIONS)
+    with pytest.raises(ValueError, match="excludes"):
+        make(datasets={"train": ds}, dataset_options={"collate_fn": len, "columns": ["id"]})
+    # Ray Data's dependencies missing (as without the extra): the error says what to install.
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    with pytest.raises(ImportError, match=r"raysgd\[data\]"):
+        make(datasets={"train": ds})
