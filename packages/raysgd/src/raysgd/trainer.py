@@ -15,7 +15,11 @@ from typing import Any, Optional, Union
 from raysgd._internal import worker
 from raysgd._internal.checkpoint import read_file, state_from_bytes, state_to_bytes, write_file
 from raysgd._internal.cluster import driver_has_cuda, ensure_ray
-from raysgd._internal.datasets import DatasetSplitter, check_datasets
+from raysgd._internal.datasets import (
+    DatasetSplitter,
+    check_datasets,
+    warn_if_no_room_for_data,
+)
 from raysgd._internal.driver import TrainerDriver
 from raysgd._internal.recovery import Recovery
 from raysgd._internal.sharded_state import ShardedState, is_sharded_checkpoint
@@ -159,6 +163,8 @@ class TorchTrainer(TrainerDriver):
         ensure_ray()
         if self._options.use_gpu:
             require_cluster_gpus()
+        if given_datasets:
+            warn_if_no_room_for_data(self._num_workers, num_cpus_per_worker)
         # Before any worker starts, so that a missing tensorboardX costs nothing.
         self._tensorboard = ScalarLogger(logdir) if logdir else None
         self._use_local = bool(use_local)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterable
 from typing import Any, Callable, Optional
 
 import torch
@@ -91,6 +92,7 @@ def worker_loop(
     cfg: LoopConfig,
     wrap: Callable[[nn.Module], nn.Module],
     report: Optional[Callable[[int], None]] = None,
+    batches: Optional[Iterable[Any]] = None,
 ) -> None:
     """Train ``cfg["warmup"] + cfg["steps"]`` steps; rank 0 writes step times to ``cfg["result"]``.
 
@@ -99,6 +101,8 @@ def worker_loop(
             (JSON path), ``timeline`` (events path), ``kill_at``/``kill_rank``/``marker``.
         wrap: The framework's DDP wrapping (`DistributedDataParallel` or Ray's `prepare_model`).
         report: Called after each step (Ray Train reports there), or None.
+        batches: ``(features, target)`` batches to train on instead of the workload's loader
+            (a Ray Data shard's), or None.
     """
     workload = Workload(**cfg["workload"])
     torch.set_num_threads(workload.threads)
@@ -107,7 +111,7 @@ def worker_loop(
     model = wrap(make_model(workload))
     optimizer = make_optimizer(model, workload)
     criterion = nn.CrossEntropyLoss()
-    loader = make_loader(workload, total, rank, world_size)
+    loader = batches if batches is not None else make_loader(workload, total, rank, world_size)
     timeline = Timeline(cfg.get("timeline"))
     times: list[float] = []
     model.train()

@@ -32,25 +32,39 @@ def _train_fn(config: dict[str, Any]) -> None:
         if dist.get_rank() == 0:
             Timeline(cfg.get("timeline")).mark("step", step=0)
         return
+    batches = None
+    if cfg.get("dataset"):
+        # The Ray Data way of Ray Train: each worker reads its shard of the trainer's dataset.
+        shard = ray.train.get_dataset_shard("train")
+        size = cfg["workload"]["batch_size"]
+        batches = ((b["image"], b["label"]) for b in shard.iter_torch_batches(batch_size=size))
     report = None
     if cfg.get("report"):
         # ray.train.report is a barrier over the workers: only where a benchmark needs it.
         def report(step: int) -> None:
             ray.train.report({"step": step})
 
-    worker_loop(cfg, wrap=ray.train.torch.prepare_model, report=report)
+    worker_loop(cfg, wrap=ray.train.torch.prepare_model, report=report, batches=batches)
 
 
-def fit(cfg: LoopConfig, *, num_workers: int = 2, max_failures: int = 0) -> None:
-    """Run `cfg` with Ray Train on the running Ray cluster; storage goes to a temporary folder."""
+def fit(
+    cfg: LoopConfig, *, num_workers: int = 2, max_failures: int = 0, dataset: Any = None
+) -> None:
+    """Run `cfg` with Ray Train on the running Ray cluster; storage goes to a temporary folder.
+
+    With `dataset` (a Ray Data dataset of ``image``/``label`` rows) the workers train on their
+    shards of it instead of the workload's DataLoader."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     storage = tempfile.mkdtemp(prefix="raysgd_bench_raytrain_")
     try:
+        if dataset is not None:
+            cfg = {**cfg, "dataset": True}
         trainer = TorchTrainer(
             _train_fn,
             train_loop_config={"loop": cfg},
+            datasets={"train": dataset} if dataset is not None else None,
             scaling_config=ScalingConfig(
                 num_workers=num_workers, use_gpu=False, resources_per_worker={"CPU": 1}
             ),

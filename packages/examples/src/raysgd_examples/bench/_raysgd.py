@@ -42,11 +42,12 @@ class BenchOperator(TrainingOperator):
             criterion=nn.CrossEntropyLoss(),
         )
         total = cfg["warmup"] + cfg["steps"]
-        # A plain loader over the whole data set: raysgd adds the DistributedSampler itself.
-        dataset = make_dataset(workload, total, self.world_size)
-        self.register_data(
-            train_loader=DataLoader(dataset, batch_size=config[BATCH_SIZE], drop_last=True)
-        )
+        if self.get_dataset_shard("train") is None:  # else the trainer's Ray Data feeds train()
+            # A plain loader over the whole data set: raysgd adds the DistributedSampler itself.
+            dataset = make_dataset(workload, total, self.world_size)
+            self.register_data(
+                train_loader=DataLoader(dataset, batch_size=config[BATCH_SIZE], drop_last=True)
+            )
         self.bench_cfg = cfg
         self.timeline = Timeline(cfg.get("timeline"))
         self.step_times: list[float] = []

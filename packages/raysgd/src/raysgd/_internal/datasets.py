@@ -10,12 +10,21 @@ group; the old one is dropped with the shards the workers held, and its coordina
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 from raysgd_operator import BATCH_SIZE, DatasetOptions
 
-__all__ = ["INSTALL_HINT", "DatasetSplitter", "check_datasets", "require_ray_data"]
+__all__ = [
+    "INSTALL_HINT",
+    "DatasetSplitter",
+    "check_datasets",
+    "require_ray_data",
+    "warn_if_no_room_for_data",
+]
+
+logger = logging.getLogger("raysgd")
 
 INSTALL_HINT = 'pip install "raysgd[data]"  (or: pip install "ray[data]")'
 
@@ -79,6 +88,23 @@ def check_datasets(
             f"got {type(dataset_options).__name__}"
         )
     return dict(datasets), dataset_options
+
+
+def warn_if_no_room_for_data(num_workers: int, num_cpus_per_worker: float) -> None:
+    """Warn when the workers would take every CPU of the cluster: Ray Data's read and map tasks
+    need CPUs of their own, and without one they wait forever (and training with them)."""
+    import ray
+
+    total = ray.cluster_resources().get("CPU", 0.0)
+    if total - num_workers * num_cpus_per_worker < 1:
+        logger.warning(
+            "datasets=: the %d worker(s) take %.4g of the cluster's %.4g CPUs, leaving none for "
+            "Ray Data's tasks, which would then wait forever; use fewer workers or "
+            "num_cpus_per_worker, or a bigger cluster",
+            num_workers,
+            num_workers * num_cpus_per_worker,
+            total,
+        )
 
 
 class DatasetSplitter:
