@@ -60,6 +60,9 @@ class TrainerDriver:
     # With a sharded strategy (fsdp) the state lives on the workers; this is the driver's view.
     _sharded: Optional[ShardedState] = None
     _state_fresh: bool = False
+    # The rank that keeps a copy of `_last_state` (rank 0 after every call that sets it; None when
+    # unknown): a restore broadcasts from there instead of shipping the state from the driver.
+    _state_rank: Optional[int] = None
     _shut_down: bool = False
 
     # ----------------------------------------------------------------------------------- set-up
@@ -92,6 +95,7 @@ class TrainerDriver:
                 raise exc.__cause__ from exc
             raise
         self._last_state, self._state_fresh = states[0] or b"", True
+        self._state_rank = 0 if states[0] else None
         done = time.monotonic()
         logger.debug(
             "trainer ready in %.2fs (workers %.2fs, operator set-up %.2fs)",
@@ -122,23 +126,35 @@ class TrainerDriver:
         if self._sharded is not None:
             self._restore_sharded()
             return
+        kept = dict(getattr(report, "kept", None) or {})
+        source = kept.get(self._state_rank) if self._state_rank is not None else None
         if not self._state_fresh:
-            if getattr(report, "kept", None):
+            if kept:
                 self._last_state = self._group.execute_single(0, worker.state_bytes)
+                source = 0  # which now keeps it
             else:
                 logger.warning("no worker survived: restoring the last state the driver holds")
             self._state_fresh = True
         worker_config = self._split_config(self._world_size())
-        state_ref = ray.put(self._last_state)
+        # A survivor that kept the last good state broadcasts it over the new process group; the
+        # driver ships it (one object-store copy for all) only when none did.
+        state = None if source is not None else ray.put(self._last_state)
+        logger.debug(
+            "restoring the last good state from %s",
+            f"rank {source}" if state is None else "the driver",
+        )
+        self._state_rank = None  # until every rank has loaded it
         self._group.execute(
             worker.restore_runner,
             self._operator_ref,
             worker_config,
             self._options,
-            state_ref,
+            state,
             # A split belongs to the group it was made for: the new group reads a new one.
             self._datasets.split(self._world_size()),
+            source,
         )
+        self._state_rank = 0
 
     def _restore_sharded(self) -> None:
         """`_restore_after_resize` for sharded strategies: every runner is rebuilt from the last
@@ -200,6 +216,7 @@ class TrainerDriver:
                 self._sharded.capture(self._group)
             else:
                 self._last_state = self._group.execute_single(0, worker.state_bytes)
+                self._state_rank = 0
         except WorkerDiedError:
             self._recover_between_calls()
         self._state_fresh = True
@@ -212,11 +229,14 @@ class TrainerDriver:
 
     def _load_bytes(self, data: bytes) -> None:
         # One object-store copy for all workers instead of one serialisation per worker.
+        self._state_rank = None  # until every rank has loaded it
         self._call(worker.load_state, ray.put(data))
         if self._sharded is not None:
             self._state_fresh = False  # each worker kept only its part: snapshot again
             self._capture_state()
         else:
+            # No rank kept `data` (a sharded run would not want it kept whole): a restore before
+            # the next snapshot ships it from here.
             self._last_state, self._state_fresh = data, True
 
     def _write_checkpoint(self, checkpoint: Union[str, os.PathLike]) -> str:

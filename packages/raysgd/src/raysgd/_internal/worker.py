@@ -19,6 +19,7 @@ from raysgd_operator import OperatorRunner, TrainingOptions
 
 __all__ = [
     "RUNNER_KEY",
+    "STATE_KEY",
     "apply_fn",
     "apply_operator",
     "create_runner",
@@ -35,6 +36,17 @@ __all__ = [
 
 #: Key of the runner in the worker's `store` (namespaced: the store is shared with other libraries).
 RUNNER_KEY = "raysgd.runner"
+
+#: Key under which rank 0 keeps the serialised state the driver last took as its good state, so that
+#: a restore can broadcast it from there over the new process group instead of shipping it again.
+STATE_KEY = "raysgd.last_state"
+
+
+def _keep_if_rank0(state: bytes) -> bytes:
+    ctx = get_context()
+    if ctx.world_rank == 0:
+        ctx.store[STATE_KEY] = state
+    return state
 
 
 def _runner() -> OperatorRunner:
@@ -91,7 +103,7 @@ def create_runner(
     """
     runner = _build(operator_cls, config, options, shards)
     if return_state and get_context().world_rank == 0:
-        return state_to_bytes(runner.state_dict())
+        return _keep_if_rank0(state_to_bytes(runner.state_dict()))
     return None
 
 
@@ -99,13 +111,20 @@ def restore_runner(
     operator_cls: type,
     config: Mapping[str, Any],
     options: TrainingOptions,
-    state: bytes,
+    state: Optional[bytes],
     shards: Sequence[Mapping[str, Any]] = (),
+    source: Optional[int] = None,
 ) -> None:
     """After a resize: re-bind a kept runner (or build one on a new worker), then load `state`.
 
-    `shards`: the datasets split over the new group, as for `create_runner`."""
+    `shards`: the datasets split over the new group, as for `create_runner`. With `state=None`,
+    rank `source` (a survivor that kept the last good state, see `STATE_KEY`) broadcasts it to every
+    rank over the new process group first.
+    """
     ctx = get_context()
+    if state is None:
+        # First, before any other collective (DDP's own broadcast when wrapping), on every rank.
+        state = _broadcast_kept_state(-1 if source is None else source)
     runner: Optional[OperatorRunner] = ctx.store.get(RUNNER_KEY)
     rebound = False
     if runner is not None:
@@ -123,6 +142,20 @@ def restore_runner(
         runner = _build(operator_cls, config, options, shards)
     assert runner is not None
     runner.load_state_dict(state_from_bytes(state))
+    _keep_if_rank0(state)
+
+
+def _broadcast_kept_state(source: int) -> bytes:
+    import torch.distributed as dist
+
+    ctx = get_context()
+    payload = [ctx.store.get(STATE_KEY) if ctx.world_rank == source else None]
+    # NCCL moves objects through device tensors; gloo through CPU ones.
+    device = torch.device(ctx.device) if dist.get_backend() == "nccl" else None
+    dist.broadcast_object_list(payload, src=source, device=device)
+    if not isinstance(payload[0], bytes):
+        raise RuntimeError(f"rank {source} holds no saved state to restore from")
+    return payload[0]
 
 
 def train_epoch(num_steps: Optional[int], profile: bool, info: Optional[dict]) -> dict:
@@ -136,8 +169,8 @@ def validate(num_steps: Optional[int], profile: bool, info: Optional[dict]) -> d
 
 
 def state_bytes() -> bytes:
-    """This worker's full state, serialised."""
-    return state_to_bytes(_runner().state_dict())
+    """This worker's full state, serialised (rank 0 also keeps it: the driver's new good state)."""
+    return _keep_if_rank0(state_to_bytes(_runner().state_dict()))
 
 
 def load_state(state: bytes) -> None:
@@ -172,6 +205,7 @@ def apply_operator(fn: Callable[[Any], Any]) -> Any:
 
 def drop_runner(graceful: bool) -> None:
     """Forget this worker's runner; with `graceful`, let it release its resources first."""
+    get_context().store.pop(STATE_KEY, None)
     runner = get_context().store.pop(RUNNER_KEY, None)
     if runner is not None and graceful:
         runner.shutdown()
