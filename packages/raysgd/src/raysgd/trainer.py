@@ -7,7 +7,6 @@ group), the failure policy and the last good state; every worker holds one long-
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from typing import Any, Optional, Union
@@ -34,8 +33,6 @@ from raysgd._internal.validation import (
     start_timeout,
 )
 from raysgd_core import (
-    WorkerDiedError,
-    WorkerError,
     WorkerGroup,
     require_cluster_gpus,
     resolve_use_gpu,
@@ -44,8 +41,6 @@ from raysgd_fault import FailurePolicy, get_policy
 from raysgd_operator import DatasetOptions, TrainingOptions, check_batch_size
 
 __all__ = ["TorchTrainer"]
-
-logger = logging.getLogger("raysgd")
 
 
 class TorchTrainer(TrainerDriver):
@@ -296,22 +291,6 @@ class TorchTrainer(TrainerDriver):
         data, _ = read_file(path)
         self._load_bytes(data)
 
-    def _sharded_view(self) -> ShardedState:
-        # A ddp/none trainer loads sharded checkpoints too, through a throw-away view.
-        return self._sharded if self._sharded is not None else ShardedState()
-
-    def _load_sharded(self, load: Callable[[], None]) -> None:
-        self._capture_state()  # so that a failed load can be rolled back
-        try:
-            load()
-        except (WorkerError, WorkerDiedError) as exc:
-            self._repair()
-            if isinstance(exc, WorkerError) and isinstance(exc.__cause__, Exception):
-                raise exc.__cause__ from exc
-            raise
-        self._state_fresh = False
-        self._capture_state()
-
     def get_model(self, to_cpu: bool = False) -> Any:
         """The trained model(s), without DDP wrappers (one model bare, several as a list).
 
@@ -371,20 +350,7 @@ class TorchTrainer(TrainerDriver):
         if self._shut_down:
             return
         self._shut_down = True
-        try:
-            if self._group.needs_recovery:
-                pass  # a broken group takes no calls; killing the workers releases everything
-            elif not force:
-                self._group.execute(worker.drop_runner, True)
-            elif self._use_local:
-                # Killing actors does not reach rank 0 in this process: drop its runner here.
-                self._group.execute_single(0, worker.drop_runner, False)
-        except Exception as exc:  # a dead worker must not stop the rest from being released
-            logger.warning("graceful worker shutdown failed (%s); killing the workers", exc)
-        finally:
-            self._group.shutdown()
-            if self._tensorboard is not None:
-                self._tensorboard.close()
+        self._stop_workers(force)
 
     def __enter__(self) -> TorchTrainer:
         return self

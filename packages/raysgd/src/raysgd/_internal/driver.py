@@ -8,11 +8,12 @@ Attributes are set by `TorchTrainer.__init__` (see there).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Optional, Union
 
 import ray
@@ -175,6 +176,34 @@ class TrainerDriver:
         self._sharded.capture(self._group)
         self._state_fresh = True
 
+    def _sharded_view(self) -> ShardedState:
+        # A ddp/none trainer loads sharded checkpoints too, through a throw-away view.
+        return self._sharded if self._sharded is not None else ShardedState()
+
+    def _load_sharded(self, load: Callable[[], None]) -> None:
+        self._capture_state()  # so that a failed load can be rolled back
+        with self._repairing():
+            load()
+        self._state_fresh = False
+        self._capture_state()
+
+    def _stop_workers(self, force: bool) -> None:
+        """Drop every runner (gracefully unless `force`), then release the workers and logs."""
+        try:
+            if self._group.needs_recovery:
+                pass  # a broken group takes no calls; killing the workers releases everything
+            elif not force:
+                self._group.execute(worker.drop_runner, True)
+            elif self._use_local:
+                # Killing actors does not reach rank 0 in this process: drop its runner here.
+                self._group.execute_single(0, worker.drop_runner, False)
+        except Exception as exc:  # a dead worker must not stop the rest from being released
+            logger.warning("graceful worker shutdown failed (%s); killing the workers", exc)
+        finally:
+            self._group.shutdown()
+            if self._tensorboard is not None:
+                self._tensorboard.close()
+
     # ------------------------------------------------------------------------------- internals
     def _check_alive(self) -> None:
         if self._shut_down:
@@ -187,10 +216,17 @@ class TrainerDriver:
         loaded a state, another raised) can be undone: the group is repaired and rolled back to it.
         """
         self._capture_state()
-        try:
+        with self._repairing():
             if rank is None:
                 return self._group.execute(fn, *args)
             return self._group.execute_single(rank, fn, *args)
+
+    @contextlib.contextmanager
+    def _repairing(self) -> Iterator[None]:
+        """Worker calls inside: on a failure the group is repaired (at its size, back to the last
+        state) and the user's own exception is raised rather than its `WorkerError` wrapper."""
+        try:
+            yield
         except (WorkerError, WorkerDiedError) as exc:
             self._repair()
             if isinstance(exc, WorkerError) and isinstance(exc.__cause__, Exception):
