@@ -14,6 +14,7 @@ from raysgd_fault import check_max_retries
 from raysgd_operator import TrainingOperator
 
 __all__ = [
+    "DEFAULT_START_TIMEOUT_S",
     "DEFAULT_TIMEOUT_S",
     "check_optional_args",
     "check_positive_int",
@@ -26,6 +27,10 @@ __all__ = [
 
 #: `dist.init_process_group` timeout when neither `timeout_s` nor `NCCL_TIMEOUT_S` is set (RaySGD's).
 DEFAULT_TIMEOUT_S = 1800
+#: How long the workers may take to be placed and started when `SGD_PLACEMENT_GROUP_TIMEOUT_S` is
+#: unset (RaySGD's default). It covers starting each worker process and importing torch in it, which
+#: takes well over half a minute when a busy machine starts several trials' workers at once (Tune).
+DEFAULT_START_TIMEOUT_S = 100.0
 _BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -63,10 +68,11 @@ def resolve_timeout(timeout_s: Optional[float]) -> float:
 
 
 def start_timeout() -> dict[str, float]:
-    """`start_timeout_s` for the worker group from RaySGD's `SGD_PLACEMENT_GROUP_TIMEOUT_S`, if set."""
+    """`start_timeout_s` for the worker group: RaySGD's `SGD_PLACEMENT_GROUP_TIMEOUT_S` when set,
+    else `DEFAULT_START_TIMEOUT_S`."""
     raw = os.environ.get("SGD_PLACEMENT_GROUP_TIMEOUT_S")
     if not raw:
-        return {}
+        return {"start_timeout_s": DEFAULT_START_TIMEOUT_S}
     try:
         return {"start_timeout_s": float(raw)}
     except ValueError:
