@@ -94,3 +94,11 @@ def test_split_and_merge_keep_tensors_apart_from_other_values() -> None:
     assert tensors == {"models": {"w": tree["models"]["w"]}}
     assert others == {"optimizers": {"param_groups": [{"lr": 0.1}]}}
     assert merge(tensors, others) == tree
+
+
+def test_split_and_merge_keep_empty_dicts() -> None:
+    # plain SGD's state dict: no per-parameter state, only the groups
+    tree = {"models": {"w": torch.ones(1)}, "optimizers": {"state": {}, "param_groups": [{}]}}
+    tensors, others = split(tree)
+    assert others == {"optimizers": {"state": {}, "param_groups": [{}]}}
+    assert merge(tensors, others) == tree

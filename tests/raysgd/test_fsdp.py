@@ -171,6 +171,62 @@ class ExitOnceOperator(TransformerOperator):
         return super().train_batch(batch, batch_info)
 
 
+class PlainSGDOperator(TrainingOperator):
+    """`Linear(1, 1)` with SGD without momentum: an optimizer that keeps no per-parameter state.
+    Rank 1 `os._exit`s on the third step of the first attempt."""
+
+    def setup(self, config: dict[str, Any]) -> None:
+        torch.manual_seed(0)
+        model = nn.Linear(1, 1)
+        x = torch.linspace(-1, 1, 16).unsqueeze(1)
+        loader = DataLoader(TensorDataset(x, 3 * x + 1), batch_size=config[BATCH_SIZE])
+        self.model, self.optimizer, self.criterion = self.register(
+            models=model,
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+            criterion=nn.MSELoss(),
+        )
+        self.register_data(train_loader=loader)
+
+    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        marker = self.config.get("marker")
+        if marker and batch_info["global_step"] == 2 and self.world_rank == 1:
+            if _first_time(marker):
+                os._exit(1)
+        return super().train_batch(batch, batch_info)
+
+
+def test_an_optimizer_without_state_saves_restores_and_recovers_under_fsdp(tmp_path: Any) -> None:
+    # Plain SGD has nothing but its parameter groups (lr, ...) to save; a killed worker and a
+    # checkpoint must still bring back the learning rate and the weights.
+    def weights(operator: Any) -> list[float]:
+        weight = float(operator.model.weight.detach().full_tensor())
+        return [weight, float(operator.optimizer.param_groups[0]["lr"])]
+
+    runs = {}
+    for marker in (None, str(tmp_path / "exited")):
+        trainer = TorchTrainer(
+            training_operator_cls=PlainSGDOperator,
+            config={BATCH_SIZE: 4, "marker": marker},
+            num_workers=2,
+            strategy="fsdp",
+        )
+        try:
+            trainer.train(max_retries=1, checkpoint="auto")
+            runs[marker is None] = trainer.apply_all_operators(weights)
+            if marker:
+                assert trainer.failures == 1 and os.path.exists(marker)
+                path = trainer.save(str(tmp_path / "ckpt"))
+                trainer.apply_all_operators(lambda op: op.optimizer.param_groups[0].update(lr=0.5))
+                trainer.train()
+                trainer.load(path)
+                assert trainer.apply_all_operators(weights) == runs[False]
+        finally:
+            trainer.shutdown()
+    # both workers hold the same weight and lr; recovery replays what training without it does
+    assert runs[False][0] == runs[False][1] and runs[False][0][1] == 0.1
+    assert runs[False][0][0] == pytest.approx(runs[True][0][0], rel=LOSS_RTOL)
+
+
 def test_fsdp_trains_like_ddp_with_a_shard_per_worker_and_recovers_lost_workers(
     tmp_path: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -68,7 +68,10 @@ def split(tree: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             t, o = split(value)
             if t:
                 tensors[key] = t
-            if o:
+            if o or not t:
+                # An empty dict is kept too: an optimizer without per-parameter state (SGD without
+                # momentum) has `"state": {}`, and DCP takes a dict without "state" for its flat
+                # form and fails to load it.
                 others[key] = o
         elif isinstance(value, torch.Tensor):
             tensors[key] = value
@@ -155,6 +158,9 @@ def load_files(
     others = dict(others)
     fresh = others.pop(FRESH, [])
     state = merge(template, others)
+    if "param_groups" in state.get("optimizers", {}):
+        # checkpoints written before `split` kept empty dicts lack it for stateless optimizers
+        state["optimizers"].setdefault("state", {})
     set_state_dict(
         _container(models),
         list(optimizers),
