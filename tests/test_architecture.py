@@ -57,3 +57,18 @@ def test_imports_point_one_way(package: str) -> None:
         if bad:
             wrong[str(source.relative_to(PACKAGES))] = sorted(bad)
     assert not wrong, wrong
+
+
+def test_a_worker_imports_no_checkpoint_machinery_until_it_needs_it() -> None:
+    """Every new worker (at start and on each recovery) imports the trainer's worker functions and
+    the operator package; torch.distributed.checkpoint costs most of a second to import and only
+    sharded runs and sharded checkpoints use it, so it must stay out of that path."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, raysgd._internal.worker, raysgd_operator; "
+        "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,6 +1,7 @@
 """TrainingOperator, OperatorRunner, metrics and BATCH_SIZE for raysgd (torch only, no Ray)."""
 
-from raysgd_operator._internal.sharded import read_metadata as read_dcp_metadata
+from typing import Any
+
 from raysgd_operator.batch import BATCH_SIZE, check_batch_size, split_batch_size
 from raysgd_operator.metrics import (
     BATCH_COUNT,
@@ -18,6 +19,20 @@ from raysgd_operator.strategies import available_strategies, get_strategy, regis
 from raysgd_operator.strategy import Strategy, WrapContext
 
 __version__ = "0.1.0"
+
+
+def read_dcp_metadata(data: bytes) -> Any:
+    """Parse a `torch.distributed.checkpoint` ``.metadata`` file without running code from it.
+
+    Raises `ValueError` unless ``data`` holds plain DCP metadata.
+    """
+    # Imported here: torch.distributed.checkpoint takes most of a second to import, which every new
+    # worker would otherwise pay at start and on every recovery, although only sharded runs use it.
+    from raysgd_operator._internal.sharded import read_metadata
+
+    return read_metadata(data)
+
+
 __all__ = [
     "BATCH_COUNT",
     "BATCH_SIZE",

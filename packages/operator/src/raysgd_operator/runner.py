@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -11,10 +10,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from raysgd_operator._internal import sharded as _sharded
 from raysgd_operator._internal.precision import get_precision
 from raysgd_operator._internal.shard_loader import ShardLoader
 from raysgd_operator._internal.stream import BatchStream
+from raysgd_operator._internal.tensors import cpu_copy, on_device
 from raysgd_operator.batch import BATCH_SIZE
 from raysgd_operator.operator import TrainingOperator
 from raysgd_operator.options import TrainingOptions
@@ -23,24 +22,15 @@ from raysgd_operator.shards import DatasetOptions
 __all__ = ["OperatorRunner", "on_device"]
 
 
-def on_device(module: nn.Module) -> bool:
-    """Whether ``module`` holds a parameter or buffer anywhere but on the CPU."""
-    tensors = itertools.chain(module.parameters(), module.buffers())
-    return any(t.device.type != "cpu" for t in tensors)
+def _dcp() -> Any:
+    # Imported on first use: torch.distributed.checkpoint takes most of a second to import, paid by
+    # every new worker (start, recovery), although only sharded runs and checkpoints need it.
+    from raysgd_operator._internal import sharded
+
+    return sharded
 
 
 logger = logging.getLogger(__name__)
-
-
-def _to_cpu_copy(obj: Any) -> Any:
-    """Detached CPU copies of every tensor, so the state is a snapshot (training goes on) and plain."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu_copy(v) for v in obj)
-    return copy.deepcopy(obj)
 
 
 def _missing_loader_error(kind: str) -> ValueError:
@@ -235,9 +225,9 @@ class OperatorRunner:
             "epoch": self.epoch,
             "position": self._train.consumed(),
             "global_step": op.global_step,
-            "operator": _to_cpu_copy(op.state_dict()),
-            "schedulers": [_to_cpu_copy(s.state_dict()) for s in schedulers],
-            "precision": _to_cpu_copy(self.precision.state_dict()),
+            "operator": cpu_copy(op.state_dict()),
+            "schedulers": [cpu_copy(s.state_dict()) for s in schedulers],
+            "precision": cpu_copy(self.precision.state_dict()),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -254,9 +244,9 @@ class OperatorRunner:
             )
         return {
             **self._progress_state(),
-            "models": [_to_cpu_copy(m.state_dict()) for m in op._original_models],
+            "models": [cpu_copy(m.state_dict()) for m in op._original_models],
             "optimizers": [
-                _to_cpu_copy(o.state_dict()) for o in op._groups.get("optimizers", ([], None))[0]
+                cpu_copy(o.state_dict()) for o in op._groups.get("optimizers", ([], None))[0]
             ],
         }
 
@@ -265,14 +255,14 @@ class OperatorRunner:
         `torch.distributed.checkpoint` format (a collective: every worker calls it at once) and
         return the rest of the state (plain, small, the same on every worker)."""
         op = self.operator
-        tensors, others = _sharded.tensor_state(op._original_models, self._optimizers())
-        _sharded.save_files(tensors, directory)
+        tensors, others = _dcp().tensor_state(op._original_models, self._optimizers())
+        _dcp().save_files(tensors, directory)
         return {**self._progress_state(), "tensor_others": others, "strategy": op.strategy.name}
 
     def load_sharded(self, directory: str, state: dict[str, Any]) -> None:
         """Load a checkpoint directory written by `sharded_snapshot` (with any number of workers),
         resharded to this group, plus the `state` it returned. A collective, for any strategy."""
-        _sharded.load_files(
+        _dcp().load_files(
             self.operator._original_models,
             self._optimizers(),
             directory,
@@ -282,7 +272,7 @@ class OperatorRunner:
 
     def needed_files(self, metadata: bytes) -> set[str]:
         """The data files of a checkpoint with `metadata` that loading it here reads."""
-        return _sharded.needed_files(self.operator._original_models, self._optimizers(), metadata)
+        return _dcp().needed_files(self.operator._original_models, self._optimizers(), metadata)
 
     def _optimizers(self) -> list[Any]:
         return list(self.operator._groups.get("optimizers", ([], None))[0])
@@ -322,9 +312,7 @@ class OperatorRunner:
         if self.sharded:
             # A whole-model state (from ddp or none) into sharded modules: each worker keeps
             # its own part of every tensor.
-            _sharded.load_full(
-                op._original_models, optimizers, state["models"], state["optimizers"]
-            )
+            _dcp().load_full(op._original_models, optimizers, state["models"], state["optimizers"])
         else:
             for model, sd in zip(op._original_models, state["models"]):
                 model.load_state_dict(sd)
