@@ -40,6 +40,7 @@ def _features(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def _from_numpy(num_rows: int) -> Any:
+    ray.data.DataContext.get_current().enable_progress_bars = False
     return ray.data.from_numpy(np.arange(num_rows)).map_batches(
         lambda b: _features({"id": b["data"]})
     )
@@ -231,6 +232,73 @@ def test_shrink_and_grow_resplit_and_the_epoch_goes_on_from_its_position(
     finally:
         trainer.shutdown()
     assert _wait_for_coordinators(baseline) == baseline
+
+
+def _initial_params() -> list[float]:
+    torch.manual_seed(0)  # as RecordingOperator.setup
+    return [p.item() for p in nn.Linear(1, 1).parameters()]
+
+
+def _params(operator: Any) -> list[float]:
+    """The model's weight and bias on this worker (gathered from the shards under fsdp)."""
+    return [
+        (p.full_tensor() if hasattr(p, "full_tensor") else p).item()
+        for p in operator.model.parameters()
+    ]
+
+
+@pytest.mark.timeout(180)
+def test_every_worker_lost_mid_epoch_restarts_all_and_resplits(tmp_path: Path) -> None:
+    baseline = _live_split_coordinators()
+    trainer = _make({"train": _from_numpy(NUM_ROWS)}, tmp_path)
+    try:
+        pids = trainer.apply_all_workers(os.getpid)
+        # Both ranks die mid-epoch: no survivor keeps the state or a shard, so every worker is
+        # started anew, loads the state the driver kept, and the epoch is redone over a new split.
+        for rank in (0, 1):
+            (tmp_path / f"die-rank{rank}").touch()
+        result = trainer.train(max_retries=2)
+        assert all((tmp_path / f"die-rank{rank}.done").exists() for rank in (0, 1))
+        failure = next(e for e in trainer.recovery_events if e.kind == "failure")
+        assert sorted(failure.ranks) == [0, 1] and trainer.num_workers == 2
+        assert not set(trainer.apply_all_workers(os.getpid)) & set(pids)
+
+        # The redone epoch covers every row once over the new workers ...
+        _assert_once(_ids(trainer), NUM_ROWS)
+        assert result["epoch"] == 1 and result["num_samples"] == NUM_ROWS - NUM_ROWS % 2
+        # ... and trains: the replicas agree, moved from the initial weight, with a finite loss.
+        params = trainer.apply_all_operators(_params)
+        assert params[0] == params[1] != _initial_params()
+        assert np.isfinite(result["train_loss"])
+        # Only the new split is left: the old one went with the workers that read it.
+        assert _wait_for_coordinators(baseline + 1) == baseline + 1
+    finally:
+        trainer.shutdown()
+    assert _wait_for_coordinators(baseline) == baseline
+
+
+@pytest.mark.timeout(180)
+def test_fsdp_splits_the_datasets_and_resplits_after_a_lost_worker(tmp_path: Path) -> None:
+    trainer = _make({"train": _from_numpy(NUM_ROWS)}, tmp_path, strategy="fsdp")
+    try:
+        pids = trainer.apply_all_workers(os.getpid)
+        # Rank 1 dies mid-epoch; its shards come back from rank 0's replica in a new worker, and
+        # the epoch is redone from its start over a new split of two.
+        (tmp_path / "die-rank1").touch()
+        result = trainer.train(max_retries=1)
+        assert (tmp_path / "die-rank1.done").exists() and trainer.failures == 1
+        now = trainer.apply_all_workers(os.getpid)
+        assert trainer.num_workers == 2 and now[0] == pids[0] and now[1] != pids[1]
+        resize = next(e for e in trainer.recovery_events if e.kind == "resize")
+        assert (resize.path, resize.num_workers_after) == ("keep-healthy", 2)
+
+        _assert_once(_ids(trainer), NUM_ROWS)
+        assert result["epoch"] == 1 and result["num_samples"] == NUM_ROWS - NUM_ROWS % 2
+        params = trainer.apply_all_operators(_params)
+        assert params[0] == params[1] != _initial_params()
+        assert np.isfinite(result["train_loss"])
+    finally:
+        trainer.shutdown()
 
 
 def test_datasets_are_checked_before_any_worker_starts(monkeypatch: pytest.MonkeyPatch) -> None:
