@@ -116,6 +116,34 @@ def test_killed_actor_gives_worker_died_error_and_recover(ray_local, wait_no_lef
     assert wait_no_leftovers() == ([], [])
 
 
+def _wait_for_spare(group: WorkerGroup, timeout_s: float = 60.0) -> list:
+    deadline = time.monotonic() + timeout_s
+    while not group.spares and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return group.spares
+
+
+def test_a_spare_replaces_a_lost_worker_and_another_spare_starts(ray_local, wait_no_leftovers):
+    group = WorkerGroup(2, spare_workers=1).start()
+    try:
+        (spare,) = _wait_for_spare(group)
+        # The spare holds a worker's resources (2 workers + 1 spare of the 4 CPUs).
+        assert ray.available_resources().get("CPU", 0.0) == 1.0
+        assert spare.pid not in {w.pid for w in group.workers}
+        with pytest.raises(WorkerDiedError):
+            group.execute(_rank_exits_others_all_reduce, 1)
+        report = group.recover(2, timeout_s=60)
+        assert report.path == "keep-healthy" and report.started == [1]
+        # The spare became rank 1: no process was started after the loss.
+        assert [pid for _, pid in group.execute(_rank_and_pid)][1] == spare.pid
+        assert group.execute(_all_reduce_sum) == [3.0, 3.0]
+        (next_spare,) = _wait_for_spare(group)
+        assert next_spare.pid not in {spare.pid, *(w.pid for w in group.workers)}
+    finally:
+        group.shutdown()
+    assert wait_no_leftovers() == ([], [])
+
+
 def test_exit_inside_collective_gives_worker_died_error(ray_local):
     with WorkerGroup(3) as group:
         with pytest.raises(WorkerDiedError) as info:

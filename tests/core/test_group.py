@@ -105,6 +105,8 @@ def test_bad_arguments_are_named():
         WorkerGroup(2, placement_strategy="RANDOM")
     with pytest.raises(TypeError, match="init_hook"):
         WorkerGroup(2, init_hook="not callable")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="spare_workers"):
+        WorkerGroup(2, spare_workers=-1)
     with pytest.raises(RuntimeError, match="not started"):
         WorkerGroup(2).execute(print)
 

@@ -175,6 +175,23 @@ def test_worker_exit_mid_epoch_recovers_to_the_clean_result(tmp_path: Path) -> N
         trainer.shutdown()
 
 
+@pytest.mark.timeout(120)
+def test_a_spare_worker_takes_the_lost_rank_and_the_run_is_unchanged(tmp_path: Path) -> None:
+    trainer = _make(ExitOnceOperator, tmp_path, spare_workers=1)
+    try:
+        deadline = time.monotonic() + 60
+        while not trainer.worker_group.spares and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (spare,) = trainer.worker_group.spares
+        pids = trainer.apply_all_workers(os.getpid)
+        stats = [trainer.train(max_retries=3), trainer.train(max_retries=3)]
+        assert (tmp_path / "exited").exists() and trainer.failures == 1
+        assert trainer.apply_all_workers(os.getpid) == [pids[0], spare.pid]
+        _assert_same_run(stats, _weights(trainer), tmp_path)
+    finally:
+        trainer.shutdown()
+
+
 def _actor_handle() -> Any:
     ctx = ray.get_runtime_context()
     return ctx.current_actor if ctx.get_actor_id() else None

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Optional, Union
 
-from raysgd_core._internal import lifecycle
+from raysgd_core._internal import lifecycle, spares
 from raysgd_core._internal.args import check_group_args
 from raysgd_core._internal.failures import Outcome, collect, raise_for
 from raysgd_core._internal.placement import estimate_fitting, make_bundle
@@ -42,6 +42,11 @@ class WorkerGroup:
             that captures child tasks, e.g. a Tune trial; else make one), a `PlacementGroup` to
             place the workers in (any bundle with room), or None (always make one).
         start_timeout_s: how long `start()` waits for resources, and then for the actors to come up.
+        spare_workers: how many workers to keep started outside the process group, each in
+            resources reserved like a worker's, to replace a lost worker at once: `recover`
+            promotes the spares that are up (torch already imported) before it starts new actors,
+            and starts new spares after every `start()` and `recover()`. They cost their
+            resources and an idle process each; 0 (the default) keeps none.
     """
 
     def __init__(
@@ -59,6 +64,7 @@ class WorkerGroup:
         use_local: bool = False,
         placement_group: Union[str, Any, None] = "auto",
         start_timeout_s: float = 30.0,
+        spare_workers: int = 0,
     ) -> None:
         timeout_s = check_group_args(
             num_workers,
@@ -70,6 +76,7 @@ class WorkerGroup:
             init_hook=init_hook,
             placement_group=placement_group,
             start_timeout_s=start_timeout_s,
+            spare_workers=spare_workers,
         )
         self._num_workers = num_workers
         self._placement_group_arg = placement_group
@@ -88,6 +95,7 @@ class WorkerGroup:
             start_timeout_s=float(start_timeout_s),
             placement_strategy=placement_strategy,
             use_local=bool(use_local),
+            spare_workers=spare_workers,
         )
         self._state = GroupState(self._spec)
         self._put_values: dict[str, Any] = {}  # ObjectRef hex -> the object `put` stored
@@ -195,6 +203,23 @@ class WorkerGroup:
                 is_local=w.local is not None,
             )
             for w in self._state.workers
+        ]
+
+    @property
+    def spares(self) -> list[WorkerInfo]:
+        """The spare workers that are up (started, torch imported), ready to replace a lost
+        worker; `rank` is -1. Spares still starting are not listed."""
+        return [
+            WorkerInfo(
+                rank=-1,
+                local_rank=0,
+                local_world_size=1,
+                node_id=w.node_id,
+                node_ip=w.info.get("node_ip", "?"),
+                pid=w.info.get("pid", -1),
+                device="?",
+            )
+            for w in spares.ready(self._state)
         ]
 
     @property

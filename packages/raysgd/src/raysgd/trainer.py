@@ -66,6 +66,10 @@ class TorchTrainer(TrainerDriver):
     `dataset_options` (a `raysgd.DatasetOptions` or a dict of its fields) sets the columns that
     make the `(*features, target)` batch, dtypes, a collate function and shuffling.
 
+    `spare_workers=k` keeps k more workers started outside the process group, each in resources
+    reserved like a worker's: a lost worker is replaced by a spare at once, not by a process
+    started after the loss (`raysgd_core.WorkerGroup`'s `spare_workers`).
+
     Example::
 
         trainer = TorchTrainer(model_creator=..., data_creator=..., optimizer_creator=...,
@@ -111,6 +115,7 @@ class TorchTrainer(TrainerDriver):
         compile_args: Optional[dict[str, Any]] = None,
         datasets: Optional[dict[str, Any]] = None,
         dataset_options: Union[DatasetOptions, dict[str, Any], None] = None,
+        spare_workers: int = 0,
     ) -> None:
         # Everything that can be checked on the driver is checked before any worker starts.
         self._num_workers = check_positive_int("num_workers", num_workers)
@@ -154,21 +159,8 @@ class TorchTrainer(TrainerDriver):
         )
         timeout = resolve_timeout(timeout_s)
         policy = get_policy(failure_policy)
-
-        ensure_ray()
-        if self._options.use_gpu:
-            require_cluster_gpus()
-        if given_datasets:
-            warn_if_no_room_for_data(self._num_workers, num_cpus_per_worker)
-        # Before any worker starts, so that a missing tensorboardX costs nothing.
-        self._tensorboard = ScalarLogger(logdir) if logdir else None
+        # Built (and its arguments checked) before Ray starts; nothing runs until `start()`.
         self._use_local = bool(use_local)
-        self._user_config: dict[str, Any] = dict(config or {})
-        self._config: dict[str, Any] = dict(self._user_config)
-        self._checkpoint_dir = checkpoint_dir
-        self._sharded = ShardedState() if self._options.sharded else None
-        self._datasets = DatasetSplitter(given_datasets)
-        self._last_state, self._state_fresh, self._shut_down = b"", False, False
         self._group: WorkerGroup = WorkerGroup(
             self._num_workers,
             num_cpus_per_worker=num_cpus_per_worker,
@@ -177,8 +169,23 @@ class TorchTrainer(TrainerDriver):
             timeout_s=timeout,
             init_hook=initialization_hook,
             use_local=self._use_local,
+            spare_workers=spare_workers,
             **start_timeout(),
         )
+
+        ensure_ray()
+        if self._options.use_gpu:
+            require_cluster_gpus()
+        if given_datasets:
+            warn_if_no_room_for_data(self._num_workers, num_cpus_per_worker)
+        # Before any worker starts, so that a missing tensorboardX costs nothing.
+        self._tensorboard = ScalarLogger(logdir) if logdir else None
+        self._user_config: dict[str, Any] = dict(config or {})
+        self._config: dict[str, Any] = dict(self._user_config)
+        self._checkpoint_dir = checkpoint_dir
+        self._sharded = ShardedState() if self._options.sharded else None
+        self._datasets = DatasetSplitter(given_datasets)
+        self._last_state, self._state_fresh, self._shut_down = b"", False, False
         # The operator class (and the creator functions a built one holds) is pickled once, here:
         # every start and restart reuses this copy. Pickling it again at a restart would take
         # its closure cells as they are then: one that by then refers to the trainer itself

@@ -21,6 +21,7 @@ def check_group_args(
     init_hook: Optional[Callable[[], Any]],
     placement_group: Any,
     start_timeout_s: float,
+    spare_workers: int = 0,
 ) -> float:
     """Raise ValueError/TypeError naming the bad argument; return `timeout_s` in seconds."""
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
@@ -37,6 +38,8 @@ def check_group_args(
         raise ValueError(
             f"placement_strategy must be one of {STRATEGIES}, got {placement_strategy!r}"
         )
+    if isinstance(spare_workers, bool) or not isinstance(spare_workers, int) or spare_workers < 0:
+        raise ValueError(f"spare_workers must be an int >= 0, got {spare_workers!r}")
     if isinstance(timeout_s, timedelta):  # as torch.distributed takes it
         timeout_s = timeout_s.total_seconds()
     if timeout_s <= 0 or start_timeout_s <= 0:

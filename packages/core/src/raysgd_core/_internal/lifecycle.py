@@ -6,6 +6,7 @@ import logging
 import time
 from typing import Any
 
+from raysgd_core._internal import spares
 from raysgd_core._internal.local import LocalWorker
 from raysgd_core._internal.placement import (
     SlotPool,
@@ -80,6 +81,8 @@ def start(state: GroupState, num_workers: int, borrowed: Any) -> None:
     )
     state.form()
     t_done = time.monotonic()
+    # After the group is formed, so that the spares' start does not slow the workers' own.
+    spares.replenish(state)
     logger.info(
         "WorkerGroup of %d ready in %.2fs (placement %.2fs, actors %.2fs, process group %.2fs)",
         num_workers,
@@ -96,7 +99,7 @@ def teardown(state: GroupState, force: bool) -> None:
     import ray
 
     if not ray.is_initialized():  # Ray already shut down: its actors and groups went with it
-        state.workers = []
+        state.workers, state.spares = [], []
         if state.local is not None:
             state.local.runtime.destroy()
             state.local.forget_reservation()
@@ -110,6 +113,7 @@ def teardown(state: GroupState, force: bool) -> None:
     for w in state.workers:
         kill_worker(w)
     state.workers = []
+    spares.discard(state)
     removed = []
     if state.pool is not None:
         removed += state.pool.remove_all()

@@ -3,8 +3,10 @@
 Two paths. "keep-healthy": ping every worker with a short timeout (a worker stuck in a collective
 does not answer and is killed), drop the dead, start the replacements and, while they come up, make
 the survivors leave the old process group; then form a new group over survivors + new ones.
-Survivors keep their process, so their `store` (the trainer's runner, the model) is kept. If that
-fails, "full-restart": kill every remote worker and start all of them anew.
+Survivors keep their process, so their `store` (the trainer's runner, the model) is kept. Spare
+workers that are up replace lost ones before any new actor is started. If that fails,
+"full-restart": kill every remote worker (and the spares) and start all of them anew. Either way
+the spares are started again once the group is formed.
 
 Everything here works on a `GroupState` (what runs) and its `GroupSpec` (what to run).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 
+from raysgd_core._internal import spares
 from raysgd_core._internal.failures import Outcome, collect, raise_for
 from raysgd_core._internal.state import GroupState
 from raysgd_core._internal.workers import Worker, await_started, run_hooks, spawn
@@ -56,6 +59,7 @@ def recover(state: GroupState, num_workers: int, timeout_s: float) -> RecoveryRe
         timings=timings,
     )
     logger.info("recovered (%s) to %d workers in %.2fs", path, report.world_size, report.duration_s)
+    spares.replenish(state)
     return report
 
 
@@ -64,7 +68,8 @@ def _keep_healthy(
 ) -> tuple[list, list]:
     workers = state.workers
     t0 = time.monotonic()
-    alive = _ping(workers)
+    spares_up = spares.ready(state)
+    alive = _ping(workers + spares_up)
     timings["ping_s"] = time.monotonic() - t0
     for w in workers:
         if w not in alive:
@@ -76,9 +81,10 @@ def _keep_healthy(
     if not state.broken and len(survivors) == len(workers) == target:
         return survivors, []  # nothing to do: the old group is intact
     # Replacements start first: their process start and imports (the slow part) overlap with the
-    # survivors leaving the old group.
+    # survivors leaving the old group. Spares that are up go first: they have paid for all that.
     t_spawn = time.monotonic()
-    spawned = _spawn(state, target - len(survivors))
+    spawned = spares.take(state, spares_up, alive, target - len(survivors))
+    spawned += _spawn(state, target - len(survivors) - len(spawned))
     try:
         # Leave the old group everywhere; a survivor that cannot do that is not healthy.
         refs = {
@@ -106,6 +112,7 @@ def _full_restart(
 ) -> tuple[list, list]:
     for w in state.workers:
         state.drop(w)
+    spares.discard(state)  # removing the placement groups below would kill them anyway
     assert state.pool is not None
     state.pool.remove_all()
     kept: list[Worker] = []

@@ -27,6 +27,8 @@ class GroupSpec:
     start_timeout_s: float
     placement_strategy: str
     use_local: bool
+    #: Started workers kept outside the process group, ready to replace a lost one.
+    spare_workers: int = 0
 
     @property
     def formation_timeout_s(self) -> float:
@@ -44,6 +46,8 @@ class GroupState:
     local: Optional[LocalWorker] = None
     #: The process group is unusable (a worker raised or died) until it is re-formed.
     broken: bool = False
+    #: Started (or starting) workers outside the process group (see `spares.py`).
+    spares: list[Worker] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:

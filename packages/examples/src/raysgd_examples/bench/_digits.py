@@ -33,12 +33,14 @@ class DigitsBenchOperator(DigitsOperator):
         return metrics
 
 
-def make_trainer(cfg: LoopConfig, *, num_workers: int = 2) -> TorchTrainer:
-    """The digits trainer of `raysgd_examples.digits` (global batch 64), one CPU per worker."""
+def make_trainer(cfg: LoopConfig, *, num_workers: int = 2, **kwargs: Any) -> TorchTrainer:
+    """The digits trainer of `raysgd_examples.digits` (global batch 64), one CPU per worker;
+    `kwargs` go to `TorchTrainer`."""
     return TorchTrainer(
         training_operator_cls=DigitsBenchOperator,
         config={"loop": cfg, BATCH_SIZE: 64},
         num_workers=num_workers,
         num_cpus_per_worker=1,
         use_gpu=False,
+        **kwargs,
     )

@@ -12,6 +12,9 @@ Sides, all on the same 2-worker job (`workload.py`), each run in a fresh process
   user can cause it; the trainer then reports "keep-healthy" with no survivor kept.
 - raysgd_digits: the digits CNN of `raysgd_examples.digits` (a real job: its data set, Adam, a
   shuffled loader), rank 1 dies; the job where a user sees recovery.
+- raysgd_spare, raysgd_digits_spare: raysgd and raysgd_digits with ``spare_workers=1``; the clock
+  starts once the spare is up (as it is in a job that has trained for a few seconds), so the lost
+  worker is replaced by the spare instead of a process started after the loss.
 - ray_train: Ray Train `TorchTrainer` with ``FailureConfig(max_failures=1)``; rank 1 dies.
 - torchrun: ``torchrun --max-restarts=1``; rank 1 dies, the agent restarts both processes.
 
@@ -38,7 +41,16 @@ from raysgd_examples.bench import _common
 
 __all__ = ["PHASES", "SIDES", "main", "measure", "phases"]
 
-SIDES = ("raysgd", "raysgd_fsdp", "raysgd_all_killed", "raysgd_digits", "torchrun", "ray_train")
+SIDES = (
+    "raysgd",
+    "raysgd_fsdp",
+    "raysgd_all_killed",
+    "raysgd_digits",
+    "raysgd_spare",
+    "raysgd_digits_spare",
+    "torchrun",
+    "ray_train",
+)
 #: The phases of a raysgd recovery, in order (seconds each; see the module docstring).
 PHASES = ("detect_s", "start_s", "reform_s", "restore_s", "redo_s")
 _MODULE = "raysgd_examples.bench.recovery"
@@ -78,15 +90,19 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
 
             with _common.local_ray(settle=True):
                 _ray_train.fit(cfg, num_workers=args.workers, max_failures=1)
-        elif side in ("raysgd", "raysgd_fsdp", "raysgd_all_killed", "raysgd_digits"):
+        elif side.startswith("raysgd"):
             from raysgd_examples.bench import _digits, _raysgd
 
-            make = _digits.make_trainer if side == "raysgd_digits" else _raysgd.make_trainer
+            make = _digits.make_trainer if "digits" in side else _raysgd.make_trainer
             # raysgd_fsdp: the same job sharded; the lost shards come back from a peer's replica
-            extra = {"strategy": "fsdp"} if side == "raysgd_fsdp" else {}
-            with _common.local_ray(settle=True, raysgd=True):
+            extra: dict[str, Any] = {"strategy": "fsdp"} if side == "raysgd_fsdp" else {}
+            if side.endswith("_spare"):
+                extra["spare_workers"] = 1
+            with _common.local_ray(num_cpus=args.workers + 2, settle=True, raysgd=True):
                 trainer = make(cfg, num_workers=args.workers, **extra)
                 try:
+                    if side.endswith("_spare"):
+                        _wait_for_spare(trainer)
                     trainer.train(num_steps=cfg["steps"], max_retries=1)
                     events = trainer.recovery_events
                     paths = [e.path for e in events if getattr(e, "path", None)]
@@ -98,6 +114,16 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"unknown side {side!r}")
         result["recovery_s"] = recovery_from_timeline(Timeline(cfg["timeline"]))
     return result
+
+
+def _wait_for_spare(trainer: Any, timeout_s: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not trainer.worker_group.spares:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the spare worker was not up after {timeout_s:g} s")
+        time.sleep(0.1)
 
 
 def phases(events: list[Any], timeline: list[dict[str, Any]]) -> dict[str, float]:

@@ -1,0 +1,101 @@
+"""Spare workers: actors started ahead of a loss and kept out of the process group.
+
+A replacement started only once a worker is lost spends seconds in a fresh process (Ray's worker
+start, the torch import, the modules the first optimizer of a process imports) while the survivors
+wait for it. A spare has paid for all of that in advance, in a slot of its own: its resources are
+reserved like any worker's, so it computes on its own CPUs or GPU once promoted. `recover` promotes
+the spares that are up before it starts new actors, and starts the next spares once the group is
+formed again.
+
+Every function works on a `GroupState`; the spares live in `state.spares`, not in `state.workers`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+from raysgd_core._internal.state import GroupState
+from raysgd_core._internal.workers import Worker, spawn
+
+__all__ = ["discard", "ready", "replenish", "take", "warm_up"]
+
+logger = logging.getLogger("raysgd_core")
+
+#: `Worker.info` keys of the calls queued on a spare when it is spawned.
+_PENDING = ("describe_ref", "warm_ref")
+
+
+def warm_up() -> None:
+    """Runs on a spare: import what every raysgd worker imports before it trains."""
+    from raysgd_core.ray_options import WORKER_PRELOAD_MODULES
+
+    for name in WORKER_PRELOAD_MODULES:
+        importlib.import_module(name)
+
+
+def replenish(state: GroupState) -> None:
+    """Start spares until `spec.spare_workers` exist (those still starting count).
+
+    Never raises: a spare is an optimisation, and a cluster without room for one leaves it pending
+    (it starts when resources free up) without holding anything else up."""
+    missing = state.spec.spare_workers - len(state.spares)
+    if missing <= 0 or state.pool is None:
+        return
+    try:
+        new = spawn([state.pool.acquire() for _ in range(missing)], state.spec.actor)
+        for w in new:
+            w.info["warm_ref"] = w.actor.run.remote(warm_up)
+        state.spares += new
+    except Exception:
+        logger.warning("could not start a spare worker", exc_info=True)
+
+
+def ready(state: GroupState) -> list[Worker]:
+    """The spares that are started and warmed up, without waiting for the others.
+
+    Their `info` (node, pid, ...) is filled in; one that died while starting is dropped. Whether
+    the others are still alive is not checked."""
+    import ray
+
+    pending = [w for w in state.spares if all(k in w.info for k in _PENDING)]
+    refs = [w.info[k] for w in pending for k in _PENDING]
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+    done_set = set(done)
+    up = []
+    for w in pending:
+        if not all(w.info[k] in done_set for k in _PENDING):
+            continue
+        try:
+            w.info.update(ray.get(w.info["describe_ref"]))
+        except Exception as exc:  # died while starting: `replenish` starts another
+            logger.warning("a spare worker died while starting: %s", exc)
+            state.drop(w)
+            state.spares.remove(w)
+            continue
+        up.append(w)
+    return up
+
+
+def take(state: GroupState, up: list[Worker], alive: list[Worker], count: int) -> list[Worker]:
+    """Promote up to `count` spares: those of `up` (from `ready`) that are in `alive` (answered a
+    ping). They leave `state.spares` and are joined like newly spawned workers. Spares of `up` that
+    did not answer are dropped (their slot is freed); those still starting stay spares."""
+    taken = [w for w in up if w in alive][: max(0, count)]
+    for w in up:
+        if w not in alive and w in state.spares:
+            state.drop(w)
+            state.spares.remove(w)
+    for w in taken:
+        state.spares.remove(w)
+        w.info.pop("warm_ref", None)
+    if taken:
+        logger.info("promoting %d spare worker(s)", len(taken))
+    return taken
+
+
+def discard(state: GroupState) -> None:
+    """Kill every spare and free its slot."""
+    for w in state.spares:
+        state.drop(w)
+    state.spares = []
