@@ -360,5 +360,6 @@ class WorkerGroup:
         return _recover(self._state, num_workers, timeout_s)
 
     def estimate_fitting(self) -> int:
-        """A cheap guess of how many more workers the cluster has room for right now."""
-        return estimate_fitting(self._spec.bundle, self._state.pool)
+        """A cheap guess of how many more workers the cluster has room for right now (spares that
+        are up count: `recover` promotes them)."""
+        return estimate_fitting(self._spec.bundle, self._state.pool) + len(spares.ready(self._state))
