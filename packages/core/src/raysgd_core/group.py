@@ -362,4 +362,6 @@ class WorkerGroup:
     def estimate_fitting(self) -> int:
         """A cheap guess of how many more workers the cluster has room for right now (spares that
         are up count: `recover` promotes them)."""
-        return estimate_fitting(self._spec.bundle, self._state.pool) + len(spares.ready(self._state))
+        return estimate_fitting(self._spec.bundle, self._state.pool) + len(
+            spares.ready(self._state)
+        )

@@ -12,7 +12,7 @@ Sides, all on the same 2-worker job (`workload.py`), each run in a fresh process
   user can cause it; the trainer then reports "keep-healthy" with no survivor kept.
 - raysgd_digits: the digits CNN of `raysgd_examples.digits` (a real job: its data set, Adam, a
   shuffled loader), rank 1 dies; the job where a user sees recovery.
-- raysgd_spare, raysgd_digits_spare: raysgd and raysgd_digits with ``spare_workers=1``; the clock
+- raysgd_spare, raysgd_fsdp_spare, raysgd_digits_spare: those sides with ``spare_workers=1``; the clock
   starts once the spare is up (as it is in a job that has trained for a few seconds), so the lost
   worker is replaced by the spare instead of a process started after the loss.
 - ray_train: Ray Train `TorchTrainer` with ``FailureConfig(max_failures=1)``; rank 1 dies.
@@ -47,6 +47,7 @@ SIDES = (
     "raysgd_all_killed",
     "raysgd_digits",
     "raysgd_spare",
+    "raysgd_fsdp_spare",
     "raysgd_digits_spare",
     "torchrun",
     "ray_train",
@@ -93,10 +94,11 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
         elif side.startswith("raysgd"):
             from raysgd_examples.bench import _digits, _raysgd
 
-            make = _digits.make_trainer if "digits" in side else _raysgd.make_trainer
+            base = side.removesuffix("_spare")
+            make = _digits.make_trainer if base == "raysgd_digits" else _raysgd.make_trainer
             # raysgd_fsdp: the same job sharded; the lost shards come back from a peer's replica
-            extra: dict[str, Any] = {"strategy": "fsdp"} if side == "raysgd_fsdp" else {}
-            if side.endswith("_spare"):
+            extra: dict[str, Any] = {"strategy": "fsdp"} if base == "raysgd_fsdp" else {}
+            if base != side:
                 extra["spare_workers"] = 1
             with _common.local_ray(num_cpus=args.workers + 2, settle=True, raysgd=True):
                 trainer = make(cfg, num_workers=args.workers, **extra)
