@@ -21,6 +21,7 @@ __all__ = [
     "describe_free_resources",
     "describe_request",
     "estimate_fitting",
+    "format_resources",
     "make_bundle",
     "wait_removed",
 ]
@@ -40,7 +41,7 @@ def make_bundle(num_cpus: float, num_gpus: float, resources: Optional[dict[str, 
 
 def describe_request(n: int, bundle: dict, strategy: str) -> str:
     """E.g. '4 workers x {CPU: 1} (SPREAD)'."""
-    return f"{n} workers x {_fmt(bundle)} ({strategy})"
+    return f"{n} workers x {format_resources(bundle)} ({strategy})"
 
 
 def describe_free_resources() -> str:
@@ -56,12 +57,11 @@ def describe_free_resources() -> str:
             and k not in ("memory", "object_store_memory")
         }
 
-    return (
-        f"free {_fmt(clean(ray.available_resources()))} of {_fmt(clean(ray.cluster_resources()))}"
-    )
+    return f"free {format_resources(clean(ray.available_resources()))} of {format_resources(clean(ray.cluster_resources()))}"
 
 
-def _fmt(res: dict) -> str:
+def format_resources(res: dict) -> str:
+    """E.g. '{CPU: 1, GPU: 1}' (whole numbers without a decimal point)."""
     items = ", ".join(
         f"{k}: {int(v) if float(v).is_integer() else v}" for k, v in sorted(res.items())
     )

@@ -15,6 +15,11 @@ from __future__ import annotations
 import importlib
 import logging
 
+from raysgd_core._internal.placement import (
+    describe_free_resources,
+    estimate_fitting,
+    format_resources,
+)
 from raysgd_core._internal.state import GroupState
 from raysgd_core._internal.workers import Worker, spawn
 
@@ -43,6 +48,14 @@ def replenish(state: GroupState) -> None:
     if missing <= 0 or state.pool is None:
         return
     try:
+        room = estimate_fitting(state.spec.bundle, state.pool)
+        if room < missing:
+            logger.warning(
+                "%d spare worker(s) will wait for resources (%s each): the cluster has %s",
+                missing - room,
+                format_resources(state.spec.bundle),
+                describe_free_resources(),
+            )
         new = spawn([state.pool.acquire() for _ in range(missing)], state.spec.actor)
         for w in new:
             w.info["warm_ref"] = w.actor.run.remote(warm_up)
