@@ -57,7 +57,8 @@ def describe_free_resources() -> str:
             and k not in ("memory", "object_store_memory")
         }
 
-    return f"free {format_resources(clean(ray.available_resources()))} of {format_resources(clean(ray.cluster_resources()))}"
+    free = format_resources(clean(ray.available_resources()))
+    return f"free {free} of {format_resources(clean(ray.cluster_resources()))}"
 
 
 def format_resources(res: dict) -> str:
