@@ -177,6 +177,7 @@ def test_worker_exit_mid_epoch_recovers_to_the_clean_result(tmp_path: Path) -> N
 
 @pytest.mark.timeout(120)
 def test_a_spare_worker_takes_the_lost_rank_and_the_run_is_unchanged(tmp_path: Path) -> None:
+    _clean_run(tmp_path)  # first: the spare trainer below leaves no room for the reference run
     trainer = _make(ExitOnceOperator, tmp_path, spare_workers=1)
     try:
         deadline = time.monotonic() + 60

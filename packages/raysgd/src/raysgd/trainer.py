@@ -59,16 +59,14 @@ class TorchTrainer(TrainerDriver):
     `raysgd_operator.Strategy`. With "fsdp", `save()`/`checkpoint=` write a checkpoint directory
     (each worker its shards) that loads with any number of workers and any strategy.
     `compile=True` runs `torch.compile(model, **compile_args)` on every worker after wrapping.
+    `spare_workers=k` keeps k more workers started, in reserved resources, to replace lost ones at
+    once (`raysgd_core.WorkerGroup`'s `spare_workers`).
 
     `datasets={"train": ds, "validation": ds2}` feeds the loops from Ray Data (`raysgd[data]`): each
     dataset is split over the workers with `streaming_split(n, equal=True)`, again after every
     resize or recovery, and each worker draws batches of its `config[BATCH_SIZE]` share;
     `dataset_options` (a `raysgd.DatasetOptions` or a dict of its fields) sets the columns that
     make the `(*features, target)` batch, dtypes, a collate function and shuffling.
-
-    `spare_workers=k` keeps k more workers started outside the process group, each in resources
-    reserved like a worker's: a lost worker is replaced by a spare at once, not by a process
-    started after the loss (`raysgd_core.WorkerGroup`'s `spare_workers`).
 
     Example::
 
@@ -159,7 +157,7 @@ class TorchTrainer(TrainerDriver):
         )
         timeout = resolve_timeout(timeout_s)
         policy = get_policy(failure_policy)
-        # Built (and its arguments checked) before Ray starts; nothing runs until `start()`.
+        # Built (arguments checked) before Ray starts; nothing runs until `start()`.
         self._use_local = bool(use_local)
         self._group: WorkerGroup = WorkerGroup(
             self._num_workers,
