@@ -1,8 +1,7 @@
 """`TorchTrainer`: RaySGD's distributed PyTorch trainer on today's Ray and PyTorch.
 
-The driver side holds a `raysgd_core.WorkerGroup` (Ray actors with a `torch.distributed` process
-group), the failure policy and the last good state; every worker holds one long-lived
-`raysgd_operator.OperatorRunner` (see `raysgd._internal.worker`).
+The driver holds a `raysgd_core.WorkerGroup`, the failure policy and the last good state; every
+worker holds one long-lived `raysgd_operator.OperatorRunner` (see `raysgd._internal.worker`).
 """
 
 from __future__ import annotations
