@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from ray import tune
@@ -62,6 +64,42 @@ def test_resource_request_reserves_trial_and_workers():
     auto = make_trainable(TorchTrainer, **TRAINER_ARGS, num_workers=1, use_gpu="auto")
     gpus = sum(b.get("GPU", 0) for b in _bundles(auto))
     assert gpus == (1 if torch.cuda.is_available() else 0)
+
+
+def test_resource_request_reserves_spare_workers():
+    trainable = TorchTrainer.as_trainable(**TRAINER_ARGS, **WORKERS, spare_workers=1)
+    assert _bundles(trainable) == [{"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 0.5}, {"CPU": 0.5}]
+    assert _bundles(trainable, {"spare_workers": 2, "use_local": True}) == [{"CPU": 0.5}] * 4
+    with pytest.raises(ValueError, match="spare_workers"):
+        _bundles(trainable, {"spare_workers": -1})
+
+
+def spares_up(trainer, info):
+    """Wait (bounded) for the trial's spare to start, then train; report how many are up."""
+    deadline = time.monotonic() + 60
+    while not trainer.worker_group.spares and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stats = trainer.train(num_steps=2)
+    return {"spares": len(trainer.worker_group.spares), "train_loss": stats["train_loss"]}
+
+
+@pytest.mark.timeout(120)
+def test_a_trial_places_its_spare_worker_in_its_own_reservation(
+    ray_local, tune_storage, nothing_leaked
+):
+    # A trial's actors can only use the trial's placement group: without a bundle reserved for
+    # it, the spare would wait forever.
+    trainable = TorchTrainer.as_trainable(
+        override_tune_step=spares_up, **TRAINER_ARGS, **WORKERS, spare_workers=1
+    )
+    results = tune.Tuner(
+        trainable,
+        run_config=tune.RunConfig(
+            storage_path=tune_storage, stop={"training_iteration": 1}, verbose=0
+        ),
+    ).fit()
+    assert not results.errors
+    assert results[0].metrics["spares"] == 1
 
 
 def test_override_tune_step_must_take_two_parameters():

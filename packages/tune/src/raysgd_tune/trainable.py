@@ -25,12 +25,13 @@ __all__ = ["CHECKPOINT_FILE", "BaseTorchTrainable", "make_trainable", "trainer_r
 CHECKPOINT_FILE = "trainer.checkpoint"
 
 # Trainer arguments that also size the trial's resource request; a Tune config may set them.
-_RESOURCE_KEYS = ("num_workers", "num_cpus_per_worker", "use_gpu", "use_local")
+_RESOURCE_KEYS = ("num_workers", "num_cpus_per_worker", "use_gpu", "use_local", "spare_workers")
 _DEFAULTS: dict[str, Any] = {
     "num_workers": 1,
     "num_cpus_per_worker": 1,
     "use_gpu": "auto",
     "use_local": False,
+    "spare_workers": 0,
 }
 
 TuneStep = Callable[[Any, dict[str, Any]], Mapping[str, Any]]
@@ -105,11 +106,17 @@ class BaseTorchTrainable(tune.Trainable):
 
 
 def trainer_resource_request(
-    *, num_workers: int, num_cpus_per_worker: float, use_gpu: Any, use_local: bool
+    *,
+    num_workers: int,
+    num_cpus_per_worker: float,
+    use_gpu: Any,
+    use_local: bool,
+    spare_workers: int = 0,
 ) -> PlacementGroupFactory:
     """The placement group a trial running one `TorchTrainer` needs: PACK, one bundle of one CPU
-    for the trial process plus one per worker (`{"CPU": num_cpus_per_worker, "GPU": 0 or 1}`).
-    With `use_local`, rank 0 runs in the trial process, so the trial's own bundle is a worker's."""
+    for the trial process plus one per worker and per spare worker (`{"CPU": num_cpus_per_worker,
+    "GPU": 0 or 1}`). With `use_local`, rank 0 runs in the trial process, so the trial's own bundle
+    is a worker's."""
     gpus = int(resolve_use_gpu(use_gpu))
     return worker_bundles_request(
         num_workers=num_workers,
@@ -117,6 +124,7 @@ def trainer_resource_request(
         num_gpus_per_worker=gpus,
         head_bundle=None if use_local else {"CPU": 1},
         local_rank0=bool(use_local),
+        spare_workers=spare_workers,
     )
 
 
@@ -142,10 +150,11 @@ def make_trainable(
     """Return a Tune trainable class that builds `trainer_cls(*args, **kwargs)` in each trial.
 
     The trial's `config` is merged over `kwargs["config"]` (Tune's values win). `num_workers`,
-    `num_cpus_per_worker`, `use_gpu` and `use_local` are read from the Tune config first, then from
-    `kwargs`, both for the resource request and for the trainer, so the reservation always matches
-    what the trainer starts. The request is a PACK placement group of one bundle for the trial (with
-    `use_local`, the trial process is rank 0 and its bundle is a worker's) plus one per remote worker.
+    `num_cpus_per_worker`, `use_gpu`, `use_local` and `spare_workers` are read from the Tune config
+    first, then from `kwargs`, both for the resource request and for the trainer, so the reservation
+    always matches what the trainer starts. The request is a PACK placement group of one bundle for
+    the trial (with `use_local`, the trial process is rank 0 and its bundle is a worker's) plus one
+    per remote worker and per spare.
 
     `override_tune_step(trainer, {"iteration": n})`, if given, replaces the default step and returns
     the metrics to report. It must take exactly two parameters (`ValueError` otherwise).

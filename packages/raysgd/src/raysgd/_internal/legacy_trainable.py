@@ -33,7 +33,8 @@ class PyTorchTrainable(BaseTorchTrainable):
     """A Tune trainable whose config holds `PyTorchTrainer`'s arguments and the hyperparameters.
 
     Resources are reserved as for `TorchTrainer.as_trainable`: one CPU for the trial plus one bundle
-    per worker (`num_replicas` or `num_workers`, `num_cpus_per_worker`, `use_gpu`, `use_local`).
+    per worker and spare (`num_replicas` or `num_workers`, `num_cpus_per_worker`, `use_gpu`,
+    `use_local`, `spare_workers`).
     """
 
     @classmethod
@@ -43,6 +44,7 @@ class PyTorchTrainable(BaseTorchTrainable):
             num_cpus_per_worker=config.get("num_cpus_per_worker", 1),
             use_gpu=config.get("use_gpu", "auto"),
             use_local=config.get("use_local", False),
+            spare_workers=config.get("spare_workers", 0),
         )
 
     def _create_trainer(self, tune_config: dict[str, Any]) -> Any:

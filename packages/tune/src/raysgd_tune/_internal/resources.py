@@ -31,9 +31,11 @@ def worker_bundles_request(
     workers_per_bundle: int = 1,
     strategy: str = "PACK",
     local_rank0: bool = False,
+    spare_workers: int = 0,
 ) -> PlacementGroupFactory:
     """One bundle for the trial process (`head_bundle`; empty or None: it needs nothing) and one per
-    `workers_per_bundle` workers.
+    `workers_per_bundle` workers, plus one per spare worker (`spare_workers`: always a remote actor
+    of its own, which a trial must reserve too or its spares would wait forever).
 
     An empty head bundle is dropped by Tune, which shifts the worker bundles' indexes down by one;
     raysgd's workers never name a bundle index (they ask for "any bundle with room"), so that shift
@@ -44,11 +46,15 @@ def worker_bundles_request(
     _positive("num_cpus_per_worker", num_cpus_per_worker, integer=False)
     if num_gpus_per_worker < 0:
         raise ValueError(f"num_gpus_per_worker must be >= 0, got {num_gpus_per_worker!r}")
+    if isinstance(spare_workers, bool) or not isinstance(spare_workers, int) or spare_workers < 0:
+        raise ValueError(f"spare_workers must be an integer >= 0, got {spare_workers!r}")
     bundle = {
         "CPU": num_cpus_per_worker * workers_per_bundle,
         "GPU": num_gpus_per_worker * workers_per_bundle,
     }
     worker_bundles = [dict(bundle) for _ in range(num_workers // workers_per_bundle)]
+    one_worker = {key: amount / workers_per_bundle for key, amount in bundle.items()}
+    worker_bundles += [dict(one_worker) for _ in range(spare_workers)]
     if local_rank0:
         return PlacementGroupFactory(worker_bundles, strategy=strategy)
     return PlacementGroupFactory([dict(head_bundle or {}), *worker_bundles], strategy=strategy)
