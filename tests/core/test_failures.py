@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
@@ -123,8 +124,14 @@ def _wait_for_spare(group: WorkerGroup, timeout_s: float = 60.0) -> list:
     return group.spares
 
 
+def _imported_tabnanny() -> bool:
+    return "tabnanny" in sys.modules
+
+
 def test_a_spare_replaces_a_lost_worker_and_another_spare_starts(ray_local, wait_no_leftovers):
-    group = WorkerGroup(2, spare_workers=1).start()
+    # A module no worker imports by itself; a missing one is only logged by the spare.
+    imports = ("tabnanny", "no_such_module_for_raysgd")
+    group = WorkerGroup(2, spare_workers=1, spare_imports=imports).start()
     try:
         (spare,) = _wait_for_spare(group)
         # The spare holds a worker's resources (2 workers + 1 spare of the 4 CPUs).
@@ -136,6 +143,8 @@ def test_a_spare_replaces_a_lost_worker_and_another_spare_starts(ray_local, wait
         assert report.path == "keep-healthy" and report.started == [1]
         # The spare became rank 1: no process was started after the loss.
         assert [pid for _, pid in group.execute(_rank_and_pid)][1] == spare.pid
+        # It imported its `spare_imports` while it waited; the kept rank 0 never did.
+        assert group.execute(_imported_tabnanny) == [False, True]
         assert group.execute(_all_reduce_sum) == [3.0, 3.0]
         (next_spare,) = _wait_for_spare(group)
         assert next_spare.pid not in {spare.pid, *(w.pid for w in group.workers)}

@@ -107,6 +107,8 @@ def test_bad_arguments_are_named():
         WorkerGroup(2, init_hook="not callable")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="spare_workers"):
         WorkerGroup(2, spare_workers=-1)
+    with pytest.raises(TypeError, match="spare_imports"):
+        WorkerGroup(2, spare_workers=1, spare_imports="json")
     with pytest.raises(RuntimeError, match="not started"):
         WorkerGroup(2).execute(print)
 

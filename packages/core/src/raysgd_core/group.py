@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -47,6 +47,9 @@ class WorkerGroup:
             promotes the spares that are up (torch already imported) before it starts new actors,
             and starts new spares after every `start()` and `recover()`. They cost their
             resources and an idle process each; 0 (the default) keeps none.
+        spare_imports: modules a spare imports while it waits, besides torch and the modules
+            every worker imports: those a promoted worker would otherwise import after the loss
+            (e.g. `torch.distributed.checkpoint` for a run whose state is sharded).
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class WorkerGroup:
         placement_group: Union[str, Any, None] = "auto",
         start_timeout_s: float = 30.0,
         spare_workers: int = 0,
+        spare_imports: Sequence[str] = (),
     ) -> None:
         timeout_s = check_group_args(
             num_workers,
@@ -77,6 +81,7 @@ class WorkerGroup:
             placement_group=placement_group,
             start_timeout_s=start_timeout_s,
             spare_workers=spare_workers,
+            spare_imports=spare_imports,
         )
         self._num_workers = num_workers
         self._placement_group_arg = placement_group
@@ -96,6 +101,7 @@ class WorkerGroup:
             placement_strategy=placement_strategy,
             use_local=bool(use_local),
             spare_workers=spare_workers,
+            spare_imports=tuple(spare_imports),
         )
         self._state = GroupState(self._spec)
         self._put_values: dict[str, Any] = {}  # ObjectRef hex -> the object `put` stored

@@ -20,6 +20,10 @@ from raysgd_operator.strategy import Strategy, WrapContext
 
 __version__ = "0.1.0"
 
+#: The modules a worker imports to write or read a sharded (DCP) state, on first use only: a
+#: process started ahead of time (a spare worker) can import them while it waits.
+SHARDED_STATE_IMPORTS: tuple[str, ...] = ("raysgd_operator._internal.sharded",)
+
 
 def read_dcp_metadata(data: bytes) -> Any:
     """Parse a `torch.distributed.checkpoint` ``.metadata`` file without running code from it.
@@ -38,6 +42,7 @@ __all__ = [
     "BATCH_SIZE",
     "NUM_SAMPLES",
     "SCHEDULER_STEP_FREQS",
+    "SHARDED_STATE_IMPORTS",
     "AverageMeter",
     "AverageMeterCollection",
     "DatasetOptions",

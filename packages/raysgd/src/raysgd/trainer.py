@@ -13,11 +13,7 @@ from typing import Any, Optional, Union
 from raysgd._internal import worker
 from raysgd._internal.checkpoint import read_file, state_from_bytes, state_to_bytes, write_file
 from raysgd._internal.cluster import driver_has_cuda, ensure_ray
-from raysgd._internal.datasets import (
-    DatasetSplitter,
-    check_datasets,
-    warn_if_no_room_for_data,
-)
+from raysgd._internal.datasets import DatasetSplitter, check_datasets, warn_if_no_room_for_data
 from raysgd._internal.driver import TrainerDriver
 from raysgd._internal.recovery import Recovery
 from raysgd._internal.sharded_state import ShardedState, is_sharded_checkpoint
@@ -31,13 +27,14 @@ from raysgd._internal.validation import (
     resolve_timeout,
     start_timeout,
 )
-from raysgd_core import (
-    WorkerGroup,
-    require_cluster_gpus,
-    resolve_use_gpu,
-)
+from raysgd_core import WorkerGroup, require_cluster_gpus, resolve_use_gpu
 from raysgd_fault import FailurePolicy, get_policy
-from raysgd_operator import DatasetOptions, TrainingOptions, check_batch_size
+from raysgd_operator import (
+    SHARDED_STATE_IMPORTS,
+    DatasetOptions,
+    TrainingOptions,
+    check_batch_size,
+)
 
 __all__ = ["TorchTrainer"]
 
@@ -167,6 +164,7 @@ class TorchTrainer(TrainerDriver):
             init_hook=initialization_hook,
             use_local=self._use_local,
             spare_workers=spare_workers,
+            spare_imports=SHARDED_STATE_IMPORTS if self._options.sharded else (),
             **start_timeout(),
         )
 

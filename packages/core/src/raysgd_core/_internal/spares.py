@@ -31,12 +31,18 @@ logger = logging.getLogger("raysgd_core")
 _PENDING = ("describe_ref", "warm_ref")
 
 
-def warm_up() -> None:
-    """Runs on a spare: import what every raysgd worker imports before it trains."""
+def warm_up(extra: tuple[str, ...] = ()) -> None:
+    """Runs on a spare: import what every raysgd worker imports before it trains, then `extra`
+    (the group's `spare_imports`)."""
     from raysgd_core.ray_options import WORKER_PRELOAD_MODULES
 
     for name in WORKER_PRELOAD_MODULES:
         importlib.import_module(name)
+    for name in extra:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:  # an optimisation only: the promoted worker imports it later
+            logger.warning("a spare worker could not import %s: %s", name, exc)
 
 
 def replenish(state: GroupState) -> None:
@@ -58,7 +64,7 @@ def replenish(state: GroupState) -> None:
             )
         new = spawn([state.pool.acquire() for _ in range(missing)], state.spec.actor)
         for w in new:
-            w.info["warm_ref"] = w.actor.run.remote(warm_up)
+            w.info["warm_ref"] = w.actor.run.remote(warm_up, state.spec.spare_imports)
         state.spares += new
     except Exception:
         logger.warning("could not start a spare worker", exc_info=True)

@@ -29,6 +29,8 @@ class GroupSpec:
     use_local: bool
     #: Started workers kept outside the process group, ready to replace a lost one.
     spare_workers: int = 0
+    #: Modules a spare imports while it waits, besides those every worker imports.
+    spare_imports: tuple[str, ...] = ()
 
     @property
     def formation_timeout_s(self) -> float:
