@@ -108,7 +108,9 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="spare_workers"):
         WorkerGroup(2, spare_workers=-1)
     with pytest.raises(TypeError, match="spare_imports"):
-        WorkerGroup(2, spare_workers=1, spare_imports="json")
+        WorkerGroup(2, spare_workers=1, spare_imports="json")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="spare_imports"):
+        WorkerGroup(2, spare_workers=1, spare_imports=5)  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="not started"):
         WorkerGroup(2).execute(print)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -47,9 +47,10 @@ class WorkerGroup:
             promotes the spares that are up (torch already imported) before it starts new actors,
             and starts new spares after every `start()` and `recover()`. They cost their
             resources and an idle process each; 0 (the default) keeps none.
-        spare_imports: modules a spare imports while it waits, besides torch and the modules
-            every worker imports: those a promoted worker would otherwise import after the loss
-            (e.g. `torch.distributed.checkpoint` for a run whose state is sharded).
+        spare_imports: modules (a list or tuple of names) a spare imports while it waits,
+            besides torch and the modules every worker imports: those a promoted worker would
+            otherwise import after the loss (e.g. `torch.distributed.checkpoint` for a run whose
+            state is sharded). A missing one is logged, not raised.
     """
 
     def __init__(
@@ -68,7 +69,7 @@ class WorkerGroup:
         placement_group: Union[str, Any, None] = "auto",
         start_timeout_s: float = 30.0,
         spare_workers: int = 0,
-        spare_imports: Sequence[str] = (),
+        spare_imports: Union[list[str], tuple[str, ...]] = (),
     ) -> None:
         timeout_s = check_group_args(
             num_workers,

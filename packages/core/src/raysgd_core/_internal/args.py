@@ -22,7 +22,7 @@ def check_group_args(
     placement_group: Any,
     start_timeout_s: float,
     spare_workers: int = 0,
-    spare_imports: Any = (),
+    spare_imports: Union[list[str], tuple[str, ...]] = (),
 ) -> float:
     """Raise ValueError/TypeError naming the bad argument; return `timeout_s` in seconds."""
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
@@ -41,7 +41,7 @@ def check_group_args(
         )
     if isinstance(spare_workers, bool) or not isinstance(spare_workers, int) or spare_workers < 0:
         raise ValueError(f"spare_workers must be an int >= 0, got {spare_workers!r}")
-    if isinstance(spare_imports, str) or not all(
+    if not isinstance(spare_imports, (list, tuple)) or not all(
         isinstance(name, str) and name for name in spare_imports
     ):
         raise TypeError(f"spare_imports must be a sequence of module names, got {spare_imports!r}")
