@@ -51,6 +51,11 @@ class WorkerGroup:
             besides torch and the modules every worker imports: those a promoted worker would
             otherwise import after the loss (e.g. `torch.distributed.checkpoint` for a run whose
             state is sharded). A missing one is logged, not raised.
+        keep_freed_memory: raise each worker's malloc thresholds (glibc only) so the memory a
+            step frees is reused by the next one instead of being returned to the OS and faulted
+            back in (measured on a CPU CNN: about 10% of every step). Applied to the calling
+            process too when `use_local` is set. Skipped where the environment already sets
+            glibc's `MALLOC_*_` variables; False keeps the allocator's defaults.
     """
 
     def __init__(
@@ -70,6 +75,7 @@ class WorkerGroup:
         start_timeout_s: float = 30.0,
         spare_workers: int = 0,
         spare_imports: Union[list[str], tuple[str, ...]] = (),
+        keep_freed_memory: bool = True,
     ) -> None:
         timeout_s = check_group_args(
             num_workers,
@@ -94,6 +100,7 @@ class WorkerGroup:
                 resources=dict(resources_per_worker or {}),
                 env_vars={str(k): str(v) for k, v in (env_vars or {}).items()},
                 init_hook=init_hook,
+                keep_freed_memory=bool(keep_freed_memory),
             ),
             bundle=make_bundle(num_cpus_per_worker, num_gpus_per_worker, resources_per_worker),
             backend=backend,

@@ -12,10 +12,16 @@ __all__ = ["WorkerActor"]
 class WorkerActor:
     """One remote rank. Made a Ray actor class by `remote_worker_class()`."""
 
-    def __init__(self, env_vars: Optional[dict[str, str]] = None) -> None:
+    def __init__(
+        self, env_vars: Optional[dict[str, str]] = None, keep_freed_memory: bool = False
+    ) -> None:
         # Before anything else: variables such as OMP_NUM_THREADS only count if set before torch
         # is imported.
         os.environ.update(env_vars or {})
+        if keep_freed_memory:
+            from raysgd_core._internal import host_memory
+
+            host_memory.keep_freed_memory()
         from raysgd_core._internal.runtime import WorkerRuntime
 
         self._runtime = WorkerRuntime()

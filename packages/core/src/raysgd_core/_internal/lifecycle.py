@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Any
 
-from raysgd_core._internal import spares
+from raysgd_core._internal import host_memory, spares
 from raysgd_core._internal.local import LocalWorker
 from raysgd_core._internal.placement import (
     SlotPool,
@@ -43,6 +43,8 @@ def start(state: GroupState, num_workers: int, borrowed: Any) -> None:
     waits = []
     if spec.use_local:
         state.local = local = LocalWorker()
+        if spec.actor.keep_freed_memory:
+            host_memory.keep_freed_memory()
         state.workers = [Worker(local=local, info=local.runtime.describe())]
         if borrowed is None:
             pg = local.reserve(spec.bundle, spec.start_timeout_s)

@@ -37,6 +37,8 @@ class ActorSpec:
     resources: dict[str, float]
     env_vars: dict[str, str]
     init_hook: Optional[Callable[[], Any]]
+    #: Raise the process's malloc thresholds (`host_memory.keep_freed_memory`).
+    keep_freed_memory: bool = True
 
 
 @dataclass(eq=False)
@@ -71,7 +73,7 @@ def spawn(slots: list[Slot], spec: ActorSpec) -> list[Worker]:
             num_gpus=spec.num_gpus,
             resources=spec.resources or None,
             scheduling_strategy=slot.strategy(),
-        ).remote(spec.env_vars)
+        ).remote(spec.env_vars, spec.keep_freed_memory)
         worker = Worker(actor=actor, slot=slot)
         worker.info["describe_ref"] = actor.describe.remote()
         if spec.init_hook is not None:
