@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -48,16 +48,21 @@ def ray_local() -> Iterator[None]:
     yield
 
 
-def wait_for_cpus(expected: float, timeout_s: float = 20.0) -> float:
-    """Wait until Ray reports `expected` free CPUs (freed resources come back asynchronously)."""
+@pytest.fixture
+def wait_for_cpus() -> Callable[..., float]:
+    """`wait(expected, timeout_s=20)`: free CPUs once Ray reports `expected` of them free (or the
+    timeout passed); freed resources come back asynchronously."""
     import ray
 
-    deadline = time.monotonic() + timeout_s
-    free = ray.available_resources().get("CPU", 0.0)
-    while free < expected and time.monotonic() < deadline:
-        time.sleep(0.1)
+    def wait(expected: float, timeout_s: float = 20.0) -> float:
+        deadline = time.monotonic() + timeout_s
         free = ray.available_resources().get("CPU", 0.0)
-    return free
+        while free < expected and time.monotonic() < deadline:
+            time.sleep(0.1)
+            free = ray.available_resources().get("CPU", 0.0)
+        return free
+
+    return wait
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import ray
@@ -38,8 +37,8 @@ def _use_scaler(scaler: Scaler) -> int:
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_formation_all_reduce_and_shutdown(ray_local, wait_no_leftovers, n):
-    free_before = _wait_for_cpus(4)
+def test_formation_all_reduce_and_shutdown(ray_local, wait_no_leftovers, wait_for_cpus, n):
+    free_before = wait_for_cpus(4)
     group = WorkerGroup(n)
     with group:
         assert group.world_size == n
@@ -55,15 +54,7 @@ def test_formation_all_reduce_and_shutdown(ray_local, wait_no_leftovers, n):
     group.shutdown()  # idempotent (the with block already shut it down)
     # Every resource goes back to Ray: no actor, no placement group, all CPUs free.
     assert wait_no_leftovers() == ([], [])
-    assert _wait_for_cpus(free_before) == free_before
-
-
-def _wait_for_cpus(expected: float, timeout_s: float = 20.0) -> float:
-    """Free CPUs once `expected` are free (or the timeout passed): freeing is asynchronous."""
-    deadline = time.monotonic() + timeout_s
-    while ray.available_resources().get("CPU", 0) < expected and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return ray.available_resources().get("CPU", 0)
+    assert wait_for_cpus(free_before) == free_before
 
 
 def test_context_env_hook_shipping_and_single(ray_local):
@@ -134,10 +125,10 @@ def test_import_is_light():
 
 
 @pytest.mark.parametrize("use_local", [False, True])
-def test_cpus_are_free_right_after_shutdown(ray_local, use_local):
+def test_cpus_are_free_right_after_shutdown(ray_local, wait_for_cpus, use_local):
     # RaySGD's own tests read `ray.available_resources()` right after `shutdown()`: it must not
     # return before Ray has removed the placement groups (their CPUs are missing until then).
-    free_before = _wait_for_cpus(4)
+    free_before = wait_for_cpus(4)
     group = WorkerGroup(3, use_local=use_local).start()
     assert ray.available_resources().get("CPU", 0) == free_before - 3
     group.shutdown()
