@@ -7,6 +7,7 @@ promises its reader: the demo's accuracy, the line's coefficients, the recovered
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import math
 import os
@@ -86,6 +87,32 @@ def test_linear_learns_the_line() -> None:
     assert match, output[-4000:]
     assert float(match.group(1)) == pytest.approx(2.0, abs=0.2)
     assert float(match.group(2)) == pytest.approx(5.0, abs=0.2)
+
+
+def test_ray_data_example_reads_every_row_each_epoch_and_learns_the_line() -> None:
+    output = run_example("ray_data", "--smoke")
+
+    # Each epoch is one pass over the Parquet file's 4096 rows, over both workers together.
+    epochs = re.findall(r"^epoch (\d+): (\d+) rows, loss ([0-9.]+)", output, re.M)
+    assert [(int(e), int(rows)) for e, rows, _ in epochs] == [(1, 4096), (2, 4096)], output[-4000:]
+    assert float(epochs[1][2]) < float(epochs[0][2])
+    match = re.search(r"learned y = (-?[0-9.]+) x \+ (-?[0-9.]+)", output)
+    assert match, output[-4000:]
+    assert float(match.group(1)) == pytest.approx(2.0, abs=0.2)
+    assert float(match.group(2)) == pytest.approx(5.0, abs=0.2)
+
+
+def test_fsdp_example_resumes_its_checkpoint_on_fewer_workers() -> None:
+    output = run_example("fsdp", "--smoke")
+
+    # The sharded checkpoint of 2 workers, loaded into 1, validates to the same numbers.
+    metrics = [ast.literal_eval(line) for line in output.splitlines() if line.startswith("{")]
+    resumed = [line for line in output.splitlines() if line.startswith("resumed: {")]
+    assert metrics and len(resumed) == 1, output[-4000:]
+    before, after = metrics[-1], ast.literal_eval(resumed[0].removeprefix("resumed: "))
+    assert before["num_samples"] == after["num_samples"] > 0
+    assert after["val_loss"] == pytest.approx(before["val_loss"], rel=1e-4)
+    assert after["val_accuracy"] == before["val_accuracy"]
 
 
 def test_digits_trains_above_chance() -> None:

@@ -57,10 +57,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--smoke", action="store_true", help="fewer rows and epochs, for CI")
     args = parser.parse_args()
-    epochs, rows = (2, 1024) if args.smoke else (args.epochs, args.rows)
+    epochs, rows = (2, 4096) if args.smoke else (args.epochs, args.rows)
 
     if not ray.is_initialized():
-        # Ray Data runs its read and map tasks on CPUs the workers leave free: ask for one more.
+        # Ray Data runs its read and map tasks on CPUs the workers leave free: ask for two more.
         ray.init(num_cpus=args.num_workers + 2, include_dashboard=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     with tempfile.TemporaryDirectory() as folder:
