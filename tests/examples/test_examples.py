@@ -111,8 +111,9 @@ def test_fsdp_example_resumes_its_checkpoint_on_fewer_workers() -> None:
     assert metrics and len(resumed) == 1, output[-4000:]
     before, after = metrics[-1], ast.literal_eval(resumed[0].removeprefix("resumed: "))
     assert before["num_samples"] == after["num_samples"] > 0
-    assert after["val_loss"] == pytest.approx(before["val_loss"], rel=1e-4)
-    assert after["val_accuracy"] == before["val_accuracy"]
+    # bf16 compute over other batch shapes may round a near-tie the other way: one sample, not more.
+    assert after["val_loss"] == pytest.approx(before["val_loss"], rel=1e-3)
+    assert abs(after["val_accuracy"] - before["val_accuracy"]) <= 1 / before["num_samples"]
 
 
 def test_digits_trains_above_chance() -> None:
