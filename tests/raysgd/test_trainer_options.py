@@ -48,6 +48,9 @@ def scheduler_trainer(scheduler_creator, freq) -> TorchTrainer:
         scheduler_creator=scheduler_creator,
         scheduler_step_freq=freq,
         num_workers=1,
+        # Stepping the scheduler is the operator's job, the same in any process: rank 0 runs here,
+        # which spares each case a worker process start.
+        use_local=True,
     )
 
 
