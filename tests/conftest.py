@@ -41,6 +41,12 @@ def _start_local() -> None:
     _mode["kind"] = "local"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Multi-node tests last: each one stops the shared cluster, which the next `ray_local` test
+    then starts again (seconds each time); together at the end they cost that restart once."""
+    items.sort(key=lambda item: "ray_multinode" in getattr(item, "fixturenames", ()))
+
+
 @pytest.fixture
 def ray_local() -> Iterator[None]:
     """A running local Ray cluster with LOCAL_CPUS CPUs, shared across tests."""

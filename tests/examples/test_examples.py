@@ -62,6 +62,14 @@ def number_after(label: str, output: str) -> float:
     return float(found[-1])
 
 
+def assert_learned_line(output: str) -> None:
+    """The example printed "learned y = a x + b" with a and b within 0.2 of y = 2x + 5."""
+    match = re.search(r"learned y = (-?[0-9.]+) x \+ (-?[0-9.]+)", output)
+    assert match, output[-4000:]
+    assert float(match.group(1)) == pytest.approx(2.0, abs=0.2)
+    assert float(match.group(2)) == pytest.approx(5.0, abs=0.2)
+
+
 def test_demo_full_run_reaches_95_percent(tmp_path: Path) -> None:
     output = run_example("demo", "--out-dir", str(tmp_path))
 
@@ -83,10 +91,7 @@ def test_demo_full_run_reaches_95_percent(tmp_path: Path) -> None:
 def test_linear_learns_the_line() -> None:
     output = run_example("linear", "--smoke")
 
-    match = re.search(r"learned y = (-?[0-9.]+) x \+ (-?[0-9.]+)", output)
-    assert match, output[-4000:]
-    assert float(match.group(1)) == pytest.approx(2.0, abs=0.2)
-    assert float(match.group(2)) == pytest.approx(5.0, abs=0.2)
+    assert_learned_line(output)
 
 
 def test_ray_data_example_reads_every_row_each_epoch_and_learns_the_line() -> None:
@@ -96,10 +101,7 @@ def test_ray_data_example_reads_every_row_each_epoch_and_learns_the_line() -> No
     epochs = re.findall(r"^epoch (\d+): (\d+) rows, loss ([0-9.]+)", output, re.M)
     assert [(int(e), int(rows)) for e, rows, _ in epochs] == [(1, 4096), (2, 4096)], output[-4000:]
     assert float(epochs[1][2]) < float(epochs[0][2])
-    match = re.search(r"learned y = (-?[0-9.]+) x \+ (-?[0-9.]+)", output)
-    assert match, output[-4000:]
-    assert float(match.group(1)) == pytest.approx(2.0, abs=0.2)
-    assert float(match.group(2)) == pytest.approx(5.0, abs=0.2)
+    assert_learned_line(output)
 
 
 def test_fsdp_example_resumes_its_checkpoint_on_fewer_workers() -> None:
