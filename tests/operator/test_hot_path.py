@@ -121,7 +121,7 @@ def test_default_loops_read_no_value_per_batch_and_report_the_same_numbers() -> 
     # What the loops reported before: every batch's loss read with item(), averaged in Python.
     op = reference.operator
     losses: list[tuple[float, int]] = []
-    for x, y in op._loaders["train"]:
+    for x, y in op.components.loaders["train"]:
         op.optimizer.zero_grad()
         loss = op.criterion(op.model(x), y)
         loss.backward()
@@ -135,7 +135,7 @@ def test_default_loops_read_no_value_per_batch_and_report_the_same_numbers() -> 
         assert got["last_train_loss"] == part[-1][0]
     total, accuracies = 0.0, []
     with torch.no_grad():
-        batches = list(op._loaders["validation"])[2:]  # the last call's four batches
+        batches = list(op.components.loaders["validation"])[2:]  # the last call's four batches
         for x, y in batches:
             out = op.model(x)
             total += op.criterion(out, y).item() * len(y)

@@ -146,7 +146,7 @@ def test_sequential_model_and_iterable_optimizer_are_single_objects(ray_local):
     trainer = TorchTrainer(training_operator_cls=IterableOperator, num_workers=2)
     try:
         shapes = trainer.apply_all_operators(
-            lambda op: (len(op._original_models), type(op.optimizer).__name__)
+            lambda op: (len(op.components.models), type(op.optimizer).__name__)
         )
         assert shapes == [(1, "IterableSGD")] * 2
         losses = [trainer.train()["train_loss"] for _ in range(4)]

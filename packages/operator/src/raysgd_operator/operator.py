@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any, Callable
 
 import torch
 
 from raysgd_operator._internal.base import OperatorBase
-from raysgd_operator._internal.precision import Precision, get_precision
+from raysgd_operator._internal.precision import Precision
+from raysgd_operator.components import Components
 from raysgd_operator.creator import from_creators as _from_creators
 from raysgd_operator.metrics import NUM_SAMPLES, AverageMeterCollection, TimerCollection
 from raysgd_operator.options import TrainingOptions
-from raysgd_operator.strategies.registry import resolve_strategy
 from raysgd_operator.strategy import Strategy
 
 __all__ = ["TrainingOperator"]
@@ -49,41 +49,12 @@ class TrainingOperator(OperatorBase):
     scaling, skipped steps) stays in charge.
     """
 
-    def __init__(
-        self,
-        config: dict[str, Any],
-        *,
-        world_rank: int = 0,
-        local_rank: int = 0,
-        world_size: int = 1,
-        device: torch.device | str | None = None,
-        options: TrainingOptions | None = None,
-        precision: Precision | None = None,
-        datasets: Mapping[str, Any] | None = None,
-        **option_overrides: Any,
-    ) -> None:
-        # `option_overrides` (use_fp16=..., scheduler_step_freq=...) keep keyword-style
-        # construction working; they become one validated `TrainingOptions`.
-        self._options = TrainingOptions.build(options, **option_overrides)
-        self._init_state()
-        self._config = config
-        self._world_rank, self._local_rank, self._world_size = world_rank, local_rank, world_size
-        self._device = torch.device(device) if device is not None else torch.device("cpu")
-        self._precision = (
-            precision
-            if precision is not None
-            else get_precision(
-                self._options.use_fp16, device=self._device, apex_args=self._options.apex_args
-            )
-        )
-        self._strategy = resolve_strategy(
-            self._options.strategy, self._options.strategy_args, wrap_ddp=self._options.wrap_ddp
-        )
-        compile_args = self._options.compile_args
-        self._compile = dict(compile_args or {}) if self._options.compile else None
+    def __init__(self, config: dict[str, Any], *, components: Components) -> None:
+        """Called by the runner with this worker's `Components` (which the operator registers
+        into); then runs ``setup(config)``."""
+        self._init_registration(components)
         self.global_step = 0
         self.timers = TimerCollection()
-        self._dataset_shards = dict(datasets or {})
         self.setup(config)
 
     @classmethod
@@ -113,74 +84,79 @@ class TrainingOperator(OperatorBase):
 
     # -- properties --------------------------------------------------------------------------
     @property
+    def components(self) -> Components:
+        """Everything this worker trains with (owned by the runner; see `Components`)."""
+        return self._components
+
+    @property
     def config(self) -> dict[str, Any]:
         """This worker's config (``BATCH_SIZE`` already split)."""
-        return self._config
+        return self._components.config
 
     @property
     def world_rank(self) -> int:
         """Rank of this worker among all workers."""
-        return self._world_rank
+        return self._components.placement.world_rank
 
     @property
     def local_rank(self) -> int:
         """Rank of this worker among the workers on its node."""
-        return self._local_rank
+        return self._components.placement.local_rank
 
     @property
     def world_size(self) -> int:
         """Number of workers."""
-        return self._world_size
+        return self._components.placement.world_size
 
     @property
     def device(self) -> torch.device:
         """The device models and batches are put on."""
-        return self._device
+        return self._components.placement.device
 
     @property
     def device_ids(self) -> list[int] | None:
         """``[device.index]`` on a GPU (what DDP wants), else None."""
-        return [self._device.index or 0] if self._device.type == "cuda" else None
+        return self._components.placement.device_ids
 
     @property
     def options(self) -> TrainingOptions:
         """All of this worker's training options (read-only)."""
-        return self._options
+        return self._components.options
 
     @property
     def use_gpu(self) -> bool:
         """Whether this worker trains on a GPU."""
-        return self._options.use_gpu and torch.cuda.is_available()
+        return self.options.use_gpu and torch.cuda.is_available()
 
     @property
     def use_fp16(self) -> Any:
         """The ``use_fp16`` choice the trainer was given."""
-        return self._options.use_fp16
+        return self.options.use_fp16
 
     @property
     def precision(self) -> Precision:
         """The precision backend (autocast, loss scaling, optimizer steps)."""
-        return self._precision
+        return self._components.precision
 
     @property
     def use_tqdm(self) -> bool:
         """Whether progress bars are shown (on rank 0)."""
-        return self._options.use_tqdm
+        return self.options.use_tqdm
 
     @property
     def strategy(self) -> Strategy:
         """How the models are spread over the workers (`ddp`, `fsdp`, `none`, ...)."""
-        return self._strategy
+        return self._components.strategy
 
     @property
     def scheduler_step_freq(self) -> str | None:
         """``"batch"``, ``"epoch"``, ``"manual"`` or None."""
-        return self._options.scheduler_step_freq
+        return self.options.scheduler_step_freq
 
     @property
     def accumulate_grad_batches(self) -> int:
         """Batches whose gradients are summed before each optimizer step."""
-        return self._options.accumulate_grad_batches
+        return self.options.accumulate_grad_batches
 
     # Assignable, because an operator written for RaySGD may keep its own attribute of that name:
     # assigning stores the user's value for the user's reads and leaves the runner's loader alone.
@@ -188,7 +164,7 @@ class TrainingOperator(OperatorBase):
     def train_loader(self) -> Any:
         """The registered training loader as the runner uses it (with its DistributedSampler when
         distributed), or None when none was registered."""
-        return self._own_loaders.get("train", self._loaders.get("train"))
+        return self._own_loaders.get("train", self._components.loaders.get("train"))
 
     @train_loader.setter
     def train_loader(self, value: Any) -> None:
@@ -197,7 +173,7 @@ class TrainingOperator(OperatorBase):
     @property
     def validation_loader(self) -> Any:
         """The registered validation loader as the runner uses it, or None."""
-        return self._own_loaders.get("validation", self._loaders.get("validation"))
+        return self._own_loaders.get("validation", self._components.loaders.get("validation"))
 
     @validation_loader.setter
     def validation_loader(self, value: Any) -> None:
@@ -211,20 +187,20 @@ class TrainingOperator(OperatorBase):
         names are for custom loops. After a resize or a recovery every worker gets a new shard, so
         fetch it when iterating rather than keeping the one seen in ``setup``.
         """
-        return self._dataset_shards.get(name)
+        return self._components.dataset_shards.get(name)
 
     # -- helpers for custom loops ---------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Context for forward pass and loss under the precision backend."""
-        return self._precision.autocast()
+        return self.precision.autocast()
 
     def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer | None = None) -> None:
         """``loss.backward()`` through the backend (scaled when the backend scales)."""
-        self._precision.backward(loss, optimizer)
+        self.precision.backward(loss, optimizer)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Step ``optimizer`` (default: the first) through the backend; False if the step was skipped."""
-        return bool(self._precision.step(optimizer if optimizer is not None else self.optimizer))
+        return bool(self.precision.step(optimizer if optimizer is not None else self.optimizer))
 
     def clip_grad_norm(
         self, max_norm: float, optimizer: torch.optim.Optimizer | None = None
@@ -232,14 +208,14 @@ class TrainingOperator(OperatorBase):
         """Clip the gradients of ``optimizer``'s parameters to ``max_norm`` (unscaled first)."""
         optimizer = optimizer if optimizer is not None else self.optimizer
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        return self._strategy.clip_grad_norm(params, max_norm, optimizer, self._precision)
+        return self.strategy.clip_grad_norm(params, max_norm, optimizer, self.precision)
 
     def no_sync(
         self, model: torch.nn.Module | None = None
     ) -> contextlib.AbstractContextManager[Any]:
         """Context for batches after which the optimizer does not step: gradients stay local."""
         model = model if model is not None else self.model
-        return self._strategy.no_sync(self._uncompiled.get(id(model), model))
+        return self.strategy.no_sync(self._components.uncompiled(model))
 
     def _to_device(self, batch: Any) -> Any:
         if isinstance(batch, torch.Tensor):
@@ -250,7 +226,7 @@ class TrainingOperator(OperatorBase):
 
     def _progress(self, iterator: Any, desc: str) -> Any:
         """A tqdm bar on rank 0 when ``use_tqdm``; None otherwise."""
-        if not (self._options.use_tqdm and self._world_rank == 0):
+        if not (self.options.use_tqdm and self.world_rank == 0):
             return None
         from tqdm.auto import tqdm
 
@@ -279,7 +255,7 @@ class TrainingOperator(OperatorBase):
         Metrics returned as one-element tensors are read from the device once, at the end of the call
         (`AverageMeterCollection`), so the loop never waits for the GPU between batches.
         """
-        for model in self._groups.get("models", ([], None))[0]:
+        for model in self._components.wrapped:
             model.train()
         meters = AverageMeterCollection()
         epoch_name = str(info.get("epoch_idx", 0) + 1)
@@ -291,8 +267,8 @@ class TrainingOperator(OperatorBase):
                 batch_info = {"batch_idx": batch_idx, "global_step": self.global_step, **info}
                 metrics = self.train_batch(batch, batch_info)
                 # With accumulation the optimizer steps every k batches, and so does the schedule.
-                stepped = (self.global_step + 1) % self._options.accumulate_grad_batches == 0
-                if self._options.scheduler_step_freq == "batch" and stepped:
+                stepped = (self.global_step + 1) % self.options.accumulate_grad_batches == 0
+                if self.options.scheduler_step_freq == "batch" and stepped:
                     self._step_schedulers()
                 num_samples = metrics.pop(NUM_SAMPLES, 1)
                 meters.update(metrics, n=num_samples)
@@ -306,12 +282,12 @@ class TrainingOperator(OperatorBase):
         finally:
             if bar is not None:
                 bar.close()
-        if self._options.scheduler_step_freq == "epoch":
+        if self.options.scheduler_step_freq == "epoch":
             self._step_schedulers()
         return meters.summary()
 
     def _step_schedulers(self) -> None:
-        for scheduler in self._groups.get("schedulers", ([], None))[0]:
+        for scheduler in self._components.schedulers:
             scheduler.step()
 
     def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
@@ -326,7 +302,7 @@ class TrainingOperator(OperatorBase):
         if criterion is None:
             raise RuntimeError("the default train_batch needs a criterion: register(criterion=...)")
         *features, target = self._to_device(batch)
-        k = self._options.accumulate_grad_batches
+        k = self.options.accumulate_grad_batches
         window_start = self.global_step % k == 0
         will_step = (self.global_step + 1) % k == 0
         sync = contextlib.nullcontext() if will_step else self.no_sync(model)
@@ -340,8 +316,8 @@ class TrainingOperator(OperatorBase):
                 self.backward(loss / k if k > 1 else loss, optimizer)
         if will_step:
             with self.timers.record("apply"):
-                if self._options.clip_grad_norm is not None:
-                    self.clip_grad_norm(self._options.clip_grad_norm, optimizer)
+                if self.options.clip_grad_norm is not None:
+                    self.clip_grad_norm(self.options.clip_grad_norm, optimizer)
                 self.optimizer_step(optimizer)
         # The loss stays a tensor: `train_epoch` reads all of a call's losses in one transfer at the
         # end instead of waiting for the device after every batch.
@@ -349,7 +325,7 @@ class TrainingOperator(OperatorBase):
 
     def validate(self, val_iterator: Iterable[Any], info: dict[str, Any]) -> dict[str, Any]:
         """Evaluate over ``val_iterator`` without gradients; averaged ``validate_batch`` results."""
-        for model in self._groups.get("models", ([], None))[0]:
+        for model in self._components.wrapped:
             model.eval()
         meters = AverageMeterCollection()
         bar = self._progress(val_iterator, "val")

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from raysgd_operator._internal.precision import check_precision
 from raysgd_operator.shards import DatasetOptions
 from raysgd_operator.strategies.registry import resolve_strategy
+from raysgd_operator.strategy import Strategy
 
 __all__ = ["SCHEDULER_STEP_FREQS", "TrainingOptions"]
 
@@ -87,6 +88,10 @@ class TrainingOptions:
     compile: bool = False
     compile_args: Optional[Mapping[str, Any]] = None
     dataset_options: Optional[DatasetOptions] = None
+    #: The strategy object `strategy` names, resolved once here (see `parallel_strategy`).
+    _parallel_strategy: Optional[Strategy] = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         self._check()
@@ -117,7 +122,8 @@ class TrainingOptions:
         if self.num_threads is not None:
             _check_positive_int("num_threads", self.num_threads)
         # The strategy validates its own name and arguments (and wrap_ddp=False against it).
-        resolve_strategy(self.strategy, self.strategy_args, wrap_ddp=bool(self.wrap_ddp))
+        strategy = resolve_strategy(self.strategy, self.strategy_args, wrap_ddp=bool(self.wrap_ddp))
+        object.__setattr__(self, "_parallel_strategy", strategy)
         if not isinstance(self.compile, bool):
             raise TypeError(f"compile must be True or False, got {self.compile!r}")
         if self.compile_args is not None and not isinstance(self.compile_args, Mapping):
@@ -133,9 +139,15 @@ class TrainingOptions:
             )
 
     @property
+    def parallel_strategy(self) -> Strategy:
+        """The `Strategy` object that `strategy`, `strategy_args` and `wrap_ddp` choose."""
+        assert self._parallel_strategy is not None  # set by __post_init__
+        return self._parallel_strategy
+
+    @property
     def sharded(self) -> bool:
         """Whether the chosen strategy shards the model (each worker holds only part of it)."""
-        return bool(resolve_strategy(self.strategy, self.strategy_args).sharded)
+        return bool(self.parallel_strategy.sharded)
 
     @classmethod
     def build(cls, options: Optional[TrainingOptions] = None, **overrides: Any) -> TrainingOptions:
@@ -148,7 +160,7 @@ class TrainingOptions:
             raise TypeError(f"options must be a TrainingOptions, got {type(options).__name__}")
         if not overrides:
             return options if options is not None else cls()
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise TypeError(

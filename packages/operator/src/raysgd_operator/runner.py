@@ -11,13 +11,12 @@ import torch
 from torch import nn
 
 from raysgd_operator._internal.precision import get_precision
-from raysgd_operator._internal.shard_loader import ShardLoader
 from raysgd_operator._internal.stream import BatchStream
 from raysgd_operator._internal.tensors import cpu_copy, on_device
 from raysgd_operator.batch import BATCH_SIZE
+from raysgd_operator.components import Components, Placement
 from raysgd_operator.operator import TrainingOperator
 from raysgd_operator.options import TrainingOptions
-from raysgd_operator.shards import DatasetOptions
 
 __all__ = ["OperatorRunner", "on_device"]
 
@@ -92,67 +91,50 @@ class OperatorRunner:
             # One intra-op thread pool per CPU the worker reserved: workers sharing a node do not
             # oversubscribe its cores (the same setting torchrun users get from OMP_NUM_THREADS).
             torch.set_num_threads(options.num_threads)
-        self.precision = get_precision(options.use_fp16, device=device, apex_args=options.apex_args)
         if datasets and BATCH_SIZE not in config:
             raise ValueError(
                 "datasets need config[BATCH_SIZE] (each worker's share is its batch size)"
             )
-        self.device = device
+        device = torch.device(device)
+        config = dict(config)
         self.options = options
-        self._shard_loaders: dict[str, ShardLoader] = {}
+        self.components = Components(
+            options=options,
+            placement=Placement(world_rank, local_rank, world_size, device),
+            precision=get_precision(options.use_fp16, device=device, apex_args=options.apex_args),
+            config=config,
+            datasets=datasets,
+        )
         self.epoch = 0
         self._train = BatchStream(lambda: self._loader("train"), self._on_train_pass)
         self._val = BatchStream(lambda: self._loader("validation"), lambda resuming: None)
-        self.operator = operator_cls(
-            dict(config),
-            world_rank=world_rank,
-            local_rank=local_rank,
-            world_size=world_size,
-            device=device,
-            options=options,
-            precision=self.precision,
-            datasets=datasets,
-        )
-        self._bind_shards()
-        for kind in self._shard_loaders:
-            if self.operator._loaders.get(kind) is not None and world_rank == 0:
-                logger.warning(
-                    "the %s loader registered in setup() is not used: datasets[%r] feeds %s",
-                    kind,
-                    kind,
-                    "train()" if kind == "train" else "validate()",
-                )
+        self.operator = operator_cls(config, components=self.components)
 
-    def _bind_shards(self) -> None:
-        """Loaders over the operator's current dataset shards, in this worker's batch size."""
-        op = self.operator
-        self._shard_loaders = {
-            kind: ShardLoader(
-                shard,
-                name=kind,
-                batch_size=int(op.config[BATCH_SIZE]),
-                device=self.device,
-                options=self.options.dataset_options or DatasetOptions(),
-            )
-            for kind in ("train", "validation")
-            if (shard := op.get_dataset_shard(kind)) is not None
-        }
+    @property
+    def device(self) -> torch.device:
+        """This worker's device."""
+        return self.components.placement.device
+
+    @property
+    def precision(self) -> Any:
+        """This worker's precision backend."""
+        return self.components.precision
 
     def _loader(self, kind: str) -> Any:
-        loader = self._shard_loaders.get(kind) or self.operator._loaders.get(kind)
+        loader = self.components.loader(kind)
         if loader is None:
             raise _missing_loader_error(kind)
         return loader
 
     def _has_loader(self, kind: str) -> bool:
-        return kind in self._shard_loaders or self.operator._loaders.get(kind) is not None
+        return self.components.loader(kind) is not None
 
     def _base_info(self, num_steps: int | None) -> dict[str, Any]:
         # The dunder keys are the ones RaySGD 1.x operators read (its NUM_STEPS/USE_FP16 constants).
         return {
             "num_steps": num_steps,
             "__num_steps__": num_steps,
-            "__use_fp16__": self.operator.use_fp16,
+            "__use_fp16__": self.options.use_fp16,
         }
 
     def _on_train_pass(self, resuming: bool) -> int:
@@ -215,18 +197,17 @@ class OperatorRunner:
     @property
     def sharded(self) -> bool:
         """Whether each worker holds only part of the model (see `sharded_snapshot`)."""
-        return bool(self.operator.strategy.sharded)
+        return bool(self.components.strategy.sharded)
 
     def _progress_state(self) -> dict[str, Any]:
         """The part of the state that is the same on every worker and is not a model tensor."""
-        op = self.operator
-        schedulers = op._groups.get("schedulers", ([], None))[0]
+        op, parts = self.operator, self.components
         return {
             "epoch": self.epoch,
             "position": self._train.consumed(),
             "global_step": op.global_step,
             "operator": cpu_copy(op.state_dict()),
-            "schedulers": [cpu_copy(s.state_dict()) for s in schedulers],
+            "schedulers": [cpu_copy(s.state_dict()) for s in parts.schedulers],
             "precision": cpu_copy(self.precision.state_dict()),
         }
 
@@ -236,35 +217,33 @@ class OperatorRunner:
         Not available with a sharded strategy (no worker holds the whole model): use
         `sharded_snapshot`.
         """
-        op = self.operator
+        parts = self.components
         if self.sharded:
             raise RuntimeError(
-                f"strategy {op.strategy.name!r} shards the model: no worker has its whole state "
-                "(use sharded_snapshot)"
+                f"strategy {parts.strategy.name!r} shards the model: no worker has its whole "
+                "state (use sharded_snapshot)"
             )
         return {
             **self._progress_state(),
-            "models": [cpu_copy(m.state_dict()) for m in op._original_models],
-            "optimizers": [
-                cpu_copy(o.state_dict()) for o in op._groups.get("optimizers", ([], None))[0]
-            ],
+            "models": [cpu_copy(m.state_dict()) for m in parts.models],
+            "optimizers": [cpu_copy(o.state_dict()) for o in parts.optimizers],
         }
 
     def sharded_snapshot(self, directory: str) -> dict[str, Any]:
         """Write this worker's part of the models and optimizers under `directory` in
         `torch.distributed.checkpoint` format (a collective: every worker calls it at once) and
         return the rest of the state (plain, small, the same on every worker)."""
-        op = self.operator
-        tensors, others = _dcp().tensor_state(op._original_models, self._optimizers())
+        parts = self.components
+        tensors, others = _dcp().tensor_state(parts.models, parts.optimizers)
         _dcp().save_files(tensors, directory)
-        return {**self._progress_state(), "tensor_others": others, "strategy": op.strategy.name}
+        return {**self._progress_state(), "tensor_others": others, "strategy": parts.strategy.name}
 
     def load_sharded(self, directory: str, state: dict[str, Any]) -> None:
         """Load a checkpoint directory written by `sharded_snapshot` (with any number of workers),
         resharded to this group, plus the `state` it returned. A collective, for any strategy."""
         _dcp().load_files(
-            self.operator._original_models,
-            self._optimizers(),
+            self.components.models,
+            self.components.optimizers,
             directory,
             dict(state.get("tensor_others") or {}),
         )
@@ -272,14 +251,11 @@ class OperatorRunner:
 
     def needed_files(self, metadata: bytes) -> set[str]:
         """The data files of a checkpoint with `metadata` that loading it here reads."""
-        return _dcp().needed_files(self.operator._original_models, self._optimizers(), metadata)
-
-    def _optimizers(self) -> list[Any]:
-        return list(self.operator._groups.get("optimizers", ([], None))[0])
+        parts = self.components
+        return _dcp().needed_files(parts.models, parts.optimizers, metadata)
 
     def _load_progress(self, state: dict[str, Any]) -> None:
-        op = self.operator
-        schedulers = op._groups.get("schedulers", ([], None))[0]
+        op, schedulers = self.operator, self.components.schedulers
         if len(state.get("schedulers", [])) != len(schedulers):
             raise ValueError(
                 f"state has {len(state.get('schedulers', []))} schedulers but this operator "
@@ -297,13 +273,11 @@ class OperatorRunner:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict`; the next train call redoes the saved epoch from its position."""
-        op = self.operator
-        optimizers = op._groups.get("optimizers", ([], None))[0]
-        schedulers = op._groups.get("schedulers", ([], None))[0]
+        parts = self.components
         for key, have in (
-            ("models", op._original_models),
-            ("optimizers", optimizers),
-            ("schedulers", schedulers),
+            ("models", parts.models),
+            ("optimizers", parts.optimizers),
+            ("schedulers", parts.schedulers),
         ):
             if len(state.get(key, [])) != len(have):
                 raise ValueError(
@@ -312,11 +286,11 @@ class OperatorRunner:
         if self.sharded:
             # A whole-model state (from ddp or none) into sharded modules: each worker keeps
             # its own part of every tensor.
-            _dcp().load_full(op._original_models, optimizers, state["models"], state["optimizers"])
+            _dcp().load_full(parts.models, parts.optimizers, state["models"], state["optimizers"])
         else:
-            for model, sd in zip(op._original_models, state["models"]):
+            for model, sd in zip(parts.models, state["models"]):
                 model.load_state_dict(sd)
-            for opt, sd in zip(optimizers, state["optimizers"]):
+            for opt, sd in zip(parts.optimizers, state["optimizers"]):
                 opt.load_state_dict(sd)
         self._load_progress(state)
 
@@ -332,10 +306,10 @@ class OperatorRunner:
         """
         if self.sharded:
             raise NotImplementedError(
-                f"get_model() with strategy {self.operator.strategy.name!r}: the model is sharded "
-                "and no worker holds it whole; save() it and load it with strategy='none'"
+                f"get_model() with strategy {self.components.strategy.name!r}: the model is "
+                "sharded and no worker holds it whole; save() it and load it with strategy='none'"
             )
-        models = [self.operator.strategy.unwrap(m) for m in self.operator._original_models]
+        models = self.components.unwrapped_models()
         return [
             copy.deepcopy(m).cpu() if to_cpu or (cpu_if_on_device and on_device(m)) else m
             for m in models
@@ -343,7 +317,7 @@ class OperatorRunner:
 
     def update_scheduler(self, metric: Any) -> None:
         """Step every registered scheduler with ``metric`` (for ``scheduler_step_freq="manual"``)."""
-        for scheduler in self.operator._groups.get("schedulers", ([], None))[0]:
+        for scheduler in self.components.schedulers:
             scheduler.step(metric)
 
     def apply_operator(self, fn: Callable[[TrainingOperator], Any]) -> Any:
@@ -366,15 +340,9 @@ class OperatorRunner:
         follow (the user's own sampler or an IterableDataset whose batch size or sharding would have
         to change); the caller should then build a new runner.
         """
-        if not self.operator._rebind(
-            world_rank=world_rank,
-            local_rank=local_rank,
-            world_size=world_size,
-            config=dict(config),
-            datasets=dict(datasets or {}),
-        ):
+        placement = Placement(world_rank, local_rank, world_size, self.device)
+        if not self.components.rebind(placement, dict(config), datasets):
             return False
-        self._bind_shards()
         # Batches of another size or shard do not line up with the old position: the caller
         # loads the last good state next, which sets the position it wants.
         self._train.reset(resume=self._train.consumed())

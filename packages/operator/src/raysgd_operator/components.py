@@ -1,0 +1,290 @@
+"""`Components`: what one worker trains with, owned by that worker's `OperatorRunner`.
+
+The runner builds one `Components` per worker, with the precision backend and the parallel
+strategy already chosen, before the user's `setup` runs. `TrainingOperator.register` and
+`register_data` put the models, optimizers, schedulers, loss and loaders into it; the runner, the
+default loops and the state code read them back from here by their public names. After the process
+group was re-formed with another size, `rebind` re-wraps the models and re-splits the loaders in
+place (or says it cannot, and the runner builds a new worker instead).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from raysgd_operator._internal import loaders as _loaders
+from raysgd_operator._internal.precision import Precision, check_apex_args
+from raysgd_operator._internal.shapes import Shape, flatten, reshape
+from raysgd_operator._internal.shard_loader import ShardLoader
+from raysgd_operator.batch import BATCH_SIZE
+from raysgd_operator.options import SCHEDULER_STEP_FREQS, TrainingOptions
+from raysgd_operator.shards import DatasetOptions
+from raysgd_operator.strategy import Strategy, WrapContext
+
+__all__ = ["LOADER_KINDS", "Components", "Placement"]
+
+logger = logging.getLogger(__name__)
+
+#: The loaders a worker draws from: `train()` reads "train", `validate()` reads "validation".
+LOADER_KINDS = ("train", "validation")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one worker sits in its process group."""
+
+    world_rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def device_ids(self) -> list[int] | None:
+        """``[device.index]`` on a GPU (what DistributedDataParallel wants), else None."""
+        return [self.device.index or 0] if self.device.type == "cuda" else None
+
+
+class Components:
+    """The models, optimizers, schedulers, loss, loaders, precision backend and parallel strategy
+    of one worker.
+
+    Attributes read by the runner and the loops:
+        models: the registered modules, unwrapped (what state dicts and `get_model` use).
+        wrapped: the modules the loops call (wrapped by the strategy, compiled when asked).
+        optimizers, schedulers: as registered, flattened to lists.
+        criterion: the registered loss (None when none was given).
+        precision: the precision backend (autocast, loss scaling, optimizer steps).
+        strategy: how the models are spread over the workers (`ddp`, `fsdp`, `none`, ...).
+        placement: this worker's rank, size and device.
+        config: this worker's config (``BATCH_SIZE`` already split).
+        dataset_shards: this worker's shards of the trainer's `datasets=`, by name.
+    """
+
+    def __init__(
+        self,
+        *,
+        options: TrainingOptions,
+        placement: Placement,
+        precision: Precision,
+        config: dict[str, Any],
+        datasets: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.options = options
+        self.placement = placement
+        self.precision = precision
+        self.strategy: Strategy = options.parallel_strategy
+        self.config = config
+        self.models: list[nn.Module] = []
+        self.wrapped: list[nn.Module] = []
+        self.model_shape: Shape = None
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.optimizer_shape: Shape = None
+        self.schedulers: list[Any] = []
+        self.scheduler_shape: Shape = None
+        self.criterion: Any = None
+        #: Whether `register` was called (models and optimizers exist).
+        self.registered = False
+        self.ddp_args: dict[str, Any] = {}
+        # What the user registered, and the loaders built from it (with a sampler when distributed).
+        self.loader_sources: dict[str, Any] = dict.fromkeys(LOADER_KINDS)
+        self.loaders: dict[str, Any] = dict.fromkeys(LOADER_KINDS)
+        self.dataset_shards: dict[str, Any] = dict(datasets or {})
+        self.shard_loaders: dict[str, ShardLoader] = {}
+        self._compile = dict(options.compile_args or {}) if options.compile else None
+        # compiled model (by id) -> the wrapped model inside it, which the strategy knows
+        self._uncompiled: dict[int, nn.Module] = {}
+        self._bind_shards()
+
+    # -- registration (called by TrainingOperator.register / register_data) -------------------
+    def register(
+        self,
+        *,
+        models: Any,
+        optimizers: Any,
+        criterion: Any = None,
+        schedulers: Any = None,
+        ddp_args: dict[str, Any] | None = None,
+        apex_args: dict[str, Any] | None = None,
+    ) -> tuple[Any, ...]:
+        """See `TrainingOperator.register`."""
+        if ddp_args is not None and not isinstance(ddp_args, dict):
+            raise ValueError(f"ddp_args must be a dict, got {type(ddp_args).__name__}")
+        check_apex_args(apex_args)
+        if schedulers is not None and self.options.scheduler_step_freq is None:
+            raise ValueError(
+                "schedulers were registered but scheduler_step_freq is None: pass "
+                f"scheduler_step_freq as one of {SCHEDULER_STEP_FREQS}"
+            )
+        model_list, model_shape = flatten(models, lambda m: isinstance(m, nn.Module), "models")
+        for m in model_list:
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"models must be torch.nn.Module objects, got {type(m).__name__}")
+        opt_list, opt_shape = flatten(
+            optimizers, lambda o: isinstance(o, torch.optim.Optimizer), "optimizers"
+        )
+        for o in opt_list:
+            if not isinstance(o, torch.optim.Optimizer):
+                raise TypeError(
+                    f"optimizers must be torch.optim.Optimizer objects, got {type(o).__name__}"
+                )
+        device = self.placement.device
+        model_list = [m.to(device) for m in model_list]
+        if isinstance(criterion, nn.Module):
+            criterion = criterion.to(device)
+        if apex_args:
+            # Apex takes its options at initialize time, inside the backend's setup below.
+            backend_args = getattr(self.precision, "apex_args", None)
+            if isinstance(backend_args, dict):
+                backend_args.update(apex_args)
+            else:
+                logger.info(
+                    "apex_args ignored: the %s precision backend does not use Apex", self.precision
+                )
+        result = self.precision.setup(model_list, opt_list, device)
+        if result is not None:
+            model_list, opt_list = list(result[0]), list(result[1])
+        self.models, self.model_shape = list(model_list), model_shape
+        self.optimizers, self.optimizer_shape = opt_list, opt_shape
+        self.ddp_args = dict(ddp_args or {})
+        self.criterion = criterion
+        self.wrapped = self._wrap(self.models)
+        if schedulers is not None:
+            self.schedulers, self.scheduler_shape = flatten(
+                schedulers, lambda s: not isinstance(s, (list, tuple)), "schedulers"
+            )
+        self.registered = True
+        returned = [reshape(self.wrapped, model_shape), reshape(opt_list, opt_shape)]
+        if criterion is not None:
+            returned.append(criterion)
+        if schedulers is not None:
+            returned.append(reshape(self.schedulers, self.scheduler_shape))
+        return tuple(returned)
+
+    def register_data(self, *, train_loader: Any = None, validation_loader: Any = None) -> None:
+        """See `TrainingOperator.register_data`."""
+        self.loader_sources = {"train": train_loader, "validation": validation_loader}
+        self.loaders = {
+            kind: self._prepare_loader(source, None) for kind, source in self.loader_sources.items()
+        }
+        for kind in self.shard_loaders:
+            if self.loader_sources.get(kind) is not None and self.placement.world_rank == 0:
+                logger.warning(
+                    "the %s loader registered in setup() is not used: datasets[%r] feeds %s",
+                    kind,
+                    kind,
+                    "train()" if kind == "train" else "validate()",
+                )
+
+    # -- what the loops read ---------------------------------------------------------------------
+    def loader(self, kind: str) -> Any:
+        """The batches of `kind` ("train" or "validation"): a dataset shard's, else the registered
+        loader as prepared for this worker; None when there is neither."""
+        shard = self.shard_loaders.get(kind)
+        return shard if shard is not None else self.loaders.get(kind)
+
+    def uncompiled(self, model: nn.Module) -> nn.Module:
+        """The strategy-wrapped model inside `model` when `model` is a compiled one."""
+        return self._uncompiled.get(id(model), model)
+
+    def unwrapped_models(self) -> list[nn.Module]:
+        """The user's modules without the strategy's wrappers."""
+        return [self.strategy.unwrap(m) for m in self.models]
+
+    # -- resize ------------------------------------------------------------------------------
+    def rebind(
+        self,
+        placement: Placement,
+        config: dict[str, Any],
+        datasets: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Adopt a re-formed process group: re-wrap the models, re-split the loaders built here.
+
+        `config` is the new per-worker config (``BATCH_SIZE`` already split) and `datasets` this
+        worker's shards of the datasets split over the new group (the old shards belong to a split
+        over the old group and are never read again). Returns False, changing nothing, when the
+        strategy cannot re-wrap or a loader cannot follow (the user's own sampler, an iterable
+        dataset whose batch size would have to change).
+        """
+        if self.registered and not self.strategy.rewrappable:
+            return False  # e.g. sharded modules: the caller builds the worker again
+        old_batch = self.config.get(BATCH_SIZE)
+        new_batch = config.get(BATCH_SIZE)
+        batch_changed = new_batch is not None and new_batch != old_batch
+        sampler_changed = (
+            self.options.add_dist_sampler and placement.world_size != self.placement.world_size
+        )
+        shards = dict(datasets or {})
+        plans: dict[str, int | None] = {}
+        for kind, source in self.loader_sources.items():
+            if source is None or kind in shards:
+                continue  # a loader that a dataset shard replaces is never read
+            derived = batch_changed and getattr(source, "batch_size", None) == old_batch
+            if (derived or sampler_changed) and not _loaders.can_rebuild(source):
+                return False
+            plans[kind] = new_batch if derived else None
+        self.placement, self.config = placement, config
+        self.dataset_shards = shards
+        self._bind_shards()
+        for kind, batch_size in plans.items():
+            self.loaders[kind] = self._prepare_loader(self.loader_sources[kind], batch_size)
+        if self.registered:
+            self.wrapped = self._wrap(self.models)
+        return True
+
+    # -- internals ---------------------------------------------------------------------------
+    def _wrap(self, models: list[nn.Module]) -> list[nn.Module]:
+        """Wrap the models with the strategy once a process group exists, then compile if asked."""
+        wrapped = list(models)
+        if dist.is_available() and dist.is_initialized():
+            context = WrapContext(
+                device=self.placement.device,
+                world_size=self.placement.world_size,
+                precision=self.precision,
+                device_ids=self.placement.device_ids,
+                ddp_args=dict(self.ddp_args),
+            )
+            wrapped = self.strategy.wrap(wrapped, self.optimizers, context)
+        self._uncompiled = {}
+        if self._compile is not None:
+            compiled = []
+            for model in wrapped:
+                fast = torch.compile(model, **self._compile)
+                self._uncompiled[id(fast)] = model
+                compiled.append(fast)
+            wrapped = compiled
+        return wrapped
+
+    def _prepare_loader(self, loader: Any, batch_size: int | None) -> Any:
+        if loader is None:
+            return None
+        loader = _loaders.pin_for_device(loader, self.placement.device)
+        wants_sampler = self.options.add_dist_sampler and self.placement.world_size > 1
+        if not (wants_sampler or batch_size is not None) or not _loaders.can_rebuild(loader):
+            return loader
+        return _loaders.rebuild_loader(
+            loader,
+            world_size=self.placement.world_size if self.options.add_dist_sampler else 1,
+            rank=self.placement.world_rank,
+            batch_size=batch_size,
+        )
+
+    def _bind_shards(self) -> None:
+        """Loaders over the current dataset shards, in this worker's batch size."""
+        self.shard_loaders = {
+            kind: ShardLoader(
+                shard,
+                name=kind,
+                batch_size=int(self.config[BATCH_SIZE]),
+                device=self.placement.device,
+                options=self.options.dataset_options or DatasetOptions(),
+            )
+            for kind in LOADER_KINDS
+            if (shard := self.dataset_shards.get(kind)) is not None
+        }
