@@ -81,7 +81,7 @@ def main(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     loader = early.operator.train_loader
     out["rebind_ddp"] = isinstance(early.operator.model, DistributedDataParallel)
     out["rebind_loader"] = (
-        type(loader.sampler).__name__,
+        isinstance(loader.sampler, DistributedSampler),
         loader.sampler.num_replicas,
         loader.batch_size,
     )
@@ -137,7 +137,8 @@ def main(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         )
         loader = early.operator.train_loader
         out["shrink_model"] = type(early.operator.model).__name__
-        out["shrink_loader"] = (type(loader.sampler).__name__, loader.batch_size)
+        # Unsharded: the one worker left reads every row (its split has one replica).
+        out["shrink_loader"] = (getattr(loader.sampler, "num_replicas", 1), loader.batch_size)
         out["shrink_samples"] = early.train_epoch()["num_samples"]
         dist.destroy_process_group()
     torch.save(out, f"{out_dir}/rank{rank}.pt")

@@ -82,7 +82,7 @@ def test_rebind_rewraps_and_reshards(two_ranks: list[dict[str, Any]]) -> None:
     for out in two_ranks:
         assert out["rebind"] is True
         assert out["rebind_ddp"] is True
-        assert out["rebind_loader"] == ("DistributedSampler", 2, 4)
+        assert out["rebind_loader"] == (True, 2, 4)  # a DistributedSampler, 2 replicas, batch 4
         # The user's own DistributedSampler cannot take the new batch size: the caller must rebuild.
         assert out["rebind_own_sampler"] is False
     assert torch.equal(two_ranks[0]["rebind_weight"], two_ranks[1]["rebind_weight"])
@@ -90,7 +90,7 @@ def test_rebind_rewraps_and_reshards(two_ranks: list[dict[str, Any]]) -> None:
     shrunk = two_ranks[0]
     assert shrunk["shrink"] is True
     assert shrunk["shrink_model"] == "Linear"
-    assert shrunk["shrink_loader"] == ("SequentialSampler", 8)
+    assert shrunk["shrink_loader"] == (1, 8)
     assert shrunk["shrink_samples"] == 16
 
 

@@ -81,6 +81,9 @@ class Components:
         self.precision = precision
         self.strategy: Strategy = options.parallel_strategy
         self.config = config
+        # The worker's share of the global batch when setup() ran: a loader built with it follows
+        # the share when a resize changes it.
+        self._setup_batch = config.get(BATCH_SIZE)
         self.models: list[nn.Module] = []
         self.wrapped: list[nn.Module] = []
         self.model_shape: Shape = None
@@ -171,7 +174,7 @@ class Components:
         """See `TrainingOperator.register_data`."""
         self.loader_sources = {"train": train_loader, "validation": validation_loader}
         self.loaders = {
-            kind: self._prepare_loader(source, None) for kind, source in self.loader_sources.items()
+            kind: self._prepare_loader(kind, source) for kind, source in self.loader_sources.items()
         }
         for kind in self.shard_loaders:
             if self.loader_sources.get(kind) is not None and self.placement.world_rank == 0:
@@ -214,26 +217,46 @@ class Components:
         """
         if self.registered and not self.strategy.rewrappable:
             return False  # e.g. sharded modules: the caller builds the worker again
-        old_batch = self.config.get(BATCH_SIZE)
         new_batch = config.get(BATCH_SIZE)
-        batch_changed = new_batch is not None and new_batch != old_batch
-        sampler_changed = (
-            self.options.add_dist_sampler and placement.world_size != self.placement.world_size
+        moved = (placement.world_rank, placement.world_size) != (
+            self.placement.world_rank,
+            self.placement.world_size,
         )
         shards = dict(datasets or {})
-        plans: dict[str, int | None] = {}
+        rebuilds: dict[str, int | None] = {}
+        resplits: dict[str, int | None] = {}
         for kind, source in self.loader_sources.items():
             if source is None or kind in shards:
                 continue  # a loader that a dataset shard replaces is never read
-            derived = batch_changed and getattr(source, "batch_size", None) == old_batch
-            if (derived or sampler_changed) and not _loaders.can_rebuild(source):
+            # A loader built with the worker's share of the global batch follows that share.
+            follows = new_batch is not None and (
+                getattr(source, "batch_size", None) == self._setup_batch
+            )
+            batch = int(new_batch) if follows else None
+            current = self.loaders[kind]
+            if _loaders.planned_sampler(current) is not None:
+                resplits[kind] = batch
+                continue
+            new_size = batch is not None and batch != getattr(current, "batch_size", None)
+            if not (new_size or (moved and self.options.add_dist_sampler)):
+                continue
+            if not _loaders.can_rebuild(source):
+                # The user's own sampler (or an iterable) cannot follow: their setup must run
+                # again with the new rank and size.
                 return False
-            plans[kind] = new_batch if derived else None
+            rebuilds[kind] = batch
         self.placement, self.config = placement, config
         self.dataset_shards = shards
         self._bind_shards()
-        for kind, batch_size in plans.items():
-            self.loaders[kind] = self._prepare_loader(self.loader_sources[kind], batch_size)
+        for kind, batch_size in rebuilds.items():
+            self.loaders[kind] = self._prepare_loader(kind, self.loader_sources[kind], batch_size)
+        for kind, batch_size in resplits.items():
+            _loaders.resplit(
+                self.loaders[kind],
+                world_size=placement.world_size,
+                rank=placement.world_rank,
+                batch_size=batch_size,
+            )
         if self.registered:
             self.wrapped = self._wrap(self.models)
         return True
@@ -261,18 +284,26 @@ class Components:
             wrapped = compiled
         return wrapped
 
-    def _prepare_loader(self, loader: Any, batch_size: int | None) -> Any:
+    def _prepare_loader(self, kind: str, loader: Any, batch_size: int | None = None) -> Any:
+        """`loader` as this worker reads it: split over the workers (`add_dist_sampler`), in
+        `batch_size` when given, pinned for a GPU. A loader that cannot be rebuilt (the user's own
+        sampler, an iterable data set, any other iterable) is used as it is."""
         if loader is None:
             return None
         loader = _loaders.pin_for_device(loader, self.placement.device)
-        wants_sampler = self.options.add_dist_sampler and self.placement.world_size > 1
-        if not (wants_sampler or batch_size is not None) or not _loaders.can_rebuild(loader):
+        split = self.options.add_dist_sampler and (
+            self.placement.world_size > 1 or self.options.distributed
+        )
+        if not (split or batch_size is not None) or not _loaders.can_rebuild(loader):
             return loader
         return _loaders.rebuild_loader(
             loader,
-            world_size=self.placement.world_size if self.options.add_dist_sampler else 1,
+            world_size=self.placement.world_size,
             rank=self.placement.world_rank,
             batch_size=batch_size,
+            split=split,
+            # A training step is taken by every worker together; validation has no such need.
+            pad=kind == "train",
         )
 
     def _bind_shards(self) -> None:

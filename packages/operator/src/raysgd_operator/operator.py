@@ -252,18 +252,23 @@ class TrainingOperator(OperatorBase):
 
         Calls ``train_batch`` per batch, steps "batch" schedulers after each optimizer step and
         "epoch" schedulers at the end, and averages the returned dicts weighted by their ``num_samples``.
+        The metrics go into the meters the runner hands over with the batches (``iterator.meters``),
+        so that a call that goes on after a recovery reports all of its steps.
         Metrics returned as one-element tensors are read from the device once, at the end of the call
         (`AverageMeterCollection`), so the loop never waits for the GPU between batches.
         """
         for model in self._components.wrapped:
             model.train()
-        meters = AverageMeterCollection()
+        meters = getattr(iterator, "meters", None)
+        if meters is None:
+            meters = AverageMeterCollection()
+        first = getattr(iterator, "first_index", 0)
         epoch_name = str(info.get("epoch_idx", 0) + 1)
         if info.get("num_epochs"):
             epoch_name += f"/{info['num_epochs']}"
         bar = self._progress(iterator, f"{epoch_name}e")
         try:
-            for batch_idx, batch in enumerate(iterator):
+            for batch_idx, batch in enumerate(iterator, start=first):
                 batch_info = {"batch_idx": batch_idx, "global_step": self.global_step, **info}
                 metrics = self.train_batch(batch, batch_info)
                 # With accumulation the optimizer steps every k batches, and so does the schedule.

@@ -30,7 +30,7 @@ __all__ = ["SCHEDULER_STEP_FREQS", "TrainingOptions"]
 SCHEDULER_STEP_FREQS = ("batch", "epoch", "manual")
 
 #: Options that are plain switches; any truthy value is kept as True (RaySGD accepted 0/1 too).
-_SWITCHES = ("use_gpu", "use_tqdm", "wrap_ddp", "add_dist_sampler")
+_SWITCHES = ("use_gpu", "use_tqdm", "wrap_ddp", "add_dist_sampler", "distributed")
 
 
 def _is_number(value: Any) -> bool:
@@ -68,6 +68,9 @@ class TrainingOptions:
         compile_args: keyword arguments for `torch.compile` (with ``compile=True``).
         dataset_options: how a worker draws batches from its dataset shards (`DatasetOptions`;
             None: its defaults).
+        distributed: the trainer asked for more than one worker. Registered loaders are then split
+            over the workers (`add_dist_sampler`) even while only one is left after a loss, so
+            that the epoch's remaining rows carry over exactly when the group shrinks and grows.
 
     Raises TypeError or ValueError naming the option when a value is invalid. Use
     `dataclasses.replace(options, name=value)` for a changed copy (validated again).
@@ -88,6 +91,7 @@ class TrainingOptions:
     compile: bool = False
     compile_args: Optional[Mapping[str, Any]] = None
     dataset_options: Optional[DatasetOptions] = None
+    distributed: bool = False
     #: The strategy object `strategy` names, resolved once here (see `parallel_strategy`).
     _parallel_strategy: Optional[Strategy] = field(
         default=None, init=False, repr=False, compare=False

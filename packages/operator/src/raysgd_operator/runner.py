@@ -3,22 +3,30 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from raysgd_operator._internal.precision import get_precision
-from raysgd_operator._internal.stream import BatchStream
+from raysgd_operator._internal.step_journal import StepJournal
+from raysgd_operator._internal.stream import BatchStream, CallBatches
 from raysgd_operator._internal.tensors import cpu_copy, on_device
 from raysgd_operator.batch import BATCH_SIZE
 from raysgd_operator.components import Components, Placement
+from raysgd_operator.metrics import BATCH_COUNT, AverageMeterCollection
 from raysgd_operator.operator import TrainingOperator
 from raysgd_operator.options import TrainingOptions
+from raysgd_operator.progress import CallRecord, Progress
 
-__all__ = ["OperatorRunner", "on_device"]
+__all__ = ["CALL_ROWS_KEY", "OperatorRunner", "on_device"]
+
+#: Key a recovered call's metrics carry: the rows the whole group trained in the call (the trainer
+#: takes it as the call's `num_samples`, which then also counts the rows of workers lost in it).
+CALL_ROWS_KEY = "_call_rows"
 
 
 def _dcp() -> Any:
@@ -55,11 +63,16 @@ class _MissingLoader:
 class OperatorRunner:
     """Builds one worker's precision backend and operator, and runs its train/validate calls.
 
-    It owns the persistent train and validation iterators (``num_steps`` continues where the last
-    call stopped and wraps into a new epoch), the epoch counter, DistributedSampler ``set_epoch``,
-    profiling, and the state dict: ``epoch``, ``operator``, ``models``, ``optimizers``,
-    ``schedulers``, ``precision``, ``position`` and ``global_step``, all plain tensors and
-    containers (``torch.load(weights_only=True)`` reads them).
+    It owns the worker's `Components`, the persistent train and validation iterators
+    (``num_steps`` continues where the last call stopped and wraps into a new epoch), the epoch and
+    step counters, the sampler's ``set_epoch``, profiling, and the state dict: ``epoch``,
+    ``operator``, ``models``, ``optimizers``, ``schedulers``, ``precision``, ``position``,
+    ``epoch_rows``, ``step`` and ``global_step``, all plain tensors and containers
+    (``torch.load(weights_only=True)`` reads them).
+
+    It counts finished steps (`progress`): a `train_epoch` call interrupted by a failure can be
+    continued, on the survivors and on workers that took over their state, from the last step the
+    group finished (`call_id`), and its metrics then count every step of the call once.
 
     ``datasets`` maps names to this worker's dataset shards (objects with ``iter_torch_batches``,
     such as Ray Data ``DataIterator``s); the ``"train"`` and ``"validation"`` shards replace the
@@ -106,9 +119,18 @@ class OperatorRunner:
             datasets=datasets,
         )
         self.epoch = 0
-        self._train = BatchStream(lambda: self._loader("train"), self._on_train_pass)
+        #: Steps finished since training began (see `progress`).
+        self.step = 0
+        # The operator's global_step as it was when the last step finished.
+        self._global_step_at_step = 0
+        self._call: CallRecord | None = None
+        self._meters: AverageMeterCollection | None = None
+        self._step_hooks: list[Callable[[], None]] = []
+        self._train = BatchStream(lambda: self._loader("train"), self._on_train_pass, self._on_step)
         self._val = BatchStream(lambda: self._loader("validation"), lambda resuming: None)
         self.operator = operator_cls(config, components=self.components)
+        self._global_step_at_step = self.operator.global_step
+        self.journal = StepJournal(self.components.optimizers)
 
     @property
     def device(self) -> torch.device:
@@ -148,27 +170,71 @@ class OperatorRunner:
         num_steps: int | None = None,
         profile: bool = False,
         info: dict[str, Any] | None = None,
+        call_id: Hashable | None = None,
     ) -> dict[str, Any]:
-        """Train ``num_steps`` batches (or the rest of the epoch); returns this worker's metrics."""
+        """Train ``num_steps`` batches (or the rest of the epoch); returns this worker's metrics.
+
+        With the `call_id` of a call that a failure interrupted, the call goes on where the group
+        left it (see `adopt`) instead of starting again, and its metrics cover all of it.
+        """
         op = self.operator
         op.timers.enabled = profile
         op.timers.reset()
+        call = self._call
+        if call is None or call.finished or call_id is None or call.call_id != call_id:
+            call = CallRecord(call_id=call_id, num_steps=num_steps, start_step=self.step)
+            self._meters = AverageMeterCollection()
+        self._call = call
+        meters = self._meters
+        remaining = call.remaining()
         if not self._has_loader("train"):
-            # A custom train_epoch may bring its own data; each call is then one epoch.
-            self.epoch += 1
+            # A custom train_epoch may bring its own data; each call is then one epoch (which a
+            # call going on after a failure does not start again).
+            if call.epoch is None:
+                self.epoch += 1
+                self._call = call = dataclasses.replace(call, epoch=self.epoch)
             batches: Any = _MissingLoader("train")
         else:
-            batches = self._train.begin_call(num_steps)
+            batches = self._train.begin_call(remaining, meters=meters, first_index=call.steps)
+            if call.epoch is None:
+                self._call = call = dataclasses.replace(call, epoch=self.epoch)
+            elif remaining is None and self.epoch > call.epoch:
+                # The call's epoch had just ended when the call stopped: nothing is left of it.
+                self.epoch -= 1
+                self._train.reset()
+                batches = CallBatches(iter(()), 0, meters=meters, first_index=call.steps)
         call_info = {**self._base_info(num_steps), "epoch_idx": self.epoch - 1, **(info or {})}
+        finished = False
         try:
             with op.timers.record("train_epoch"):
                 metrics = dict(op.train_epoch(batches, call_info))
+            finished = True
         finally:
-            self._train.end_call(num_steps)
+            self._train.end_call(remaining, finished=finished)
+        self._call = call = dataclasses.replace(self._call, finished=True)
         metrics["epoch"] = self.epoch
+        if call.recovered:
+            if BATCH_COUNT in metrics:
+                metrics[BATCH_COUNT] = call.steps
+            if call.rows is not None:
+                metrics[CALL_ROWS_KEY] = call.rows
         if profile:
             metrics["profile"] = op.timers.stats()
         return metrics
+
+    def _on_step(self, rows: int | None) -> None:
+        """A training batch is finished (called by the stream)."""
+        self.step += 1
+        self._global_step_at_step = self.operator.global_step
+        if self._call is not None:
+            self._call = self._call.after_step(rows)
+        self.journal.commit()
+        for hook in self._step_hooks:
+            hook()
+
+    def add_step_hook(self, hook: Callable[[], None]) -> None:
+        """Call `hook()` every time a training step is finished (after the counters moved)."""
+        self._step_hooks.append(hook)
 
     def validate(
         self,
@@ -184,11 +250,13 @@ class OperatorRunner:
             batches: Any = _MissingLoader("validation")
         else:
             batches = self._val.begin_call(num_steps)
+        finished = False
         try:
             with op.timers.record("validation"):
                 metrics = dict(op.validate(batches, {**self._base_info(num_steps), **(info or {})}))
+            finished = True
         finally:
-            self._val.end_call(num_steps)
+            self._val.end_call(num_steps, finished=finished)
         if profile:
             metrics["profile"] = op.timers.stats()
         return metrics
@@ -205,15 +273,20 @@ class OperatorRunner:
         return {
             "epoch": self.epoch,
             "position": self._train.consumed(),
-            "global_step": op.global_step,
+            "epoch_rows": self._train.consumed_rows(),
+            "step": self.step,
+            # As it was when the last step finished (a custom loop may count a batch at its start).
+            "global_step": self._global_step_at_step,
             "operator": cpu_copy(op.state_dict()),
             "schedulers": [cpu_copy(s.state_dict()) for s in parts.schedulers],
             "precision": cpu_copy(self.precision.state_dict()),
         }
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, live: bool = False) -> dict[str, Any]:
         """A CPU snapshot of everything needed to continue training exactly here.
 
+        With `live`, the model and optimizer tensors are the worker's own, on its device, not
+        copies (to send them to another worker without a copy; training must not run meanwhile).
         Not available with a sharded strategy (no worker holds the whole model): use
         `sharded_snapshot`.
         """
@@ -223,11 +296,49 @@ class OperatorRunner:
                 f"strategy {parts.strategy.name!r} shards the model: no worker has its whole "
                 "state (use sharded_snapshot)"
             )
+        copy_ = (lambda x: x) if live else cpu_copy
         return {
             **self._progress_state(),
-            "models": [cpu_copy(m.state_dict()) for m in parts.models],
-            "optimizers": [cpu_copy(o.state_dict()) for o in parts.optimizers],
+            "models": [copy_(m.state_dict()) for m in parts.models],
+            "optimizers": [copy_(o.state_dict()) for o in parts.optimizers],
         }
+
+    # -- recovery ------------------------------------------------------------------------------
+    def progress(self) -> Progress:
+        """How far this worker got (asked after a failure). A worker left in the middle of a batch
+        with some of its optimizers stepped is first rolled back to its last finished step where
+        the journal can (several optimizers); otherwise it reports itself as not clean."""
+        return Progress(
+            step=self.step,
+            epoch=self.epoch,
+            clean=self.journal.rollback(),
+            in_batch=self._train.in_flight,
+            call=self._call,
+        )
+
+    def position_state(self) -> dict[str, Any]:
+        """This worker's counters and place in the epoch (a part of `state_dict`)."""
+        return {
+            "epoch": self.epoch,
+            "position": self._train.consumed(),
+            "epoch_rows": self._train.consumed_rows(),
+            "step": self.step,
+            "global_step": self._global_step_at_step,
+        }
+
+    def adopt(self, position: Mapping[str, Any], call: CallRecord | None) -> None:
+        """Go on from the recovery source's `position_state` and call: the next `train_epoch` with
+        the same call id continues that call. Metrics this worker recorded in the call are kept
+        (a survivor's); a worker new to the call starts its metrics empty."""
+        self._set_position(position)
+        self._val.reset()
+        if call is None:
+            self._call = None
+            return
+        mine = self._call
+        if mine is None or mine.call_id != call.call_id or mine.start_step != call.start_step:
+            self._meters = AverageMeterCollection()
+        self._call = dataclasses.replace(call, recovered=not call.finished or call.recovered)
 
     def sharded_snapshot(self, directory: str) -> dict[str, Any]:
         """Write this worker's part of the models and optimizers under `directory` in
@@ -266,10 +377,21 @@ class OperatorRunner:
         if state.get("precision") is not None:
             self.precision.load_state_dict(state["precision"])
         op.load_state_dict(state.get("operator"))
-        op.global_step = int(state.get("global_step", op.global_step))
-        self.epoch = int(state["epoch"])
-        self._train.reset(resume=int(state.get("position", 0)))
+        self._set_position(state)
         self._val.reset()
+
+    def _set_position(self, state: Mapping[str, Any]) -> None:
+        """Counters and the place in the epoch from a state dict (the next pass goes on there)."""
+        op = self.operator
+        op.global_step = self._global_step_at_step = int(state.get("global_step", op.global_step))
+        self.step = int(state.get("step", self.step))
+        self.epoch = int(state["epoch"])
+        rows = state.get("epoch_rows")
+        if rows is not None and self._train.consumed_rows() is not None:
+            self._train.reset(resume_rows=int(rows))
+        else:
+            self._train.reset(resume=int(state.get("position", 0)))
+        self.journal.commit()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict`; the next train call redoes the saved epoch from its position."""

@@ -1,4 +1,5 @@
-"""Rebuilding a user's DataLoader with a DistributedSampler (and maybe another batch size)."""
+"""Rebuilding a user's DataLoader so that it reads this worker's rows of every epoch (and maybe in
+another batch size): see `epoch_plan` for how the rows are split."""
 
 from __future__ import annotations
 
@@ -8,13 +9,23 @@ import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
-    DistributedSampler,
     IterableDataset,
     RandomSampler,
     SequentialSampler,
 )
 
-__all__ = ["can_rebuild", "pin_for_device", "rebuild_loader", "should_pin", "was_shuffled"]
+from raysgd_operator._internal.epoch_plan import EpochSampler, PlannedBatchSampler
+
+__all__ = [
+    "can_rebuild",
+    "pin_for_device",
+    "planned_sampler",
+    "present_as",
+    "rebuild_loader",
+    "resplit",
+    "should_pin",
+    "was_shuffled",
+]
 
 # The sampler seed is fixed so that every worker, and a redone epoch, sees the same order.
 SAMPLER_SEED = 0
@@ -55,10 +66,55 @@ def was_shuffled(loader: DataLoader) -> bool:
     return isinstance(loader.sampler, RandomSampler)
 
 
-def rebuild_loader(
+def planned_sampler(loader: Any) -> EpochSampler | None:
+    """The `EpochSampler` of a loader that `rebuild_loader` split, else None."""
+    batches = getattr(loader, "batch_sampler", None)
+    return batches.sampler if isinstance(batches, PlannedBatchSampler) else None
+
+
+def present_as(loader: DataLoader, *, sampler: Any, batch_size: int, drop_last: bool) -> DataLoader:
+    """Make `loader`, which reads a batch sampler, answer ``sampler``, ``batch_size`` and
+    ``drop_last`` like the loader it replaces (code written for RaySGD reads them).
+
+    DataLoader takes a batch sampler instead of these three and forbids setting them afterwards,
+    although it no longer reads them for a map-style data set: it batches with the batch sampler,
+    and ``drop_last`` only matters to iterable data sets. They are set past that guard here, the
+    one place raysgd does so; `tests/operator/test_epoch_plan.py` checks that such a loader still
+    reads its batch sampler's batches, so a DataLoader that starts to read them fails there.
+    """
+    for name, value in (("sampler", sampler), ("batch_size", batch_size), ("drop_last", drop_last)):
+        object.__setattr__(loader, name, value)
+    return loader
+
+
+def resplit(
     loader: DataLoader, *, world_size: int, rank: int, batch_size: int | None = None
+) -> None:
+    """Point a loader that `rebuild_loader` split at another group (and batch size) in place; the
+    next pass reads from the sampler's `start` on, split the new way."""
+    sampler = planned_sampler(loader)
+    if sampler is None:
+        raise ValueError("resplit needs a loader made by rebuild_loader(split=True)")
+    sampler.num_replicas, sampler.rank = int(world_size), int(rank)
+    if batch_size is not None:
+        sampler.batch_size = int(batch_size)
+        present_as(loader, sampler=sampler, batch_size=int(batch_size), drop_last=loader.drop_last)
+
+
+def rebuild_loader(
+    loader: DataLoader,
+    *,
+    world_size: int,
+    rank: int,
+    batch_size: int | None = None,
+    split: bool = True,
+    pad: bool = True,
 ) -> DataLoader:
-    """A copy of ``loader`` sharded for ``rank`` of ``world_size`` (unsharded when 1).
+    """A copy of ``loader`` that reads the rows `rank` of `world_size` reads in every epoch.
+
+    With `split`, its batches come from an `EpochSampler` (every row once per epoch over the
+    workers, resumable from any row; the loader's ``sampler``); without, it is the same loader in
+    another `batch_size`. `pad`: see `EpochSampler` (True for training, False for validation).
 
     Every other setting the user chose is kept: workers, collate_fn, pin_memory, drop_last, timeout,
     worker_init_fn, generator, multiprocessing context and, with worker processes, prefetch_factor
@@ -66,11 +122,9 @@ def rebuild_loader(
     """
     shuffle = was_shuffled(loader)
     kwargs: dict[str, Any] = {
-        "batch_size": batch_size if batch_size is not None else loader.batch_size,
         "num_workers": loader.num_workers,
         "collate_fn": loader.collate_fn,
         "pin_memory": loader.pin_memory,
-        "drop_last": loader.drop_last,
         "timeout": loader.timeout,
         "worker_init_fn": loader.worker_init_fn,
         "generator": loader.generator,
@@ -80,13 +134,26 @@ def rebuild_loader(
         kwargs["prefetch_factor"] = loader.prefetch_factor
         kwargs["persistent_workers"] = loader.persistent_workers
         kwargs["multiprocessing_context"] = loader.multiprocessing_context
-    if world_size > 1:
-        sampler = DistributedSampler(
+    batch_size = batch_size if batch_size is not None else loader.batch_size
+    if not split:
+        return DataLoader(
             loader.dataset,
-            num_replicas=world_size,
-            rank=rank,
+            batch_size=batch_size,
             shuffle=shuffle,
-            seed=SAMPLER_SEED,
+            drop_last=loader.drop_last,
+            **kwargs,
         )
-        return DataLoader(loader.dataset, sampler=sampler, shuffle=False, **kwargs)
-    return DataLoader(loader.dataset, shuffle=shuffle, **kwargs)
+    sampler = EpochSampler(
+        loader.dataset,
+        num_replicas=world_size,
+        rank=rank,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        seed=SAMPLER_SEED,
+        drop_last=loader.drop_last,
+        pad=pad,
+    )
+    split_loader = DataLoader(loader.dataset, batch_sampler=PlannedBatchSampler(sampler), **kwargs)
+    return present_as(
+        split_loader, sampler=sampler, batch_size=batch_size, drop_last=loader.drop_last
+    )

@@ -1,9 +1,19 @@
-"""A persistent pass over a loader, drawn from call by call (RaySGD's ``num_steps`` semantics)."""
+"""A persistent pass over a loader, drawn from call by call (RaySGD's ``num_steps`` semantics).
+
+The stream also knows where the pass is, counting only batches the loop has finished with: a batch
+counts as done when the loop asks for the next one (or its call returns normally), never when it is
+merely handed out, so that a call interrupted mid-batch leaves the position at the last finished
+step. For a loader split by a `PlannedBatchSampler` the position is also kept in rows of the epoch,
+which a group of another size can resume from.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any, Callable
+
+from raysgd_operator._internal.epoch_plan import EpochSampler
+from raysgd_operator._internal.loaders import planned_sampler
 
 __all__ = ["BatchStream", "CallBatches"]
 
@@ -16,10 +26,23 @@ def _known_len(loader: Any) -> int | None:
 
 
 class CallBatches:
-    """The batches of one train/validate call; ``len()`` works when the count is known (for tqdm)."""
+    """The batches of one train/validate call; ``len()`` works when the count is known (for tqdm).
 
-    def __init__(self, batches: Iterator[Any], length: int | None) -> None:
+    `meters` (an `AverageMeterCollection` or None) is where the default loops record this call's
+    metrics: the runner keeps it across a recovery, so that a call that goes on after a lost worker
+    reports every step once. `first_index` is the index of the first batch here within the call.
+    """
+
+    def __init__(
+        self,
+        batches: Iterator[Any],
+        length: int | None,
+        *,
+        meters: Any = None,
+        first_index: int = 0,
+    ) -> None:
         self._batches, self._length = batches, length
+        self.meters, self.first_index = meters, first_index
 
     def __iter__(self) -> Iterator[Any]:
         return self._batches
@@ -34,36 +57,68 @@ class BatchStream:
     """Keeps the loader iterator alive between calls.
 
     ``on_new_pass(resuming)`` is called whenever a new pass over the loader starts; it returns the
-    epoch number to give the sampler's ``set_epoch`` (or None). ``resume`` (batches to skip) is set
-    after a state load so that the next pass redoes the interrupted epoch from the same place.
+    epoch number to give the sampler's ``set_epoch`` (or None). ``on_step(rows)`` is called each
+    time the loop finishes a batch, with the rows the whole group read in that step when the loader
+    is planned (else None). ``resume`` (batches to skip) or ``resume_rows`` (the epoch's first
+    unread row, for a planned loader) are set after a state load so that the next pass goes on
+    from the same place.
     """
 
     def __init__(
-        self, get_loader: Callable[[], Any], on_new_pass: Callable[[bool], int | None]
+        self,
+        get_loader: Callable[[], Any],
+        on_new_pass: Callable[[bool], int | None],
+        on_step: Callable[[int | None], None] | None = None,
     ) -> None:
         self._get_loader, self._on_new_pass = get_loader, on_new_pass
+        self._on_step = on_step
         self.iterator: Iterator[Any] | None = None
+        #: Batches finished in the current pass (since `rows_start` for a planned loader).
         self.position = 0
         self.resume: int | None = None
+        self.resume_rows: int | None = None
+        #: Planned loaders: the epoch's first unread row when this pass (segment) began, and the
+        #: rows of the epoch finished so far.
+        self.rows_start = 0
+        self.rows = 0
+        #: A batch was handed to the loop and the loop has not finished with it yet.
+        self.in_flight = False
         # A batch drawn ahead to learn whether a pass of unknown length had ended (_END: none).
         self._peeked: Any = _END
+
+    def _planned(self) -> EpochSampler | None:
+        return planned_sampler(self._get_loader())
 
     def _exhausted(self) -> bool:
         length = _known_len(self._get_loader())
         return length is not None and self.position >= length
 
     def consumed(self) -> int:
-        """Batches already drawn in the unfinished pass (0 when none is in progress)."""
+        """Batches already finished in the unfinished pass (0 when none is in progress)."""
         if self.iterator is None:
             return self.resume or 0
         return 0 if self._exhausted() else self.position
 
-    def reset(self, resume: int | None = None) -> None:
-        """Drop the current pass; the next one skips ``resume`` batches without a new epoch."""
-        self.iterator, self.position, self.resume = None, 0, resume or None
+    def consumed_rows(self) -> int | None:
+        """For a planned loader, rows of the unfinished epoch the group has read (0 when no pass
+        is in progress or the last one ended); None for any other loader."""
+        sampler = self._planned()
+        if sampler is None:
+            return None
+        if self.iterator is None:
+            return self.resume_rows or 0
+        return 0 if self._exhausted() else self.rows
+
+    def reset(self, resume: int | None = None, resume_rows: int | None = None) -> None:
+        """Drop the current pass; the next one goes on from `resume` batches or, for a planned
+        loader, from row `resume_rows` of the epoch, without starting a new epoch."""
+        self.iterator, self.position, self.in_flight = None, 0, False
+        self.resume, self.resume_rows = resume or None, resume_rows or None
         self._peeked = _END
 
-    def begin_call(self, num_steps: int | None) -> CallBatches:
+    def begin_call(
+        self, num_steps: int | None, *, meters: Any = None, first_index: int = 0
+    ) -> CallBatches:
         """Batches for one call: ``num_steps`` of them (wrapping into new passes), else the rest."""
         if num_steps is not None and num_steps < 0:
             raise ValueError(f"num_steps must be >= 0 or None, got {num_steps}")
@@ -81,27 +136,41 @@ class BatchStream:
         if length is None:
             total = _known_len(self._get_loader())
             length = None if total is None else max(total - self.position, 0)
-        return CallBatches(self._draw(num_steps), length)
+        return CallBatches(self._draw(num_steps), length, meters=meters, first_index=first_index)
 
-    def end_call(self, num_steps: int | None) -> None:
-        """A call without ``num_steps`` finishes its pass, even if the loop stopped early."""
+    def end_call(self, num_steps: int | None, *, finished: bool) -> None:
+        """After the loop of a call. With `finished` (it returned normally) a batch still in its
+        hands counts as done, and a call without ``num_steps`` finishes its pass; a call that
+        raised leaves the position at its last finished batch, for a recovery to go on from."""
+        if not finished:
+            return
+        if self.in_flight:
+            self._complete()
         if num_steps is None:
             self.iterator, self._peeked = None, _END
 
     def _new_pass(self) -> None:
         loader = self._get_loader()
+        sampler = self._planned()
         skip, self.resume = self.resume or 0, None
-        epoch = self._on_new_pass(skip > 0)
-        sampler = getattr(loader, "sampler", None)
-        if epoch is not None and hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
+        start, self.resume_rows = self.resume_rows or 0, None
+        epoch = self._on_new_pass(skip > 0 or start > 0)
+        target = sampler if sampler is not None else getattr(loader, "sampler", None)
+        if epoch is not None and hasattr(target, "set_epoch"):
+            target.set_epoch(epoch)
+        if sampler is not None:
+            sampler.set_start(min(start, sampler.num_rows))
+        self.rows_start = self.rows = start if sampler is not None else 0
         self.iterator, self._peeked = iter(loader), _END
         self.position = 0
         for _ in range(skip):
             if next(self.iterator, _END) is _END:
                 break
             self.position += 1
-        if skip and (self.position < skip or self._peek() is _END):
+        done = (sampler is not None and start > 0 and sampler.num_batches() == 0) or (
+            skip and (self.position < skip or self._peek() is _END)
+        )
+        if done:
             # The saved position was the end of its epoch (a pass of unknown length cannot tell
             # before it is drawn past): that epoch is done, so start the next one.
             self._new_pass()
@@ -124,6 +193,17 @@ class BatchStream:
                 return
             yield batch
 
+    def _complete(self) -> None:
+        """The loop finished the batch it was given."""
+        sampler = self._planned()
+        rows = sampler.step_rows(self.position) if sampler is not None else None
+        self.position += 1
+        self.in_flight = False
+        if rows is not None:
+            self.rows += rows
+        if self._on_step is not None:
+            self._on_step(rows)
+
     def _draw(self, num_steps: int | None) -> Iterator[Any]:
         drawn = 0
         if num_steps == 0:
@@ -131,10 +211,12 @@ class BatchStream:
         while True:
             yielded = False
             for batch in self._batches():
-                self.position += 1
                 drawn += 1
                 yielded = True
+                self.in_flight = True
                 yield batch
+                # The loop came back for more: it is done with the batch it had.
+                self._complete()
                 if num_steps is not None and drawn >= num_steps:
                     return
             self.iterator = None

@@ -1,0 +1,102 @@
+"""Whether a worker changed its optimizers in the batch it has not finished, and undoing that.
+
+A worker interrupted in the middle of a batch (a peer died in a collective) may already have
+stepped some of its optimizers: a GAN's discriminator but not yet its generator. Its state then
+belongs to no step at all, so recovery must not copy it to anyone. The journal hooks every
+registered optimizer (`Optimizer.register_step_pre_hook` / `register_step_post_hook`):
+
+- a step marks the batch *dirty* until the batch is finished (`commit`);
+- with several optimizers it also keeps, before an optimizer's first step in a batch, a copy of
+  that optimizer's parameters and state on their device, so that `rollback` can bring an
+  interrupted worker back to the last finished step. With one optimizer nothing is copied: its
+  step is the last thing a batch does that a peer can interrupt, so a dirty worker is rare, and it
+  is then simply not used as a source.
+
+Buffers that a forward pass updates (BatchNorm's running statistics) are not journaled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["StepJournal"]
+
+_ABSENT = object()
+
+
+def _copy_state(state: Any) -> Any:
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: _copy_state(v) for k, v in state.items()}
+    return state
+
+
+class StepJournal:
+    """Tracks optimizer steps between batch boundaries (see the module docstring)."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.optimizers = list(optimizers)
+        #: Copies are kept only when a batch may step several optimizers.
+        self.keeps_copies = len(self.optimizers) > 1
+        self.dirty = False
+        # optimizer index -> (parameter copies, per-parameter state copies)
+        self._saved: dict[int, tuple[list[torch.Tensor], list[Any]]] = {}
+        self._handles: list[Any] = []
+        for index, optimizer in enumerate(self.optimizers):
+            self._handles.append(optimizer.register_step_pre_hook(self._before(index)))
+            self._handles.append(optimizer.register_step_post_hook(self._after))
+
+    def _params(self, index: int) -> list[torch.Tensor]:
+        return [p for group in self.optimizers[index].param_groups for p in group["params"]]
+
+    def _before(self, index: int) -> Any:
+        def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if not self.keeps_copies or index in self._saved:
+                return
+            params = self._params(index)
+            with torch.no_grad():
+                copies = [p.detach().clone() for p in params]
+            states = [
+                _copy_state(optimizer.state[p]) if p in optimizer.state else _ABSENT for p in params
+            ]
+            self._saved[index] = (copies, states)
+
+        return hook
+
+    def _after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.dirty = True
+
+    def commit(self) -> None:
+        """The batch is finished: forget its copies."""
+        self.dirty = False
+        if self._saved:
+            self._saved = {}
+
+    def rollback(self) -> bool:
+        """Undo the unfinished batch's optimizer steps where copies exist; True if the worker is
+        now at its last finished step."""
+        if not self.dirty:
+            return True
+        if not self.keeps_copies:
+            return False
+        with torch.no_grad():
+            for index, (copies, states) in self._saved.items():
+                optimizer = self.optimizers[index]
+                for param, copy, state in zip(self._params(index), copies, states):
+                    param.copy_(copy)
+                    if state is _ABSENT:
+                        optimizer.state.pop(param, None)
+                    else:
+                        optimizer.state[param] = state
+        self.commit()
+        return True
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

@@ -1,0 +1,75 @@
+"""Where a worker is in training, counted in finished steps: what recovery chooses a source by.
+
+A step is one batch of the training loop, finished when the loop comes back for the next batch (or
+its call returns). Every worker counts them the same way, so after a lost worker the survivors
+compare their counts, the one furthest along (and not torn, see `Progress.clean`) gives its state
+to the others, and the interrupted `train()` call goes on from there (`CallRecord`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+__all__ = ["CallRecord", "Progress"]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One worker's answer to "how far did you get?", asked after a failure.
+
+    Attributes:
+        step: Steps finished since training began (over every call; a loaded state sets it).
+        epoch: The epoch those steps are in.
+        clean: The worker's state is that of its last finished step: no optimizer of the batch
+            it was in the middle of has stepped, or those steps were rolled back. A worker that is
+            not clean is never the source of a restore.
+        in_batch: The worker was in the middle of a batch when its call stopped (that batch is
+            redone: the one step a failure may cost).
+        call: The `train()` call it was in, or last finished.
+    """
+
+    step: int
+    epoch: int
+    clean: bool
+    in_batch: bool
+    call: Optional[CallRecord] = None
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One `train()` call as a worker saw it; a call interrupted by a failure goes on from here.
+
+    Attributes:
+        call_id: What the trainer named the call (the same on every worker).
+        num_steps: Steps asked for (None: the rest of the epoch `epoch`).
+        start_step: `Progress.step` when the call began.
+        steps: Steps of the call finished so far (by the whole group: the same on every worker).
+        rows: Rows the whole group trained in those steps, when the loader's split is known
+            (None otherwise, e.g. with the user's own sampler or a dataset shard).
+        epoch: The epoch a call without `num_steps` finishes (None until its first batch).
+        finished: The call returned on this worker.
+        recovered: The call went on after a failure (its metrics then cover the steps since it
+            began, including those finished before the failure by workers that survived it).
+    """
+
+    call_id: Hashable
+    num_steps: Optional[int]
+    start_step: int
+    steps: int = 0
+    rows: Optional[int] = 0
+    epoch: Optional[int] = None
+    finished: bool = False
+    recovered: bool = False
+
+    def remaining(self) -> Optional[int]:
+        """Steps still to take (None: to the end of `epoch`)."""
+        if self.num_steps is None:
+            return None
+        return max(0, self.num_steps - self.steps)
+
+    def after_step(self, rows: Optional[int]) -> CallRecord:
+        """The record once one more step, of `rows` rows (None: unknown), is finished."""
+        total: Any = None if rows is None or self.rows is None else self.rows + rows
+        return replace(self, steps=self.steps + 1, rows=total)
