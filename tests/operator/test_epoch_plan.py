@@ -214,3 +214,35 @@ def test_one_optimizer_keeps_no_copies_and_a_torn_worker_says_so() -> None:
         runner.train_epoch()
     progress = runner.progress()
     assert (progress.step, progress.clean) == (2, False)  # never a source
+
+
+class _Classifier(TrainingOperator):
+    """A fixed random classifier validated on 512 rows (accuracy is meaningful)."""
+
+    def setup(self, config: dict[str, Any]) -> None:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        gen = torch.Generator().manual_seed(2)
+        x = torch.randn(512, 4, generator=gen)
+        y = torch.randint(0, 3, (512,), generator=gen)
+        self.register(
+            models=model,
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+            criterion=nn.CrossEntropyLoss(),
+        )
+        self.register_data(validation_loader=DataLoader(TensorDataset(x, y), batch_size=64))
+
+
+def test_validation_counts_every_row_once_whatever_the_worker_count() -> None:
+    from raysgd_operator import reduce_worker_results
+
+    def validate(p: int) -> dict[str, Any]:
+        per_worker = [
+            OperatorRunner(_Classifier, {}, world_rank=r, world_size=p).validate() for r in range(p)
+        ]
+        return reduce_worker_results(per_worker)
+
+    one, three = validate(1), validate(3)
+    assert one["num_samples"] == three["num_samples"] == 512  # no padded duplicate (513)
+    assert three["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6)
+    assert three["val_accuracy"] == pytest.approx(one["val_accuracy"], rel=1e-12)

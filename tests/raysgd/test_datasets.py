@@ -2,9 +2,10 @@
 
 Every row carries its id, and the operator records the ids each worker trained on in the last
 train/validate call, so that a test can check that an epoch covered every row once over all workers
-(count and checksum). The pipelines read a Parquet file the test writes, or numpy arrays, through a
-``map_batches`` step. The shared cluster has 4 CPUs: 2 go to the workers, the rest run Ray Data's
-tasks.
+(count and checksum); it also appends every finished step's ids to a file of its process, which
+outlives a killed worker. The pipelines read a Parquet file the test writes, or numpy arrays,
+through a ``map_batches`` step. The shared cluster has 4 CPUs: 2 go to the workers, the rest run
+Ray Data's tasks.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+from tests._support.rows import record_rows, rows_by_epoch
 from torch import nn
 
 from raysgd import DatasetOptions, TorchTrainer, TrainingOperator
@@ -81,7 +83,9 @@ class RecordingOperator(TrainingOperator):
         self._maybe_die(batch_info)
         self.ids.extend(int(i) for i in ids.flatten())
         self.sizes.append(len(ids))
-        return super().train_batch((x, y), batch_info)
+        metrics = super().train_batch((x, y), batch_info)
+        record_rows(self.config.get("marker_dir"), batch_info["epoch_idx"] + 1, ids.flatten())
+        return metrics
 
     def validate(self, val_iterator: Any, info: dict[str, Any]) -> dict[str, Any]:
         self.ids = []
@@ -205,24 +209,24 @@ def test_shrink_and_grow_resplit_and_the_epoch_goes_on_from_its_position(
     trainer = _make({"train": parquet_dataset}, tmp_path, failure_policy=ShrinkThenGrowPolicy())
     try:
         trainer.train(num_steps=2)  # 2 global batches into epoch 1
-        before = _ids(trainer)
         assert _live_split_coordinators() == baseline + 1
 
-        # Rank 1 dies mid-epoch; the policy keeps the survivor only, and the rest of the epoch is
-        # redone on it, over a split of one, skipping the 2 global batches already trained.
+        # Rank 1 dies mid-epoch (after one more step); the policy keeps the survivor only, and the
+        # call goes on on it, over a split of one that skips the rows the group had read.
         (tmp_path / "die-rank1").touch()
         result = trainer.train(max_retries=2)
         assert (tmp_path / "die-rank1.done").exists() and trainer.failures == 1
         assert trainer.num_workers == 1
         resize = next(e for e in trainer.recovery_events if e.kind == "resize")
         assert (resize.path, resize.num_workers_after) == ("keep-healthy", 1)
-        after = _ids(trainer)
-        assert result["epoch"] == 1 and result["num_samples"] == len(after[0])
-        # The epoch has its full count; at most the 2 global batches' rows came twice (the new
-        # split skips by count: it cannot know which rows the old one handed out).
-        epoch = [i for ids in before + after for i in ids]
-        assert len(epoch) == NUM_ROWS  # 32 rows before, then a split of one skips 32: 71 more
-        assert len(epoch) - len(set(epoch)) <= 2 * GLOBAL_BATCH
+        assert resize.steps_redone == 1  # the step rank 1 died in
+        epoch = rows_by_epoch(tmp_path)[1]
+        assert result["epoch"] == 1
+        # The epoch has its full count: every step once. A split cannot know which rows the old
+        # one handed out, so it skips by count: at most the rows read before the resize (3
+        # global batches) can come twice (and as many not at all).
+        assert len(epoch) == NUM_ROWS  # 48 rows over 2 workers, then the other 55 on 1
+        assert len(epoch) - len(set(epoch)) <= 3 * GLOBAL_BATCH
         # The old split went with the group that read it; only the new one is left.
         assert _wait_for_coordinators(baseline + 1) == baseline + 1
 

@@ -139,13 +139,21 @@ def _clean_run(tmp_path: Path) -> tuple[list[dict[str, Any]], dict[str, torch.Te
 
 
 def _assert_same_run(
-    stats: list[dict[str, Any]], weights: dict[str, torch.Tensor], tmp_path: Path
+    stats: list[dict[str, Any]],
+    weights: dict[str, torch.Tensor],
+    tmp_path: Path,
+    interrupted: tuple[int, ...] = (0,),
 ) -> None:
+    """The run trained exactly what the clean run did: every step and row of every call once,
+    the same weights. The loss of a call that a lost worker interrupted averages the rows whose
+    loss values survived (the lost worker's went with it), so only the others' are compared."""
     clean_stats, clean_weights = _clean_run(tmp_path)
     assert [s["epoch"] for s in stats] == [s["epoch"] for s in clean_stats]
     assert [s["num_samples"] for s in stats] == [NUM_SAMPLES, NUM_SAMPLES]
-    for got, want in zip(stats, clean_stats):
-        assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-5)
+    assert [s["batch_count"] for s in stats] == [s["batch_count"] for s in clean_stats]
+    for i, (got, want) in enumerate(zip(stats, clean_stats)):
+        if i not in interrupted:
+            assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-5)
     assert weights.keys() == clean_weights.keys()
     for name in weights:
         torch.testing.assert_close(weights[name], clean_weights[name])
@@ -306,8 +314,10 @@ def test_user_error_is_raised_once_with_traceback_and_trainer_still_works(tmp_pa
         assert (tmp_path / "raise_count").read_text().count("x") == 1  # not retried
         assert trainer.failures == 0
         assert [e.kind for e in trainer.recovery_events].count("user_error") == 1
-        stats = trainer.train(max_retries=3)  # the group was left usable
-        assert stats["num_samples"] == NUM_SAMPLES
+        # The group was left usable, every worker at the last step finished before the error: the
+        # next call goes on with the epoch from there (step 0 of its 4 was finished).
+        stats = trainer.train(max_retries=3)
+        assert (stats["epoch"], stats["num_samples"]) == (1, NUM_SAMPLES - GLOBAL_BATCH)
         assert trainer.num_workers == 2
     finally:
         trainer.shutdown()

@@ -316,6 +316,23 @@ class WorkerGroup:
             if w.local is None
         ]
 
+    def execute_single_async(
+        self, rank: int, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """Start `fn` on one remote rank and return its `ObjectRef` (errors as `execute_async`).
+
+        The call queues behind whatever the rank is running, and the next call to that rank
+        queues behind it. The local rank (`use_local=True`) cannot be called this way.
+        """
+        self._check_usable()
+        if not 0 <= rank < len(self._state.workers):
+            raise ValueError(f"rank must be in [0, {len(self._state.workers)}), got {rank}")
+        worker = self._state.workers[rank]
+        if worker.local is not None:
+            raise ValueError(f"rank {rank} runs in this process: call it with execute_single")
+        ship_by_value(fn, args, kwargs)
+        return worker.actor.run_raising.remote(fn, *args, **kwargs)
+
     def _run_local(
         self, outcome: Outcome, fn: Callable[..., Any], args: tuple, kwargs: dict
     ) -> None:

@@ -3,6 +3,7 @@
 from typing import Any
 
 from raysgd_operator.batch import BATCH_SIZE, check_batch_size, split_batch_size
+from raysgd_operator.components import Components, Placement
 from raysgd_operator.metrics import (
     BATCH_COUNT,
     NUM_SAMPLES,
@@ -13,6 +14,7 @@ from raysgd_operator.metrics import (
 )
 from raysgd_operator.operator import TrainingOperator
 from raysgd_operator.options import SCHEDULER_STEP_FREQS, TrainingOptions
+from raysgd_operator.progress import CallRecord, Progress
 from raysgd_operator.runner import OperatorRunner
 from raysgd_operator.shards import DatasetOptions
 from raysgd_operator.strategies import available_strategies, get_strategy, register_strategy
@@ -45,8 +47,12 @@ __all__ = [
     "SHARDED_STATE_IMPORTS",
     "AverageMeter",
     "AverageMeterCollection",
+    "CallRecord",
+    "Components",
     "DatasetOptions",
     "OperatorRunner",
+    "Placement",
+    "Progress",
     "Strategy",
     "TimerCollection",
     "TrainingOperator",

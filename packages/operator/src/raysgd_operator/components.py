@@ -75,8 +75,12 @@ class Components:
         precision: Precision,
         config: dict[str, Any],
         datasets: Mapping[str, Any] | None = None,
+        restoring: bool = False,
     ) -> None:
+        """`restoring`: the worker's state is loaded right after setup (a recovery), so wrapping
+        the models must not sync them from rank 0 (see `WrapContext.sync_initial_state`)."""
         self.options = options
+        self._restoring = restoring
         self.placement = placement
         self.precision = precision
         self.strategy: Strategy = options.parallel_strategy
@@ -157,7 +161,7 @@ class Components:
         self.optimizers, self.optimizer_shape = opt_list, opt_shape
         self.ddp_args = dict(ddp_args or {})
         self.criterion = criterion
-        self.wrapped = self._wrap(self.models)
+        self.wrapped = self._wrap(self.models, sync=not self._restoring)
         if schedulers is not None:
             self.schedulers, self.scheduler_shape = flatten(
                 schedulers, lambda s: not isinstance(s, (list, tuple)), "schedulers"
@@ -258,11 +262,12 @@ class Components:
                 batch_size=batch_size,
             )
         if self.registered:
-            self.wrapped = self._wrap(self.models)
+            # A re-formed group's state is restored right after: wrapping must not sync it.
+            self.wrapped = self._wrap(self.models, sync=False)
         return True
 
     # -- internals ---------------------------------------------------------------------------
-    def _wrap(self, models: list[nn.Module]) -> list[nn.Module]:
+    def _wrap(self, models: list[nn.Module], *, sync: bool) -> list[nn.Module]:
         """Wrap the models with the strategy once a process group exists, then compile if asked."""
         wrapped = list(models)
         if dist.is_available() and dist.is_initialized():
@@ -272,6 +277,7 @@ class Components:
                 precision=self.precision,
                 device_ids=self.placement.device_ids,
                 ddp_args=dict(self.ddp_args),
+                sync_initial_state=sync,
             )
             wrapped = self.strategy.wrap(wrapped, self.optimizers, context)
         self._uncompiled = {}

@@ -82,6 +82,9 @@ class AverageMeterCollection:
     """
 
     def __init__(self) -> None:
+        #: While False, `update` records nothing (the runner turns it off for steps that a
+        #: recovery redoes from before the call they are redone in).
+        self.recording = True
         self._batch_count = 0
         self.n = 0
         self._meters: dict[str, AverageMeter] = {}
@@ -90,6 +93,8 @@ class AverageMeterCollection:
 
     def update(self, metrics: Mapping[str, Any], n: int = 1) -> None:
         """Record one batch's ``metrics`` (numbers or one-element tensors) over ``n`` samples."""
+        if not self.recording:
+            return
         self._batch_count += 1
         self.n += n
         for key, value in metrics.items():
@@ -113,6 +118,32 @@ class AverageMeterCollection:
         meter = self._meters[key]
         for value, n in zip(_read_scalars([t for t, _ in pending]), (n for _, n in pending)):
             meter.update(value, n=n)
+
+    def snapshot(self) -> AverageMeterCollection:
+        """A copy of the metrics so far, all read from the device (one transfer): a copy taken
+        with a recovery snapshot, so that a restore can go on from those metrics."""
+        for key in list(self._pending):
+            self._flush(key)
+        copy = AverageMeterCollection()
+        copy._batch_count, copy.n = self._batch_count, self.n
+        for key, meter in self._meters.items():
+            twin = copy._meters[key] = AverageMeter()
+            twin.val, twin.sum, twin.count, twin.avg = meter.val, meter.sum, meter.count, meter.avg
+        return copy
+
+    def merge(self, other: AverageMeterCollection) -> None:
+        """Add `other`'s batches to these (the metrics of a worker that is no longer there)."""
+        self._batch_count += other._batch_count
+        self.n += other.n
+        for key in list(other._pending):
+            other._flush(key)
+        for key, meter in other._meters.items():
+            mine = self._meters.setdefault(key, AverageMeter())
+            mine.sum += meter.sum
+            mine.count += meter.count
+            mine.avg = mine.sum / mine.count if mine.count else 0.0
+            if not mine.count - meter.count:
+                mine.val = meter.val
 
     def summary(self) -> dict[str, Any]:
         """The averaged metrics of every batch so far."""

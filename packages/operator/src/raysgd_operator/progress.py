@@ -46,8 +46,10 @@ class CallRecord:
         num_steps: Steps asked for (None: the rest of the epoch `epoch`).
         start_step: `Progress.step` when the call began.
         steps: Steps of the call finished so far (by the whole group: the same on every worker).
-        rows: Rows the whole group trained in those steps, when the loader's split is known
-            (None otherwise, e.g. with the user's own sampler or a dataset shard).
+            Negative after a restore from a snapshot older than the call: the steps before the
+            call that are done again first.
+        rows: Rows the whole group trained in the call's own steps, when the loader's split is
+            known (None otherwise, e.g. with the user's own sampler or a dataset shard).
         epoch: The epoch a call without `num_steps` finishes (None until its first batch).
         finished: The call returned on this worker.
         recovered: The call went on after a failure (its metrics then cover the steps since it
@@ -71,5 +73,17 @@ class CallRecord:
 
     def after_step(self, rows: Optional[int]) -> CallRecord:
         """The record once one more step, of `rows` rows (None: unknown), is finished."""
-        total: Any = None if rows is None or self.rows is None else self.rows + rows
+        total: Any = self.rows
+        if self.steps >= 0:  # a step of the call itself (not one redone from before it)
+            total = None if rows is None or self.rows is None else self.rows + rows
         return replace(self, steps=self.steps + 1, rows=total)
+
+    def resumed_at(self, step: int, rows: Optional[int] = 0) -> CallRecord:
+        """This call going on from a state at `step` (`rows`: the call's rows up to there)."""
+        return replace(
+            self,
+            steps=step - self.start_step,
+            rows=rows if step >= self.start_step else 0,
+            finished=False,
+            recovered=True,
+        )

@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from raysgd_operator._internal.loaders import planned_sampler
 from raysgd_operator._internal.precision import get_precision
 from raysgd_operator._internal.step_journal import StepJournal
 from raysgd_operator._internal.stream import BatchStream, CallBatches
@@ -22,11 +23,7 @@ from raysgd_operator.operator import TrainingOperator
 from raysgd_operator.options import TrainingOptions
 from raysgd_operator.progress import CallRecord, Progress
 
-__all__ = ["CALL_ROWS_KEY", "OperatorRunner", "on_device"]
-
-#: Key a recovered call's metrics carry: the rows the whole group trained in the call (the trainer
-#: takes it as the call's `num_samples`, which then also counts the rows of workers lost in it).
-CALL_ROWS_KEY = "_call_rows"
+__all__ = ["OperatorRunner", "on_device"]
 
 
 def _dcp() -> Any:
@@ -91,10 +88,13 @@ class OperatorRunner:
         device: torch.device = torch.device("cpu"),
         datasets: Mapping[str, Any] | None = None,
         options: TrainingOptions | None = None,
+        restoring: bool = False,
         **option_overrides: Any,
     ) -> None:
         """`options` is the trainer's `TrainingOptions`; keyword options (``use_fp16="bf16"``,
-        ``scheduler_step_freq="epoch"``, ...) build or override one, for direct use and tests."""
+        ``scheduler_step_freq="epoch"``, ...) build or override one, for direct use and tests.
+        `restoring`: a state is loaded right after (a recovery): wrapping does not sync from
+        rank 0."""
         if not (isinstance(operator_cls, type) and issubclass(operator_cls, TrainingOperator)):
             raise TypeError(
                 f"operator_cls must be a TrainingOperator subclass, got {operator_cls!r}"
@@ -117,6 +117,7 @@ class OperatorRunner:
             precision=get_precision(options.use_fp16, device=device, apex_args=options.apex_args),
             config=config,
             datasets=datasets,
+            restoring=restoring,
         )
         self.epoch = 0
         #: Steps finished since training began (see `progress`).
@@ -187,6 +188,7 @@ class OperatorRunner:
         self._call = call
         meters = self._meters
         remaining = call.remaining()
+        meters.recording = self.step >= call.start_step
         if not self._has_loader("train"):
             # A custom train_epoch may bring its own data; each call is then one epoch (which a
             # call going on after a failure does not start again).
@@ -195,7 +197,12 @@ class OperatorRunner:
                 self._call = call = dataclasses.replace(call, epoch=self.epoch)
             batches: Any = _MissingLoader("train")
         else:
-            batches = self._train.begin_call(remaining, meters=meters, first_index=call.steps)
+            # A call restored to a snapshot from an earlier epoch first finishes the epochs
+            # before its own.
+            until = call.epoch if remaining is None else None
+            batches = self._train.begin_call(
+                remaining, meters=meters, first_index=max(0, call.steps), until_epoch=until
+            )
             if call.epoch is None:
                 self._call = call = dataclasses.replace(call, epoch=self.epoch)
             elif remaining is None and self.epoch > call.epoch:
@@ -213,11 +220,8 @@ class OperatorRunner:
             self._train.end_call(remaining, finished=finished)
         self._call = call = dataclasses.replace(self._call, finished=True)
         metrics["epoch"] = self.epoch
-        if call.recovered:
-            if BATCH_COUNT in metrics:
-                metrics[BATCH_COUNT] = call.steps
-            if call.rows is not None:
-                metrics[CALL_ROWS_KEY] = call.rows
+        if call.recovered and BATCH_COUNT in metrics:
+            metrics[BATCH_COUNT] = call.steps  # the call's steps, before and after the recovery
         if profile:
             metrics["profile"] = op.timers.stats()
         return metrics
@@ -228,6 +232,9 @@ class OperatorRunner:
         self._global_step_at_step = self.operator.global_step
         if self._call is not None:
             self._call = self._call.after_step(rows)
+            if self._meters is not None:
+                # The next batch is the call's own once the step count reaches the call's start.
+                self._meters.recording = self.step >= self._call.start_step
         self.journal.commit()
         for hook in self._step_hooks:
             hook()
@@ -249,6 +256,7 @@ class OperatorRunner:
         if not self._has_loader("validation"):
             batches: Any = _MissingLoader("validation")
         else:
+            self._check_validation_split()
             batches = self._val.begin_call(num_steps)
         finished = False
         try:
@@ -260,6 +268,17 @@ class OperatorRunner:
         if profile:
             metrics["profile"] = op.timers.stats()
         return metrics
+
+    def _check_validation_split(self) -> None:
+        sampler = planned_sampler(self._loader("validation"))
+        size = self.components.placement.world_size
+        if sampler is not None and size > 1 and sampler.num_rows < size:
+            # Each row is validated once, so some worker would have none; its peers could then
+            # wait for it in a forward pass that gathers parameters (fsdp) or syncs buffers (ddp).
+            raise ValueError(
+                f"validate(): the validation data has {sampler.num_rows} row(s) for {size} "
+                "workers; every worker needs at least one"
+            )
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -274,6 +293,7 @@ class OperatorRunner:
             "epoch": self.epoch,
             "position": self._train.consumed(),
             "epoch_rows": self._train.consumed_rows(),
+            "in_epoch": self._train.is_open(),
             "step": self.step,
             # As it was when the last step finished (a custom loop may count a batch at its start).
             "global_step": self._global_step_at_step,
@@ -322,6 +342,7 @@ class OperatorRunner:
             "epoch": self.epoch,
             "position": self._train.consumed(),
             "epoch_rows": self._train.consumed_rows(),
+            "in_epoch": self._train.is_open(),
             "step": self.step,
             "global_step": self._global_step_at_step,
         }
@@ -340,14 +361,56 @@ class OperatorRunner:
             self._meters = AverageMeterCollection()
         self._call = dataclasses.replace(call, recovered=not call.finished or call.recovered)
 
+    def adopt_snapshot(
+        self, call: CallRecord | None, meters: AverageMeterCollection | None
+    ) -> None:
+        """After a restore from a snapshot (already loaded: it set the step and place): go on with
+        `call` from the snapshot's step, with `meters` as the call's metrics up to there."""
+        if call is None:
+            self._call, self._meters = None, None
+            return
+        rows = self._call.rows if self._call is not None else 0
+        self._call = call.resumed_at(self.step, rows)
+        self._meters = meters if meters is not None and self.step >= call.start_step else None
+        if self._meters is None:
+            self._meters = AverageMeterCollection()
+
+    def take_over(self, old: OperatorRunner) -> None:
+        """Become `old` (a runner this worker had to build again after a resize): its state, its
+        place and the call it was in, with the metrics it recorded."""
+        self.load_state_dict(old.state_dict(live=True))
+        self._call, self._meters = old._call, old._meters
+
+    @property
+    def call(self) -> CallRecord | None:
+        """The `train_epoch` call this worker is in or last finished."""
+        return self._call
+
+    def sharded_parts(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(this worker's part of the model and optimizer tensors, in the form
+        `torch.distributed.checkpoint` saves; the rest of the state: plain, small, the same on
+        every worker). Training must not run until the tensors are saved or copied."""
+        parts = self.components
+        tensors, others = _dcp().tensor_state(parts.models, parts.optimizers)
+        return tensors, {
+            **self._progress_state(),
+            "tensor_others": others,
+            "strategy": parts.strategy.name,
+        }
+
     def sharded_snapshot(self, directory: str) -> dict[str, Any]:
         """Write this worker's part of the models and optimizers under `directory` in
         `torch.distributed.checkpoint` format (a collective: every worker calls it at once) and
         return the rest of the state (plain, small, the same on every worker)."""
-        parts = self.components
-        tensors, others = _dcp().tensor_state(parts.models, parts.optimizers)
+        tensors, state = self.sharded_parts()
         _dcp().save_files(tensors, directory)
-        return {**self._progress_state(), "tensor_others": others, "strategy": parts.strategy.name}
+        return state
+
+    def call_meters(self) -> AverageMeterCollection | None:
+        """A copy of the metrics of the call in progress so far (None outside a call)."""
+        if self._call is None or self._call.finished or self._meters is None:
+            return None
+        return self._meters.snapshot()
 
     def load_sharded(self, directory: str, state: dict[str, Any]) -> None:
         """Load a checkpoint directory written by `sharded_snapshot` (with any number of workers),
@@ -386,11 +449,15 @@ class OperatorRunner:
         op.global_step = self._global_step_at_step = int(state.get("global_step", op.global_step))
         self.step = int(state.get("step", self.step))
         self.epoch = int(state["epoch"])
-        rows = state.get("epoch_rows")
-        if rows is not None and self._train.consumed_rows() is not None:
+        position, rows = int(state.get("position", 0)), state.get("epoch_rows")
+        # States written before "in_epoch" existed: an epoch was in progress iff it had a position.
+        in_epoch = bool(state.get("in_epoch", position > 0 or bool(rows)))
+        if not in_epoch:
+            self._train.reset()
+        elif rows is not None and self._train.consumed_rows() is not None:
             self._train.reset(resume_rows=int(rows))
         else:
-            self._train.reset(resume=int(state.get("position", 0)))
+            self._train.reset(resume=position)
         self.journal.commit()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -465,9 +532,9 @@ class OperatorRunner:
         placement = Placement(world_rank, local_rank, world_size, self.device)
         if not self.components.rebind(placement, dict(config), datasets):
             return False
-        # Batches of another size or shard do not line up with the old position: the caller
-        # loads the last good state next, which sets the position it wants.
-        self._train.reset(resume=self._train.consumed())
+        # The pass in progress was split for the old group: the next one re-splits from the same
+        # place (the caller then adopts the position the restore chose).
+        self._set_position(self.position_state())
         self._val.reset()
         return True
 

@@ -44,6 +44,9 @@ class WrapContext:
         precision: the worker's precision backend (its `param_dtypes()` says how to cast).
         device_ids: `[device.index]` on a GPU, else None (what DDP wants).
         ddp_args: keyword arguments the operator gave `register(ddp_args=...)`.
+        sync_initial_state: make every worker start from rank 0's parameters (a new group);
+            False when the workers' state is restored right after wrapping (a recovery), so that
+            wrapping must not overwrite the state a survivor holds.
     """
 
     device: torch.device
@@ -51,6 +54,7 @@ class WrapContext:
     precision: Precision
     device_ids: list[int] | None = None
     ddp_args: dict[str, Any] = field(default_factory=dict)
+    sync_initial_state: bool = True
 
 
 class Strategy:

@@ -11,10 +11,11 @@ from collections.abc import Callable
 from typing import Any, Optional, Union
 
 from raysgd._internal import worker
-from raysgd._internal.checkpoint import read_file, state_from_bytes, state_to_bytes, write_file
+from raysgd._internal.checkpoint import read_file, state_from_bytes, state_to_bytes
 from raysgd._internal.cluster import driver_has_cuda, ensure_ray
 from raysgd._internal.datasets import DatasetSplitter, check_datasets, warn_if_no_room_for_data
 from raysgd._internal.driver import TrainerDriver
+from raysgd._internal.driver_copy import DEFAULT_LIMIT_MB, DriverCopy
 from raysgd._internal.recovery import Recovery
 from raysgd._internal.sharded_state import ShardedState, is_sharded_checkpoint
 from raysgd._internal.tensorboard import ScalarLogger
@@ -57,6 +58,14 @@ class TorchTrainer(TrainerDriver):
     `compile=True` runs `torch.compile(model, **compile_args)` on every worker after wrapping.
     `spare_workers=k` keeps k more workers started, in reserved resources, to replace lost ones at
     once (`raysgd_core.WorkerGroup`'s `spare_workers`).
+
+    The training state stays on the workers. After a lost worker, the survivor furthest along
+    gives its state to the replacements and training goes on from the last finished step: at most
+    the step in flight is done again, and the rest of the epoch is re-split over the new group so
+    that every row is trained once. Only when every worker is lost at once does the state come
+    from elsewhere: the last checkpoint written or loaded, or the driver's copy, which it keeps of
+    states up to `state_copy_limit_mb` (refreshed after `train()` calls, asynchronously, taking at
+    most 2% of the training time; 0 turns it off).
 
     `datasets={"train": ds, "validation": ds2}` feeds the loops from Ray Data (`raysgd[data]`): each
     dataset is split over the workers with `streaming_split(n, equal=True)`, again after every
@@ -110,6 +119,7 @@ class TorchTrainer(TrainerDriver):
         datasets: Optional[dict[str, Any]] = None,
         dataset_options: Union[DatasetOptions, dict[str, Any], None] = None,
         spare_workers: int = 0,
+        state_copy_limit_mb: float = DEFAULT_LIMIT_MB,
     ) -> None:
         # Everything that can be checked on the driver is checked before any worker starts.
         self._num_workers = check_positive_int("num_workers", num_workers)
@@ -120,6 +130,12 @@ class TorchTrainer(TrainerDriver):
             backend=backend,
             initialization_hook=initialization_hook,
         )
+        if isinstance(state_copy_limit_mb, bool) or not (
+            isinstance(state_copy_limit_mb, (int, float)) and state_copy_limit_mb >= 0
+        ):
+            raise ValueError(
+                f"state_copy_limit_mb must be a number >= 0, got {state_copy_limit_mb!r}"
+            )
         # A global batch too small to give every worker a sample fails here, not on the workers.
         check_batch_size(config or {}, self._num_workers)
         # The workers' options, validated here once and shipped whole. A new option is a field of
@@ -140,6 +156,7 @@ class TorchTrainer(TrainerDriver):
             compile=compile,
             compile_args=compile_args,
             dataset_options=dataset_options,
+            distributed=self._num_workers > 1,
         )
         self._operator_cls = resolve_operator_cls(
             training_operator_cls,
@@ -179,8 +196,9 @@ class TorchTrainer(TrainerDriver):
         self._config: dict[str, Any] = dict(self._user_config)
         self._checkpoint_dir = checkpoint_dir
         self._sharded = ShardedState() if self._options.sharded else None
+        self._copy = DriverCopy(int(state_copy_limit_mb * 2**20))
         self._datasets = DatasetSplitter(given_datasets)
-        self._last_state, self._state_fresh, self._shut_down = b"", False, False
+        self._shut_down = False
         # The operator class (and the creator functions a built one holds) is pickled once, here:
         # every start and restart reuses this copy. Pickling it again at a restart would take
         # its closure cells as they are then: one that by then refers to the trainer itself
@@ -216,26 +234,39 @@ class TorchTrainer(TrainerDriver):
         Returns the results reduced over batches then workers (`epoch`, `batch_count`, `num_samples`,
         `train_loss`, `last_train_loss`, custom metrics; `profile` timers with `profile=True`), or
         the per-worker list with `reduce_results=False`. `checkpoint="auto"` (or a file path) also
-        writes the state from before this call to disk, atomically.
+        writes the state from before this call to disk, atomically (by a worker on this machine:
+        the state does not pass through the driver).
+
+        After a lost worker the call goes on from the last step the group finished; its results
+        then count every step of the call once, and `num_samples` every row once, also those of
+        workers lost in it (whose loss values are lost with them: the averages cover the rest).
         """
         self._check_alive()
         check_train_args(max_retries, checkpoint, num_steps)
-        # The state is fetched only when something can use it: a retry, a checkpoint or a grow
-        # (which restores `_last_state` on every worker, so it must be current before growing).
-        # Tune's step (max_retries=0) thus pays no per-call snapshot.
-        if max_retries > 0 or checkpoint or self._group.world_size < self._num_workers:
-            self._capture_state()
         self._recovery.maybe_grow(max_retries=max_retries)
         if checkpoint:
             self._write_checkpoint(checkpoint)
+        elif self._sharded is not None and max_retries > 0:
+            # Each worker's part of the state is kept in memory with a copy on a peer (a
+            # collective; only metadata reaches the driver): a lost worker restarts the call.
+            with self._repairing():
+                self._sharded.capture(self._group)
+        self._call_id += 1
+        call_id = self._call_id
 
-        def attempt() -> list[dict]:
-            # Reads `self._group` at call time: recovery may have replaced or re-formed it.
-            return self._group.execute(worker.train_epoch, num_steps, profile, info)
+        def attempt() -> list[tuple[dict, int, Optional[int]]]:
+            # Reads `self._group` at call time: recovery may have replaced or re-formed it. After
+            # a failure the same call id makes the workers go on with the call, not start it again.
+            return self._group.execute(worker.train_epoch, num_steps, profile, info, call_id)
 
-        results = self._recovery.run(attempt, max_retries=max_retries)
-        self._state_fresh = False
-        return self._results("train", results, reduce_results)
+        returned = self._recovery.run(attempt, max_retries=max_retries)
+        results = self._train_results(returned)
+        rows = [r for _, _, r in returned if r is not None]
+        if self._copy_wanted() and self._copy.due():
+            self._copy.refresh(
+                self._group.execute_single_async(0, worker.state_copy, self._copy.limit_bytes)
+            )
+        return self._results("train", results, reduce_results, rows[0] if rows else None)
 
     def validate(
         self,
@@ -249,7 +280,6 @@ class TorchTrainer(TrainerDriver):
         self._check_alive()
         if num_steps is not None:
             check_positive_int("num_steps", num_steps)
-        # The state holds the train position only, so validating leaves `_last_state` current.
         results = self._call(worker.validate, num_steps, profile, info)
         return self._results("validate", results, reduce_results)
 
@@ -257,11 +287,12 @@ class TorchTrainer(TrainerDriver):
         """The full training state (`epoch`, `operator`, `models`, `optimizers`, `schedulers`,
         `precision`, position), on the CPU."""
         self._check_alive()
-        self._capture_state()
         if self._sharded is not None:
             # Every worker's part comes to this process: what asking for the whole state means.
-            return self._sharded.gather(self._group)
-        return state_from_bytes(self._last_state)
+            with self._repairing():
+                self._sharded.capture(self._group)
+                return self._sharded.gather(self._group)
+        return state_from_bytes(self._read(worker.state_bytes))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load `state` (from `state_dict()` or a checkpoint) into every worker."""
@@ -276,12 +307,10 @@ class TorchTrainer(TrainerDriver):
         self._load_bytes(state_to_bytes(state))
 
     def save(self, path: Union[str, os.PathLike]) -> str:
-        """Write the state to `path` atomically; returns the absolute path."""
+        """Write the state to `path` atomically; returns the absolute path. A worker on this
+        machine writes it, so the state does not pass through the driver."""
         self._check_alive()
-        self._capture_state()
-        if self._sharded is not None:
-            return self._sharded.write(self._group, os.fspath(path))
-        return write_file(path, self._last_state)
+        return self._save_to(path)
 
     def load(self, path: Union[str, os.PathLike]) -> None:
         """Load a checkpoint written by `save` into every worker. Never runs code from the file; a
@@ -291,7 +320,7 @@ class TorchTrainer(TrainerDriver):
             self._load_sharded(lambda: self._sharded_view().load(self._group, os.fspath(path)))
             return
         data, _ = read_file(path)
-        self._load_bytes(data)
+        self._load_bytes(data, os.fspath(path))
 
     def get_model(self, to_cpu: bool = False) -> Any:
         """The trained model(s), without DDP wrappers (one model bare, several as a list).
@@ -307,7 +336,7 @@ class TorchTrainer(TrainerDriver):
                 "checkpoint and load it into a TorchTrainer(strategy='none'), or use "
                 "apply_all_operators"
             )
-        models = self._call(worker.get_models, to_cpu, not driver_has_cuda(), rank=0)
+        models = self._read(worker.get_models, to_cpu, not driver_has_cuda())
         if isinstance(models, (list, tuple)) and len(models) == 1:
             return models[0]
         return list(models) if isinstance(models, tuple) else models
@@ -326,25 +355,20 @@ class TorchTrainer(TrainerDriver):
         """Step every registered scheduler with `metric` on every worker (`scheduler_step_freq="manual"`)."""
         self._check_alive()
         self._call(worker.update_scheduler, metric)
-        self._state_fresh = False
 
     def apply_all_workers(self, fn: Callable[[], Any]) -> list[Any]:
         """`fn()` on every worker; the results in rank order."""
         self._check_alive()
         if not callable(fn):
             raise TypeError("apply_all_workers needs a zero-argument callable")
-        results = self._call(worker.apply_fn, fn)
-        self._state_fresh = False
-        return results
+        return self._call(worker.apply_fn, fn)
 
     def apply_all_operators(self, fn: Callable[[Any], Any]) -> list[Any]:
         """`fn(operator)` on every worker; the results in rank order."""
         self._check_alive()
         if not callable(fn):
             raise TypeError("apply_all_operators needs a callable taking the operator")
-        results = self._call(worker.apply_operator, fn)
-        self._state_fresh = False
-        return results
+        return self._call(worker.apply_operator, fn)
 
     def shutdown(self, force: bool = False) -> None:
         """Stop the workers and release their resources. Calling it again does nothing; any other

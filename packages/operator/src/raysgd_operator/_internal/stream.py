@@ -83,6 +83,8 @@ class BatchStream:
         self.rows = 0
         #: A batch was handed to the loop and the loop has not finished with it yet.
         self.in_flight = False
+        #: The epoch `on_new_pass` gave the current pass.
+        self.epoch_of_pass: int | None = None
         # A batch drawn ahead to learn whether a pass of unknown length had ended (_END: none).
         self._peeked: Any = _END
 
@@ -109,17 +111,31 @@ class BatchStream:
             return self.resume_rows or 0
         return 0 if self._exhausted() else self.rows
 
+    def is_open(self) -> bool:
+        """Whether a pass is in progress (its epoch is not over): the next call goes on with it
+        rather than starting a new epoch, even when none of its batches is finished yet."""
+        if self.iterator is None:
+            return self.resume is not None or self.resume_rows is not None
+        return not self._exhausted()
+
     def reset(self, resume: int | None = None, resume_rows: int | None = None) -> None:
-        """Drop the current pass; the next one goes on from `resume` batches or, for a planned
-        loader, from row `resume_rows` of the epoch, without starting a new epoch."""
+        """Drop the current pass. With `resume` (batches to skip) or `resume_rows` (the epoch's
+        first unread row, for a planned loader) the next pass goes on with the same epoch from
+        there, even from 0; without either it starts a new epoch."""
         self.iterator, self.position, self.in_flight = None, 0, False
-        self.resume, self.resume_rows = resume or None, resume_rows or None
+        self.resume, self.resume_rows = resume, resume_rows
         self._peeked = _END
 
     def begin_call(
-        self, num_steps: int | None, *, meters: Any = None, first_index: int = 0
+        self,
+        num_steps: int | None,
+        *,
+        meters: Any = None,
+        first_index: int = 0,
+        until_epoch: int | None = None,
     ) -> CallBatches:
-        """Batches for one call: ``num_steps`` of them (wrapping into new passes), else the rest."""
+        """Batches for one call: ``num_steps`` of them (wrapping into new passes), else the rest
+        of the pass, or with `until_epoch`, of every pass up to the end of that epoch."""
         if num_steps is not None and num_steps < 0:
             raise ValueError(f"num_steps must be >= 0 or None, got {num_steps}")
         if self.iterator is not None and self._exhausted():
@@ -152,9 +168,11 @@ class BatchStream:
     def _new_pass(self) -> None:
         loader = self._get_loader()
         sampler = self._planned()
+        resuming = self.resume is not None or self.resume_rows is not None
         skip, self.resume = self.resume or 0, None
         start, self.resume_rows = self.resume_rows or 0, None
-        epoch = self._on_new_pass(skip > 0 or start > 0)
+        epoch = self._on_new_pass(resuming)
+        self.epoch_of_pass = epoch
         target = sampler if sampler is not None else getattr(loader, "sampler", None)
         if epoch is not None and hasattr(target, "set_epoch"):
             target.set_epoch(epoch)
@@ -167,8 +185,9 @@ class BatchStream:
             if next(self.iterator, _END) is _END:
                 break
             self.position += 1
-        done = (sampler is not None and start > 0 and sampler.num_batches() == 0) or (
-            skip and (self.position < skip or self._peek() is _END)
+        done = resuming and (
+            (sampler is not None and sampler.num_batches() == 0)
+            or (skip > 0 and (self.position < skip or self._peek() is _END))
         )
         if done:
             # The saved position was the end of its epoch (a pass of unknown length cannot tell
@@ -204,7 +223,7 @@ class BatchStream:
         if self._on_step is not None:
             self._on_step(rows)
 
-    def _draw(self, num_steps: int | None) -> Iterator[Any]:
+    def _draw(self, num_steps: int | None, until_epoch: int | None = None) -> Iterator[Any]:
         drawn = 0
         if num_steps == 0:
             return
@@ -221,8 +240,12 @@ class BatchStream:
                     return
             self.iterator = None
             # An empty loader would otherwise wrap forever.
-            if num_steps is None or not yielded:
+            if not yielded:
                 return
+            if num_steps is None:
+                behind = until_epoch is not None and (self.epoch_of_pass or 0) < until_epoch
+                if not behind:
+                    return
             self._new_pass()
 
 

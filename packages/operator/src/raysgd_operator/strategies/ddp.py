@@ -35,6 +35,8 @@ class DDPStrategy(Strategy):
         if context.world_size <= 1:
             return list(models)
         kwargs = {**self.ddp_kwargs, **context.ddp_args}
+        if not context.sync_initial_state:
+            kwargs["init_sync"] = False  # the caller restores the state right after
         return [
             DistributedDataParallel(m, device_ids=context.device_ids, **kwargs)
             if any(p.requires_grad for p in m.parameters())

@@ -12,8 +12,10 @@ callback and a failure policy (`raysgd_fault`). It knows nothing else of the tra
    RESTARTING, WAIT -> WAITING, GIVE_UP -> `RuntimeError` naming every loss. The policy alone
    owns the budget (`max_retries`, how many fruitless attempts, how long to back off).
 3. RESTARTING: ``group.recover(k)`` keeps healthy workers where it can, starts replacements and
-   re-forms the process group; the restore callback then brings every worker to the last good state,
-   so that redoing the interrupted epoch gives the result of a run without the failure -> RUNNING.
+   re-forms the process group; the restore callback then brings every worker to the state of the
+   survivor that got furthest, and the interrupted call goes on from there, giving the result of
+   a run without the failure -> RUNNING. A restore that finds no state at all
+   (`StateLostError`) ends the call at once: retrying cannot bring it back.
    A restart that itself fails (a new worker dies, a survivor dies while re-forming) is one more
    loss; one that starts no worker is a fruitless attempt. Either way -> FAILED.
 4. WAITING: sleep the policy's backoff, count a fruitless attempt -> FAILED.
@@ -30,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 from raysgd._internal.elastic import NEXT_STATE, ElasticGroup, LoopState, on_live_nodes
 from raysgd._internal.recovery_log import (
@@ -44,6 +46,7 @@ from raysgd._internal.recovery_log import (
     short_node,
     where_lost,
 )
+from raysgd._internal.restore_plan import RestoreOutcome, StateLostError
 from raysgd_core import RecoveryReport, WorkerDiedError, WorkerError
 from raysgd_fault import Action, Decision, FailurePolicy, FailureStatus
 
@@ -74,8 +77,9 @@ class Recovery:
         group: The worker group (see `ElasticGroup`).
         num_workers: The size asked for; the group is regrown towards it.
         restore: Called with the `RecoveryReport` after every successful resize: make every worker
-            of the re-formed group ready to redo the interrupted work (re-bind, load the last good
-            state). An exception there counts as a loss during the restart.
+            of the re-formed group ready to go on with the interrupted work; it may return a
+            `RestoreOutcome` (recorded in the resize event). An exception there counts as a loss
+            during the restart, except `StateLostError`, which ends the call.
         policy: The failure policy deciding retry / wait / give up and the group size.
         restart_timeout_s: Bound on one ``group.recover`` call (see `DEFAULT_RESTART_TIMEOUT_S`).
         sleep: How WAIT decisions sleep (injectable so that an embedding driver can interrupt waits).
@@ -88,7 +92,7 @@ class Recovery:
         *,
         group: ElasticGroup,
         num_workers: int,
-        restore: Callable[[RecoveryReport], None],
+        restore: Callable[[RecoveryReport], Any],
         policy: FailurePolicy,
         restart_timeout_s: float = DEFAULT_RESTART_TIMEOUT_S,
         sleep: Callable[[float], None] = time.sleep,
@@ -193,8 +197,7 @@ class Recovery:
     def maybe_grow(self, *, max_retries: int) -> bool:
         """At the start of `train()`: grow back towards `num_workers` if the policy says so.
 
-        The caller must have captured the current state first (the grow restores it everywhere).
-        Returns True if the group grew. A grow that fails is logged and the group is put back to its
+        Returns True if the group grew (the new workers took the state of the others). A grow that fails is logged and the group is put back to its
         old size; one that starts no new worker (the room the cluster reported was not real) makes
         later calls skip growing for a while (doubling, `GROW_BACKOFF_S` up to `MAX_GROW_BACKOFF_S`),
         so that a lasting shortage does not slow down every `train()`. Neither fails the call.
@@ -251,23 +254,30 @@ class Recovery:
                     num_workers_after=0,
                 )
                 return False
-            self._restore(report)
+            outcome = self._restore(report)
+        except StateLostError:
+            raise
         except Exception as err:  # any error while restarting is one more loss
             logger.debug("restart (%s) failed", why, exc_info=True)
             ranks, nodes = where_lost(err)
             self._note_loss(ranks, nodes, err, during_restart=True, alive=None)
             return False
         done = time.monotonic()
+        restored = ""
+        if isinstance(outcome, RestoreOutcome):
+            restored = f"; state from {outcome.source}, {outcome.steps_redone} step(s) redone"
         self._log.record(
             EventKind.RESIZE,
             f"resized ({why}) {before} -> {report.world_size} worker(s) via {report.path} in "
             f"{done - started:.2f} s (re-form group {formed - started:.2f} s, restore state "
-            f"{done - formed:.2f} s); {describe_report(report)}",
+            f"{done - formed:.2f} s); {describe_report(report)}{restored}",
             duration_s=done - started,
             num_workers_before=before,
             num_workers_after=report.world_size,
             path=report.path,
             phases={**getattr(report, "timings", {}), "restore_s": done - formed},
+            source=outcome.source if isinstance(outcome, RestoreOutcome) else None,
+            steps_redone=outcome.steps_redone if isinstance(outcome, RestoreOutcome) else None,
         )
         return True
 
@@ -285,10 +295,10 @@ class Recovery:
         )
         if not self._group.needs_recovery:
             return
-        # The raising rank left its process group to release peers blocked in a collective, and the
-        # workers hold a half-done epoch: re-form at the same size and roll back to the last good
-        # state, so that the next call starts from a consistent model. This is housekeeping, not a
-        # loss of the user's run, so it is not counted.
+        # The raising rank left its process group to release peers blocked in a collective: re-form
+        # at the same size, every worker at the last step the group finished, so that the next
+        # call starts from a consistent model. This is housekeeping, not a loss of the user's
+        # run, so it is not counted.
         counters = (self._total_failures, list(self._call_failures), self._last_failure_at)
         last_error = self._last_error
         if not self._resize(max(1, self._world_size()), why="repair after a user error"):

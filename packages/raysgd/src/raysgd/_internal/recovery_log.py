@@ -85,7 +85,12 @@ class RecoveryEvent:
         error: Error text for failures and user errors.
         phases: For a resize, seconds per phase: the worker group's (`RecoveryReport.timings`:
             "ping_s", "leave_s", "start_s", "form_s") and "restore_s" (runners re-bound or built
-            and the last good state loaded).
+            and the state restored).
+        source: For a resize, where the state came from ("rank 1 at step 30", "the driver's
+            copy at step 12", a checkpoint).
+        steps_redone: For a resize, how many training steps that had been started are done
+            again: the one in flight when the worker was lost (0 when it was lost between steps),
+            plus those since the snapshot or copy the state came from.
     """
 
     kind: str
@@ -98,6 +103,8 @@ class RecoveryEvent:
     nodes: tuple[str, ...] = ()
     path: Optional[str] = None
     action: Optional[str] = None
+    source: Optional[str] = None
+    steps_redone: Optional[int] = None
     error: Optional[str] = None
     phases: dict[str, float] = field(default_factory=dict)
 

@@ -2,24 +2,29 @@
 
 Each worker keeps one long-lived `OperatorRunner` in its `get_context().store` (the operator, its data
 iterators, epoch and step counters), so every call after construction ships only its own arguments.
-These functions are module-level and importable on the workers (raysgd is installed there), so Ray
-pickles them by reference.
+The training state stays on the workers: after a resize the survivor that got furthest sends it to
+the workers that need it (`restore_runner`), and it reaches the driver only when the user asks for
+it (`state_bytes`, `get_models`) or for the bounded copy (`state_copy`). These functions are
+module-level and importable on the workers (raysgd is installed there), so Ray pickles them by
+reference.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
 
-from raysgd._internal.checkpoint import state_from_bytes, state_to_bytes
+from raysgd._internal.checkpoint import state_from_bytes, state_to_bytes, write_file
+from raysgd._internal.restore_plan import RestorePlan
+from raysgd._internal.state_transfer import broadcast_state, flatten
 from raysgd_core import get_context
-from raysgd_operator import OperatorRunner, TrainingOptions
+from raysgd_operator import OperatorRunner, Progress, TrainingOptions
 
 __all__ = [
     "RUNNER_KEY",
-    "STATE_KEY",
     "apply_fn",
     "apply_operator",
     "create_runner",
@@ -27,26 +32,18 @@ __all__ = [
     "get_models",
     "get_operator",
     "load_state",
+    "report_progress",
     "restore_runner",
     "state_bytes",
+    "state_copy",
     "train_epoch",
     "update_scheduler",
     "validate",
+    "write_checkpoint",
 ]
 
 #: Key of the runner in the worker's `store` (namespaced: the store is shared with other libraries).
 RUNNER_KEY = "raysgd.runner"
-
-#: Key under which rank 0 keeps the serialised state the driver last took as its good state, so that
-#: a restore can broadcast it from there over the new process group instead of shipping it again.
-STATE_KEY = "raysgd.last_state"
-
-
-def _keep_if_rank0(state: bytes) -> bytes:
-    ctx = get_context()
-    if ctx.world_rank == 0:
-        ctx.store[STATE_KEY] = state
-    return state
 
 
 def _runner() -> OperatorRunner:
@@ -68,6 +65,8 @@ def _build(
     config: Mapping[str, Any],
     options: TrainingOptions,
     shards: Sequence[Mapping[str, Any]] = (),
+    *,
+    restoring: bool = False,
 ) -> OperatorRunner:
     ctx = get_context()
     if torch.device(ctx.device).type == "cuda":
@@ -83,84 +82,114 @@ def _build(
         device=ctx.device,
         datasets=_my_shards(shards),
         options=options,
+        restoring=restoring,
     )
     ctx.store[RUNNER_KEY] = runner
     return runner
+
+
+def _state_nbytes(runner: OperatorRunner) -> int:
+    return sum(t.numel() * t.element_size() for t in flatten(runner.state_dict(live=True))[1])
 
 
 def create_runner(
     operator_cls: type,
     config: Mapping[str, Any],
     options: TrainingOptions,
-    return_state: bool = False,
+    copy_limit_bytes: int = 0,
     shards: Sequence[Mapping[str, Any]] = (),
-) -> Optional[bytes]:
+) -> Optional[tuple[Optional[bytes], int]]:
     """Build this worker's runner (which runs the user's `setup`).
 
-    With `return_state`, rank 0 also returns its initial state, so that the trainer has its first
-    in-memory checkpoint without another round trip before the first `train()`. `shards` holds every
-    rank's dataset shards (`{name: DataIterator}` in rank order); each worker takes its own.
+    Rank 0 of a replicated run also returns ``(state bytes, state size)``: the bytes only when the
+    state is at most `copy_limit_bytes`, so that the driver's bounded copy starts current. `shards`
+    holds every rank's dataset shards (`{name: DataIterator}` in rank order); each worker takes its
+    own.
     """
     runner = _build(operator_cls, config, options, shards)
-    if return_state and get_context().world_rank == 0:
-        return _keep_if_rank0(state_to_bytes(runner.state_dict()))
-    return None
+    if get_context().world_rank != 0 or runner.sharded:
+        return None
+    size = _state_nbytes(runner)
+    data = state_to_bytes(runner.state_dict()) if size <= copy_limit_bytes else None
+    return data, size
+
+
+def report_progress() -> Optional[Progress]:
+    """How far this worker got (None on a worker without a runner: a replacement)."""
+    runner = get_context().store.get(RUNNER_KEY)
+    return None if runner is None else runner.progress()
 
 
 def restore_runner(
     operator_cls: type,
     config: Mapping[str, Any],
     options: TrainingOptions,
-    state: Optional[bytes],
+    plan: RestorePlan,
+    fallback: Optional[bytes],
     shards: Sequence[Mapping[str, Any]] = (),
-    source: Optional[int] = None,
 ) -> None:
-    """After a resize: re-bind a kept runner (or build one on a new worker), then load `state`.
+    """After a resize: make this worker ready to go on training where `plan` says.
 
-    `shards`: the datasets split over the new group, as for `create_runner`. With `state=None`,
-    rank `source` (a survivor that kept the last good state, see `STATE_KEY`) broadcasts it to every
-    rank over the new process group first.
+    A kept runner re-binds to its new rank and size (or is built again when it cannot, keeping
+    its state); a new worker builds one. Then the source sends its state to the receivers over the
+    new process group, or, when no worker held a usable state, everyone loads `fallback` (the
+    driver's copy or a checkpoint). Last, everyone takes the source's place in the epoch and the
+    call it was in. `shards`: the datasets split over the new group, as for `create_runner`.
     """
     ctx = get_context()
-    if state is None:
-        # First, before any other collective (DDP's own broadcast when wrapping), on every rank.
-        state = _broadcast_kept_state(-1 if source is None else source)
+    rank = ctx.world_rank
+    placement = dict(world_rank=rank, local_rank=ctx.local_rank, world_size=ctx.world_size)
     runner: Optional[OperatorRunner] = ctx.store.get(RUNNER_KEY)
-    rebound = False
-    if runner is not None:
-        rebound = runner.rebind(
-            world_rank=ctx.world_rank,
-            local_rank=ctx.local_rank,
-            world_size=ctx.world_size,
-            config=dict(config),
-            datasets=_my_shards(shards),
-        )
-        if not rebound:
-            ctx.store.pop(RUNNER_KEY, None)
-            runner.shutdown()
-    if not rebound:
-        runner = _build(operator_cls, config, options, shards)
-    assert runner is not None
-    runner.load_state_dict(state_from_bytes(state))
-    _keep_if_rank0(state)
+    if runner is not None and not runner.rebind(
+        **placement, config=dict(config), datasets=_my_shards(shards)
+    ):
+        # The loaders cannot follow (the user's own sampler): set up again, keeping the state.
+        old = runner
+        runner = _build(operator_cls, config, options, shards, restoring=True)
+        runner.take_over(old)
+        old.shutdown()
+    if runner is None:
+        runner = _build(operator_cls, config, options, shards, restoring=True)
+    if plan.source is None:
+        if fallback is None:
+            raise RuntimeError("no worker holds the training state and there is no copy of it")
+        runner.load_state_dict(state_from_bytes(fallback))
+        return
+    live = runner.state_dict(live=True) if rank == plan.source else None
+    received = broadcast_state(
+        live, source=plan.source, receivers=plan.receivers, device=torch.device(ctx.device)
+    )
+    if rank in plan.receivers:
+        runner.load_state_dict(received)
+    _adopt_from(runner, plan.source)
 
 
-def _broadcast_kept_state(source: int) -> bytes:
+def _adopt_from(runner: OperatorRunner, source: int) -> None:
+    """Every rank takes the source's place in the epoch and its call (small: one object)."""
     import torch.distributed as dist
 
     ctx = get_context()
-    payload = [ctx.store.get(STATE_KEY) if ctx.world_rank == source else None]
+    holder = [(runner.position_state(), runner.call) if ctx.world_rank == source else None]
     # NCCL moves objects through device tensors; gloo through CPU ones.
     device = torch.device(ctx.device) if dist.get_backend() == "nccl" else None
-    dist.broadcast_object_list(payload, src=source, device=device)
-    if not isinstance(payload[0], bytes):
-        raise RuntimeError(f"rank {source} holds no saved state to restore from")
-    return payload[0]
+    dist.broadcast_object_list(holder, src=source, device=device)
+    position, call = holder[0]  # type: ignore[misc]
+    runner.adopt(position, call)
 
 
-def train_epoch(num_steps: Optional[int], profile: bool, info: Optional[dict]) -> dict:
-    """One `train` call on this worker."""
-    return _runner().train_epoch(num_steps=num_steps, profile=profile, info=info)
+def train_epoch(
+    num_steps: Optional[int], profile: bool, info: Optional[dict], call_id: Hashable = None
+) -> tuple[dict, int, Optional[int]]:
+    """One `train` call on this worker (`call_id` names it: see `OperatorRunner.train_epoch`).
+
+    Returns (metrics, finished steps since training began, rows the whole group trained in the
+    call when it went on after a recovery and the split is known, else None).
+    """
+    runner = _runner()
+    metrics = runner.train_epoch(num_steps=num_steps, profile=profile, info=info, call_id=call_id)
+    call = runner.call
+    rows = call.rows if call is not None and call.recovered else None
+    return metrics, runner.step, rows
 
 
 def validate(num_steps: Optional[int], profile: bool, info: Optional[dict]) -> dict:
@@ -169,8 +198,23 @@ def validate(num_steps: Optional[int], profile: bool, info: Optional[dict]) -> d
 
 
 def state_bytes() -> bytes:
-    """This worker's full state, serialised (rank 0 also keeps it: the driver's new good state)."""
-    return _keep_if_rank0(state_to_bytes(_runner().state_dict()))
+    """This worker's full state, serialised (asked for by the user: `state_dict`, `save`)."""
+    return state_to_bytes(_runner().state_dict())
+
+
+def state_copy(limit_bytes: int) -> tuple[Optional[bytes], int, int, float]:
+    """For the driver's bounded copy: ``(bytes or None, state size, step, seconds spent)``; the
+    bytes only when the state is at most `limit_bytes`."""
+    runner = _runner()
+    started = time.perf_counter()
+    size = _state_nbytes(runner)
+    data = state_to_bytes(runner.state_dict()) if size <= limit_bytes else None
+    return data, size, runner.step, time.perf_counter() - started
+
+
+def write_checkpoint(path: str) -> str:
+    """Write this worker's full state to `path` (on its own disk), atomically."""
+    return write_file(path, state_to_bytes(_runner().state_dict()))
 
 
 def load_state(state: bytes) -> None:
@@ -205,7 +249,6 @@ def apply_operator(fn: Callable[[Any], Any]) -> Any:
 
 def drop_runner(graceful: bool) -> None:
     """Forget this worker's runner; with `graceful`, let it release its resources first."""
-    get_context().store.pop(STATE_KEY, None)
     runner = get_context().store.pop(RUNNER_KEY, None)
     if runner is not None and graceful:
         runner.shutdown()

@@ -1,0 +1,177 @@
+"""Scale: what fault tolerance costs per call as the model grows (it should cost nothing).
+
+For MLPs of about 0.1M, 25M and 100M parameters trained with Adam on 2 workers (gloo, CPU), each
+size in a fresh process:
+
+- ``train(num_steps=1, max_retries=0)`` ("bare": no fault tolerance asked for) against
+  ``train(num_steps=1)`` ("guarded": the default ``max_retries=3``), the two alternating, medians;
+- ``validate(num_steps=1)`` right after a ``train()`` call, against the same right after another
+  ``validate()``;
+- the driver process's peak resident memory (``ru_maxrss``), and its growth over the driver before
+  the trainer started.
+
+Flat means: guarded / bare about 1.0 at every size (the goal is <= 1.05), validate after train
+about the same as after validate, and a driver whose memory does not grow with the model.
+``--strategy fsdp`` measures the sharded strategy instead of ``ddp``.
+
+    hatch run bench:scale [--quick] [--repeats N] [--steps N] [--sizes 0.1M,25M,100M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+from typing import Any
+
+from raysgd_examples.bench import _common
+
+__all__ = ["SIZES", "main", "measure"]
+
+#: Model sizes (parameters) by name: an MLP of `depth` square layers of `width`.
+SIZES = {"0.1M": (128, 6), "25M": (2048, 6), "100M": (4096, 6)}
+_MODULE = "raysgd_examples.bench.scale"
+_ROWS = 64  # rows of the synthetic data set: enough for a few steps of 8 rows per worker
+
+
+def _make_operator(width: int, depth: int) -> type:
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from raysgd import TrainingOperator
+    from raysgd.utils import BATCH_SIZE
+
+    class MLPOperator(TrainingOperator):
+        def setup(self, config: dict[str, Any]) -> None:
+            torch.manual_seed(0)
+            layers: list[nn.Module] = []
+            for _ in range(depth - 1):
+                layers += [nn.Linear(width, width), nn.ReLU()]
+            model = nn.Sequential(*layers, nn.Linear(width, 10))
+            x = torch.randn(_ROWS, width)
+            y = torch.randint(0, 10, (_ROWS,))
+            loader = DataLoader(TensorDataset(x, y), batch_size=config[BATCH_SIZE])
+            self.register(
+                models=model,
+                optimizers=torch.optim.Adam(model.parameters(), lr=1e-4),
+                criterion=nn.CrossEntropyLoss(),
+            )
+            self.register_data(train_loader=loader, validation_loader=loader)
+
+    return MLPOperator
+
+
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _peak_rss_mb() -> float:
+    # ru_maxrss is in KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One run of one size (in a child process): median seconds of each call kind, driver memory."""
+    from raysgd import TorchTrainer
+    from raysgd.utils import BATCH_SIZE
+
+    width, depth = SIZES[side] if not args.quick else (64, 3)
+    driver_before = _peak_rss_mb()
+    with _common.local_ray(raysgd=True):
+        trainer = TorchTrainer(
+            training_operator_cls=_make_operator(width, depth),
+            num_workers=args.workers,
+            config={BATCH_SIZE: 8 * args.workers},
+            strategy=args.strategy,
+        )
+        try:
+            trainer.train(num_steps=2, max_retries=0)  # warm-up: Adam's state exists from here on
+            bare, guarded = [], []
+            for i in range(args.steps):
+                # Alternate the order so that neither always runs right after the other.
+                pair = [
+                    lambda: bare.append(_timed(lambda: trainer.train(num_steps=1, max_retries=0))),
+                    lambda: guarded.append(_timed(lambda: trainer.train(num_steps=1))),
+                ]
+                for run in pair[:: -1 if i % 2 else 1]:
+                    run()
+            after_train, after_validate = [], []
+            for _ in range(max(1, args.steps // 2)):
+                trainer.train(num_steps=1)
+                after_train.append(_timed(lambda: trainer.validate(num_steps=1)))
+                after_validate.append(_timed(lambda: trainer.validate(num_steps=1)))
+            params = trainer.apply_all_operators(
+                lambda op: sum(p.numel() for p in op.components.models[0].parameters())
+            )[0]
+        finally:
+            trainer.shutdown()
+    driver_peak = _peak_rss_mb()
+    return {
+        "parameters": params,
+        "bare_s": statistics.median(bare),
+        "guarded_s": statistics.median(guarded),
+        "guarded_over_bare": statistics.median(guarded) / statistics.median(bare),
+        "validate_after_train_s": statistics.median(after_train),
+        "validate_after_validate_s": statistics.median(after_validate),
+        "driver_peak_mb": driver_peak,
+        "driver_growth_mb": driver_peak - driver_before,
+    }
+
+
+def _table(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    rows = []
+    for side, side_runs in runs.items():
+        good = [r for r in side_runs if "error" not in r]
+        if not good:
+            rows.append({"size": side, "error": side_runs[0].get("error", "no result")})
+            continue
+        row: dict[str, Any] = {"size": side, "runs": len(good)}
+        for key in good[0]:
+            row[key] = statistics.median(float(r[key]) for r in good)
+        rows.append(row)
+    return rows
+
+
+def _print(rows: list[dict[str, Any]], strategy: str) -> None:
+    print(f"\nscale ({strategy}, 2 workers; medians)")
+    print(
+        f"  {'size':<6} {'params':>11} {'bare s':>8} {'guarded s':>10} {'ratio':>6} "
+        f"{'val after train s':>18} {'val after val s':>16} {'driver peak MB':>15}"
+    )
+    for row in rows:
+        if "error" in row:
+            print(f"  {row['size']:<6} error: {row['error'].splitlines()[0][:100]}")
+            continue
+        print(
+            f"  {row['size']:<6} {int(row['parameters']):>11,} {row['bare_s']:>8.3f} "
+            f"{row['guarded_s']:>10.3f} {row['guarded_over_bare']:>6.2f} "
+            f"{row['validate_after_train_s']:>18.3f} {row['validate_after_validate_s']:>16.3f} "
+            f"{row['driver_peak_mb']:>15.0f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; print the table; write ``<out>/scale.json``."""
+    parser = _common.bench_parser(__doc__.splitlines()[0], sides=tuple(SIZES), repeats=1)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp"))
+    parser.add_argument("--sizes", default=None, help="comma-separated subset of the sizes")
+    raw = list(argv) if argv is not None else None
+    args = _common.parse_args(parser, raw, steps=6, quick_steps=2)
+    if args.sizes:
+        args.sides = args.sizes
+    runs = _common.dispatch(_MODULE, measure, args, tuple(SIZES))
+    if runs is None:
+        return {}
+    rows = _table(runs)
+    _print(rows, args.strategy)
+    _common.write_results(args.out, "scale", [], args, rows=rows)
+    return {"rows": rows}
+
+
+if __name__ == "__main__":
+    main()
