@@ -233,8 +233,10 @@ def test_fsdp_trains_like_ddp_with_a_shard_per_worker_and_recovers_lost_workers(
     # One ddp run is the reference; the fsdp run loses rank 1 mid-way through its second epoch and
     # both ranks in its third. With gradient accumulation (no sync on the first batch of two) and
     # clipping (a total norm over both workers' shards), fsdp must still compute what ddp computes.
-    # Rank 1's shards come back from rank 0's in-memory replica; when both die, a shard and its
-    # replica are lost together and the checkpoint written at the start of the call is used.
+    # Rank 1's shards come back from rank 0's in-memory replica of the last snapshot (one every
+    # step here, so that at most the step in flight and the one whose snapshot it interrupted are
+    # redone); when both die, a shard and its replica are lost together and the checkpoint written
+    # at the start of the call is used.
     runs = {}
     for strategy, cls in (("ddp", TransformerOperator), ("fsdp", ExitOnceOperator)):
         trainer = TorchTrainer(
@@ -245,6 +247,7 @@ def test_fsdp_trains_like_ddp_with_a_shard_per_worker_and_recovers_lost_workers(
             strategy_args=FSDP_ARGS if strategy == "fsdp" else None,
             accumulate_grad_batches=2,
             clip_grad_norm=0.5,
+            snapshot_every=1,
         )
         try:
             pids = trainer.apply_all_workers(os.getpid)
@@ -256,6 +259,9 @@ def test_fsdp_trains_like_ddp_with_a_shard_per_worker_and_recovers_lost_workers(
             if strategy == "fsdp":
                 assert trainer.failures == 2 and trainer.num_workers == 2
                 assert not set(trainer.apply_all_workers(os.getpid)) & set(pids)
+                first, both = [e for e in trainer.recovery_events if e.kind == "resize"]
+                assert "in-memory snapshot at step" in first.source and first.steps_redone <= 2
+                assert "checkpoint" in both.source
         finally:
             trainer.shutdown()
     # the failures really happened

@@ -68,6 +68,10 @@ class TrainingOptions:
         compile_args: keyword arguments for `torch.compile` (with ``compile=True``).
         dataset_options: how a worker draws batches from its dataset shards (`DatasetOptions`;
             None: its defaults).
+        snapshot_every: with a sharded strategy, every how many steps each worker snapshots its
+            part of the state in memory, with a copy on a peer (asynchronously: the loop pays
+            for one copy of its part to CPU memory). A lost worker costs the steps since the last
+            snapshot. 0: only at start-up, after a recovery and before a checkpoint.
         distributed: the trainer asked for more than one worker. Registered loaders are then split
             over the workers (`add_dist_sampler`) even while only one is left after a loss, so
             that the epoch's remaining rows carry over exactly when the group shrinks and grows.
@@ -91,6 +95,7 @@ class TrainingOptions:
     compile: bool = False
     compile_args: Optional[Mapping[str, Any]] = None
     dataset_options: Optional[DatasetOptions] = None
+    snapshot_every: int = 20
     distributed: bool = False
     #: The strategy object `strategy` names, resolved once here (see `parallel_strategy`).
     _parallel_strategy: Optional[Strategy] = field(
@@ -125,6 +130,10 @@ class TrainingOptions:
             )
         if self.num_threads is not None:
             _check_positive_int("num_threads", self.num_threads)
+        if isinstance(self.snapshot_every, bool) or not isinstance(self.snapshot_every, int):
+            raise TypeError(f"snapshot_every must be an int >= 0, got {self.snapshot_every!r}")
+        if self.snapshot_every < 0:
+            raise ValueError(f"snapshot_every must be >= 0, got {self.snapshot_every}")
         # The strategy validates its own name and arguments (and wrap_ddp=False against it).
         strategy = resolve_strategy(self.strategy, self.strategy_args, wrap_ddp=bool(self.wrap_ddp))
         object.__setattr__(self, "_parallel_strategy", strategy)

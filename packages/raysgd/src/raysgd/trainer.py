@@ -54,7 +54,9 @@ class TorchTrainer(TrainerDriver):
     "none"), "fsdp" (FSDP2: parameters, gradients and optimizer state sharded; `strategy_args`
     `shard_modules`, `reshard_after_forward`, `cpu_offload`), "none", or a registered
     `raysgd_operator.Strategy`. With "fsdp", `save()`/`checkpoint=` write a checkpoint directory
-    (each worker its shards) that loads with any number of workers and any strategy.
+    (each worker its shards) that loads with any number of workers and any strategy. Every
+    `snapshot_every` steps each fsdp worker snapshots its shards in memory, asynchronously, with a
+    copy on a peer: a lost worker costs at most the steps since the last snapshot.
     `compile=True` runs `torch.compile(model, **compile_args)` on every worker after wrapping.
     `spare_workers=k` keeps k more workers started, in reserved resources, to replace lost ones at
     once (`raysgd_core.WorkerGroup`'s `spare_workers`).
@@ -120,6 +122,7 @@ class TorchTrainer(TrainerDriver):
         dataset_options: Union[DatasetOptions, dict[str, Any], None] = None,
         spare_workers: int = 0,
         state_copy_limit_mb: float = DEFAULT_LIMIT_MB,
+        snapshot_every: int = 20,
     ) -> None:
         # Everything that can be checked on the driver is checked before any worker starts.
         self._num_workers = check_positive_int("num_workers", num_workers)
@@ -157,6 +160,7 @@ class TorchTrainer(TrainerDriver):
             compile_args=compile_args,
             dataset_options=dataset_options,
             distributed=self._num_workers > 1,
+            snapshot_every=snapshot_every,
         )
         self._operator_cls = resolve_operator_cls(
             training_operator_cls,
@@ -246,11 +250,6 @@ class TorchTrainer(TrainerDriver):
         self._recovery.maybe_grow(max_retries=max_retries)
         if checkpoint:
             self._write_checkpoint(checkpoint)
-        elif self._sharded is not None and max_retries > 0:
-            # Each worker's part of the state is kept in memory with a copy on a peer (a
-            # collective; only metadata reaches the driver): a lost worker restarts the call.
-            with self._repairing():
-                self._sharded.capture(self._group)
         self._call_id += 1
         call_id = self._call_id
 

@@ -92,7 +92,7 @@ class TrainerDriver:
                 self._datasets.split(self._world_size()),
             )[0]
             if self._sharded is not None:
-                self._sharded.capture(self._group)
+                self._sharded.start(self._group)
         except BaseException as exc:
             self._group.shutdown()
             self._shut_down = True
@@ -195,20 +195,20 @@ class TrainerDriver:
         step, what, read = max(options, key=lambda option: option[0])
         return read(), step, what
 
-    def _restore_sharded(self) -> None:
-        """`_restore_after_resize` for sharded strategies: every runner is rebuilt from the last
-        snapshot's parts (survivors' own and their replicas), resharded to the new size, and a new
-        snapshot is taken at once so that every part has a replica again."""
+    def _restore_sharded(self) -> RestoreOutcome:
+        """`_restore_after_resize` for sharded strategies: every runner is rebuilt from the newest
+        snapshot whose parts survived (the survivors' own and their peers' copies), resharded to
+        the new size; the steps since that snapshot are done again."""
         assert self._sharded is not None
-        self._sharded.restore(
+        step, reached, what = self._sharded.restore(
             self._group,
             self._operator_ref,
             self._split_config(self._world_size()),
             self._options,
             self._datasets.split(self._world_size()),
         )
-        self._sharded.capture(self._group)
-        return RestoreOutcome("the last sharded snapshot", self._step, 0)
+        self._step = step
+        return RestoreOutcome(what, step, reached - step)
 
     def _sharded_view(self) -> ShardedState:
         # A ddp/none trainer loads sharded checkpoints too, through a throw-away view.

@@ -1,8 +1,10 @@
 """The driver's side of sharded training state: snapshots, checkpoint directories, recovery.
 
-With a sharded strategy no process holds the whole model, so the driver keeps only what is small:
-the DCP metadata of the last snapshot and the replicated rest of the state (epoch, position,
-schedulers, ...). The tensors stay on the workers (see `worker_sharded`), each part also on a peer.
+With a sharded strategy no process holds the whole model. The workers snapshot their parts in the
+training loop, each part also on a peer (see `worker_sharded`); the driver learns of a snapshot
+only when it asks for one (start-up, `save`, after a restore) or when a restore collects what the
+survivors hold, and then keeps only what is small: the DCP metadata and the replicated rest of the
+state (epoch, position, schedulers, ...).
 
 A checkpoint is a directory: DCP's `.metadata`, one `__<rank>_0.distcp` data file per worker, and
 `raysgd_state.pt` (the rest, read with `torch.load(weights_only=True)`). Workers on the driver's
@@ -23,6 +25,7 @@ import ray
 import torch
 
 from raysgd._internal import worker_sharded as ws
+from raysgd._internal.restore_plan import StateLostError
 from raysgd_core import WorkerGroup
 from raysgd_operator import TrainingOptions
 
@@ -74,24 +77,25 @@ def _source_for(group: WorkerGroup, path: str) -> ws.Source:
 
 
 class ShardedState:
-    """The last good sharded snapshot, as far as the driver knows it."""
+    """The driver's view of the workers' sharded snapshots."""
 
     def __init__(self) -> None:
-        self.generation = 0
+        self.step = -1
         self.metadata: Optional[bytes] = None
         self.state: Optional[dict[str, Any]] = None
-        self.world_size = 0
-        #: The last checkpoint written or loaded: the fallback when a part is lost for good.
+        #: The last checkpoint written or loaded, and its step: the fallback when a part is lost
+        #: together with the peer that held its copy.
         self.last_checkpoint: Optional[str] = None
 
+    def start(self, group: WorkerGroup) -> None:
+        """Make every worker keep snapshots (after its runner was built) and take the first."""
+        group.execute(ws.start_snapshots)
+        self.capture(group)
+
     def capture(self, group: WorkerGroup) -> None:
-        """Snapshot every worker's part and give each part to its peer (collectives)."""
-        generation = self.generation + 1
-        results = group.execute(ws.snapshot, generation)
-        refs = [ref for _, _, ref in results]
-        group.execute(ws.keep_replica, generation, refs)
-        self.metadata, self.state = results[0][0], results[0][1]
-        self.generation, self.world_size = generation, len(results)
+        """Snapshot every worker's part now, and its peer's copy (a collective); wait for it."""
+        results = group.execute(ws.snapshot_now)
+        self.step, self.metadata, self.state = results[0]
 
     def write(self, group: WorkerGroup, path: str) -> str:
         """Write the current snapshot as a checkpoint directory at `path`; returns its absolute path."""
@@ -102,7 +106,7 @@ class ShardedState:
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".raysgd-ckpt-", dir=parent)
         try:
-            refs = group.execute(ws.write_own, self.generation, tmp, _driver_node())
+            refs = group.execute(ws.write_own, self.step, tmp, _driver_node())
             for ref in refs:
                 if ref is not None:  # a worker on another node: its files came through Ray
                     ws._write_dir(tmp, ray.get(ref))
@@ -126,7 +130,9 @@ class ShardedState:
         """The whole snapshot in this process (what `TorchTrainer.state_dict()` returns)."""
         tmp = tempfile.mkdtemp(prefix="raysgd-state-")
         try:
+            keep = self.last_checkpoint
             path = self.write(group, os.path.join(tmp, "ckpt"))
+            self.last_checkpoint = keep
             files = ws._read_dir(path)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -156,37 +162,101 @@ class ShardedState:
         config: dict[str, Any],
         options: TrainingOptions,
         shards: Sequence[Mapping[str, Any]] = (),
-    ) -> None:
-        """After a resize: rebuild every runner from the survivors' parts and replicas (or, when
-        a part is lost with its replica, from the last checkpoint), resharded to the new size.
-        `shards`: the datasets split over the new group (every rank's, in rank order)."""
-        if self.metadata is None or self.state is None:
-            raise RuntimeError("no sharded snapshot to restore")
-        offers = group.execute(ws.offer, self.generation)
-        held: dict[int, tuple[list[str], Any]] = {}
-        for offered in offers:
-            held.update(offered)
-        missing = sorted(set(range(self.world_size)) - set(held))
-        metadata, state = self.metadata, self.state
-        if not missing:
-            source: ws.Source = {name: ref for names, ref in held.values() for name in names}
+    ) -> tuple[int, int, str]:
+        """After a resize: rebuild every runner from the newest snapshot whose every part survived
+        (each worker's own or its peer's copy), resharded to the new size, and go on with the call
+        the survivors were in; when some part is lost with its copy, from the last checkpoint.
+        `shards`: the datasets split over the new group (every rank's, in rank order).
+
+        Returns (the step training goes on from, the furthest step a survivor had started, where
+        the state came from).
+        """
+        offers = group.execute(ws.offer)
+        reached = max(
+            (
+                p.step + (1 if p.in_batch or not p.clean else 0)
+                for o in offers
+                if (p := o["progress"])
+            ),
+            default=0,
+        )
+        call = next((o["call"] for o in offers if o["call"] is not None), None)
+        complete = _complete_snapshots(offers)
+        if complete:
+            step, snapshot = max(complete.items())
+            source: ws.Source = {
+                name: ref for names, ref, _ in snapshot["parts"].values() for name in names
+            }
+            metadata, state = snapshot["metadata"], snapshot["state"]
+            meters = _meters_for(snapshot["parts"], group.world_size)
+            what = f"the in-memory snapshot at step {step}"
         elif self.last_checkpoint is not None:
             logger.warning(
                 "the in-memory parts of worker(s) %s were lost together with their replicas: "
                 "restoring the last checkpoint %s (work since then is redone)",
-                missing,
+                _missing_parts(offers),
                 self.last_checkpoint,
             )
             metadata, state = read_checkpoint(self.last_checkpoint)
             source = _source_for(group, self.last_checkpoint)
+            step, call, meters = int(state.get("step", 0)), None, []
+            what = f"checkpoint {self.last_checkpoint} at step {step}"
         else:
-            raise RuntimeError(
-                f"the state of worker(s) {missing} was lost together with its replica and there "
-                "is no checkpoint to fall back on (save one, or train with checkpoint='auto')"
+            raise StateLostError(
+                "a worker's part of the sharded state was lost together with the peer holding its "
+                "copy, and there is no checkpoint to fall back on (save one, or train with "
+                "checkpoint='auto')"
             )
         # `operator_ref`: the operator class in the object store (a top-level ref, resolved there)
-        group.execute(ws.restore, operator_ref, config, options, metadata, state, source, shards)
-        self.metadata, self.state = metadata, state
+        group.execute(
+            ws.restore, operator_ref, config, options, metadata, state, source, shards, call, meters
+        )
+        group.execute(ws.start_snapshots)
+        self.capture(group)  # every part has a copy again, in the new group's layout
+        return step, max(reached, step), what
+
+
+def _complete_snapshots(offers: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The snapshots every part of which some survivor holds: step -> metadata, state, parts."""
+    found: dict[int, dict[str, Any]] = {}
+    for offered in offers:
+        for step, held in offered["held"].items():
+            entry = found.setdefault(step, {**held, "parts": {}})
+            entry["parts"].update(held["parts"])
+    return {
+        step: entry
+        for step, entry in found.items()
+        if set(entry["parts"]) >= set(range(entry["world_size"]))
+    }
+
+
+def _missing_parts(offers: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The old ranks whose part of the newest snapshot no survivor holds."""
+    newest: dict[str, Any] = {}
+    for offered in offers:
+        for step, held in offered["held"].items():
+            if not newest or step > newest["step"]:
+                newest = {"step": step, "size": held["world_size"], "ranks": set()}
+            if step == newest["step"]:
+                newest["ranks"] |= set(held["parts"])
+    if not newest:
+        return []
+    return sorted(set(range(newest["size"])) - newest["ranks"])
+
+
+def _meters_for(parts: Mapping[int, Any], world_size: int) -> list[Any]:
+    """The call's metrics per new rank: new rank r takes those of the old ranks r, r + n, ..."""
+    merged: list[Any] = [None] * world_size
+    for old_rank in sorted(parts):
+        meters = parts[old_rank][2]
+        if meters is None:
+            continue
+        index = old_rank % world_size
+        if merged[index] is None:
+            merged[index] = meters
+        else:
+            merged[index].merge(meters)
+    return merged
 
 
 def _replace_dir(tmp: str, path: str) -> None:

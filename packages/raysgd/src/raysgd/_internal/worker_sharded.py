@@ -1,45 +1,84 @@
-"""Worker-side functions for sharded strategies (`fsdp`): snapshots, peer replicas, checkpoints.
+"""Worker-side snapshots of a sharded state (`fsdp`): taken in the training loop, kept in memory,
+each worker's part also on a peer, so that a lost worker's part comes back without a disk.
 
-Every worker keeps its own part of the last good state in memory (the `torch.distributed.checkpoint`
-data file it wrote, as bytes) and a copy of one peer's part: worker r holds the part of worker
-r - 1 (mod N). A lost worker's part is thus still in memory unless its replica holder died too.
-The parts of the last two snapshots are kept, so that a snapshot interrupted by a failure never
-leaves a worker without the previous, complete one.
+Every `snapshot_every` steps (and when the trainer asks: at start-up, after a restore, before a
+checkpoint) every worker, at the same step boundary:
+
+1. hands its part of the models and optimizers to `torch.distributed.checkpoint.async_save`, which
+   copies it to CPU memory before training goes on and writes it in a thread of its own;
+2. keeps the small rest of the state (epoch, position, schedulers, the call in progress with its
+   metrics so far);
+3. in a background thread, once the files exist, reads them into memory and swaps parts with its
+   ring peers over a separate gloo group: worker r keeps its own part and that of worker r - 1.
+
+So a snapshot costs the training loop the copy in step 1; the writing, reading and swapping
+overlap with the next steps. A lost worker's part is gone only when its peer is lost too. The
+parts of the last two finished snapshots are kept, so a snapshot interrupted by a failure never
+leaves a worker without the one before it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import pickle
 import shutil
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Optional, Union
 
 import ray
+import torch
 
 from raysgd._internal.worker import RUNNER_KEY, _build, _runner
 from raysgd_core import get_context
-from raysgd_operator import OperatorRunner, TrainingOptions
+from raysgd_operator import AverageMeterCollection, CallRecord, OperatorRunner, TrainingOptions
 
 __all__ = [
     "METADATA_FILE",
-    "SHARDS_KEY",
-    "keep_replica",
+    "SNAPSHOTS_KEY",
+    "Generation",
+    "Snapshots",
     "load_checkpoint",
     "offer",
     "restore",
-    "snapshot",
+    "snapshot_now",
+    "start_snapshots",
     "write_own",
 ]
 
-#: Key of `{generation: {rank: {file name: bytes}}}` in the worker's store.
-SHARDS_KEY = "raysgd.shards"
-#: DCP's metadata file (held by the driver, which ships it with every load).
+logger = logging.getLogger("raysgd")
+
+#: Key of this worker's `Snapshots` in its store.
+SNAPSHOTS_KEY = "raysgd.snapshots"
+#: DCP's metadata file.
 METADATA_FILE = ".metadata"
+#: How long the gloo group that swaps parts waits for a peer before giving up on a snapshot.
+SWAP_TIMEOUT_S = 300.0
 
 #: Where the parts of a checkpoint come from: a directory this worker can read, or, for a worker
 #: on another node, `{file name: (ObjectRef of {file name: bytes})}` shipped through the object store.
 Source = Union[str, dict[str, Any]]
+
+
+@dataclass
+class Generation:
+    """One finished snapshot as a worker holds it."""
+
+    step: int
+    world_size: int
+    metadata: bytes
+    #: The small rest of the state (`OperatorRunner.sharded_snapshot`'s dict).
+    state: dict[str, Any]
+    #: The call in progress when it was taken (its rows so far), or None.
+    call: Optional[CallRecord]
+    #: old rank -> (its files, its call metrics): this worker's own part and its peer's.
+    parts: dict[int, tuple[dict[str, bytes], Optional[AverageMeterCollection]]] = field(
+        default_factory=dict
+    )
 
 
 def _read_dir(directory: str) -> dict[str, bytes]:
@@ -58,55 +97,170 @@ def _write_dir(directory: str, files: dict[str, bytes]) -> None:
             os.fsync(handle.fileno())
 
 
-def _keep(generation: int, rank: int, files: dict[str, bytes]) -> None:
-    held = get_context().store.setdefault(SHARDS_KEY, {})
-    held.setdefault(generation, {})[rank] = files
-    for old in [g for g in held if g < generation - 1]:
-        del held[old]
+class Snapshots:
+    """This worker's snapshots and the step hook that takes them (see the module docstring)."""
+
+    def __init__(self, runner: OperatorRunner, every: int) -> None:
+        self.runner = runner
+        self.every = int(every)
+        self.held: dict[int, Generation] = {}
+        self._group: Any = None
+        self._thread: Optional[threading.Thread] = None
+        self._failed: Optional[BaseException] = None
+        if self.every > 0:
+            runner.add_step_hook(self._on_step)
+
+    def _on_step(self) -> None:
+        if self.runner.step % self.every == 0:
+            self.take(wait=False)
+
+    def take(self, *, wait: bool) -> Generation | None:
+        """Snapshot this worker's part now (every worker calls it at the same step). With `wait`,
+        return once the snapshot is held here and on the peer."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        self.join()
+        if self._group is None:
+            # Collectives of this group run in threads beside training's: a group of their own,
+            # on the CPU (DCP stages to CPU memory), never in the way of the training group.
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=SWAP_TIMEOUT_S))
+        runner, rank = self.runner, dist.get_rank()
+        tensors, state = runner.sharded_parts()
+        meters = runner.call_meters()
+        call = runner.call
+        directory = tempfile.mkdtemp(prefix="raysgd-snapshot-")
+        future = dcp.async_save(
+            tensors,
+            storage_writer=FileSystemWriter(directory, single_file_per_rank=True),
+            process_group=self._group,
+        )
+        step, size = runner.step, dist.get_world_size()
+
+        def finish() -> None:
+            try:
+                future.result()
+                files = _read_dir(directory)
+                metadata = files.pop(METADATA_FILE, None)
+                holder = [metadata]
+                dist.broadcast_object_list(holder, src=0, group=self._group)
+                generation = Generation(step, size, holder[0], state, call)
+                generation.parts[rank] = (files, meters)
+                if size > 1:
+                    peer = (rank - 1) % size
+                    generation.parts[peer] = self._swap(rank, size, (files, meters))
+                self.held[step] = generation
+                for old in sorted(self.held)[:-2]:
+                    del self.held[old]
+            except BaseException as exc:  # kept for `join`; a lost peer ends the swap here
+                self._failed = exc
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+
+        self._thread = threading.Thread(target=finish, name="raysgd-snapshot", daemon=True)
+        self._thread.start()
+        if wait:
+            self.join()
+            if self._failed is not None:
+                raise RuntimeError(f"the snapshot at step {step} failed: {self._failed}")
+            return self.held[step]
+        return None
+
+    def _swap(self, rank: int, size: int, mine: Any) -> Any:
+        """Send `mine` to rank + 1, receive rank - 1's (a ring over the snapshot group)."""
+        import torch.distributed as dist
+
+        payload = torch.frombuffer(bytearray(pickle.dumps(mine)), dtype=torch.uint8)
+        send_size = torch.tensor([payload.numel()], dtype=torch.int64)
+        recv_size = torch.zeros(1, dtype=torch.int64)
+        to, frm = (rank + 1) % size, (rank - 1) % size
+        requests = [
+            dist.isend(send_size, to, group=self._group),
+            dist.irecv(recv_size, frm, group=self._group),
+        ]
+        for request in requests:
+            request.wait()
+        received = torch.empty(int(recv_size.item()), dtype=torch.uint8)
+        requests = [
+            dist.isend(payload, to, group=self._group),
+            dist.irecv(received, frm, group=self._group),
+        ]
+        for request in requests:
+            request.wait()
+        # Written by this trainer's own workers for each other: plain pickle is safe here.
+        return pickle.loads(received.numpy().tobytes())
+
+    def join(self, timeout_s: Optional[float] = None) -> None:
+        """Wait for the snapshot in flight (if any) to be held."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+            if not thread.is_alive():
+                self._thread = None
+        if self._failed is not None:
+            logger.warning("a sharded snapshot failed: %s", self._failed)
+            self._failed = None
 
 
-def snapshot(generation: int) -> tuple[Optional[bytes], Optional[dict], Any]:
-    """Write this worker's part of the state (a collective), keep it, and offer it to its peer.
+def _snapshots() -> Snapshots:
+    snapshots = get_context().store.get(SNAPSHOTS_KEY)
+    if snapshots is None:
+        raise RuntimeError("this worker keeps no sharded snapshots")
+    return snapshots
 
-    Returns (metadata, state, ref): the DCP metadata and the replicated rest of the state from
-    rank 0 only (None elsewhere), and a reference to this worker's part for its replica holder.
-    """
+
+def start_snapshots() -> None:
+    """Keep snapshots on this worker (its runner built), taken every `snapshot_every` steps of its
+    options (0: only when the trainer asks)."""
+    runner = _runner()
+    get_context().store[SNAPSHOTS_KEY] = Snapshots(runner, runner.options.snapshot_every)
+
+
+def snapshot_now() -> tuple[int, Optional[bytes], Optional[dict[str, Any]]]:
+    """Take a snapshot on every worker now and wait for it (a collective). Returns (step,
+    metadata, state) from rank 0, (step, None, None) elsewhere."""
+    generation = _snapshots().take(wait=True)
+    assert generation is not None
+    if get_context().world_rank == 0:
+        return generation.step, generation.metadata, generation.state
+    return generation.step, None, None
+
+
+def offer() -> dict[str, Any]:
+    """What this worker holds for a restore: per snapshot step, its world size and the old ranks
+    whose parts are here (with a reference to each part's files), plus the call it was in."""
+    snapshots: Optional[Snapshots] = get_context().store.get(SNAPSHOTS_KEY)
+    runner: Optional[OperatorRunner] = get_context().store.get(RUNNER_KEY)
+    held: dict[int, Any] = {}
+    if snapshots is not None:
+        snapshots.join(timeout_s=0)
+        for step, generation in list(snapshots.held.items()):
+            held[step] = {
+                "world_size": generation.world_size,
+                "metadata": generation.metadata,
+                "state": generation.state,
+                "call": generation.call,
+                "parts": {
+                    rank: (sorted(files), ray.put(files), meters)
+                    for rank, (files, meters) in generation.parts.items()
+                },
+            }
+    return {
+        "held": held,
+        "call": None if runner is None else runner.call,
+        "progress": None if runner is None else runner.progress(),
+    }
+
+
+def write_own(step: int, directory: str, driver_node: str) -> Any:
+    """Write this worker's part of snapshot `step` into `directory` when that is on this node;
+    otherwise return a reference to it for the driver to write."""
     ctx = get_context()
-    directory = tempfile.mkdtemp(prefix="raysgd-shards-")
-    try:
-        state = _runner().sharded_snapshot(directory)
-        files = _read_dir(directory)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    metadata = files.pop(METADATA_FILE, None)
-    _keep(generation, ctx.world_rank, files)
-    ref = ray.put(files)
-    if ctx.world_rank == 0:
-        return metadata, state, ref
-    return None, None, ref
-
-
-def keep_replica(generation: int, refs: list[Any]) -> None:
-    """Keep a copy of the part of worker `rank - 1` (mod N); `refs` are `snapshot`'s, in rank order."""
-    rank, size = get_context().world_rank, len(refs)
-    if size > 1:
-        source = (rank - 1) % size
-        _keep(generation, source, ray.get(refs[source]))
-
-
-def offer(generation: int) -> dict[int, tuple[list[str], Any]]:
-    """The parts of snapshot `generation` this worker holds: `{old rank: (file names, ref)}`."""
-    held = get_context().store.get(SHARDS_KEY, {}).get(generation, {})
-    return {rank: (sorted(files), ray.put(files)) for rank, files in held.items()}
-
-
-def write_own(generation: int, directory: str, driver_node: str) -> Any:
-    """Write this worker's part of snapshot `generation` into `directory` when that is on this
-    node; otherwise return a reference to it for the driver to write."""
-    ctx = get_context()
-    files = ctx.store.get(SHARDS_KEY, {}).get(generation, {}).get(ctx.world_rank)
-    if files is None:
-        raise RuntimeError(f"worker {ctx.world_rank} holds no part of snapshot {generation}")
+    generation = _snapshots().held.get(step)
+    if generation is None or ctx.world_rank not in generation.parts:
+        raise RuntimeError(f"worker {ctx.world_rank} holds no part of the snapshot at step {step}")
+    files = generation.parts[ctx.world_rank][0]
     if ctx.node_id == driver_node:
         _write_dir(directory, files)
         return None
@@ -147,12 +301,19 @@ def restore(
     state: dict,
     source: Source,
     shards: Sequence[Mapping[str, Any]] = (),
+    call: Optional[CallRecord] = None,
+    meters: Sequence[Optional[AverageMeterCollection]] = (),
 ) -> None:
-    """After a resize: build a new runner (sharded modules cannot change their group) and load
-    the last good state into it, resharded for the new group. `shards`: every rank's dataset
-    shards of a split over the new group (each worker takes its own)."""
+    """After a resize: build a new runner (sharded modules cannot change their group), load the
+    snapshot into it, resharded for the new group, and go on with `call` from the snapshot's step
+    (`meters[rank]`: this rank's share of the call's metrics up to there). `shards`: every rank's
+    dataset shards of a split over the new group (each worker takes its own)."""
     ctx = get_context()
     old: Optional[OperatorRunner] = ctx.store.pop(RUNNER_KEY, None)
+    ctx.store.pop(SNAPSHOTS_KEY, None)  # its parts belong to the old group's layout
     if old is not None:
         old.shutdown()
-    _load_into(_build(operator_cls, config, options, shards), metadata, state, source)
+    runner = _build(operator_cls, config, options, shards, restoring=True)
+    _load_into(runner, metadata, state, source)
+    mine = meters[ctx.world_rank] if ctx.world_rank < len(meters) else None
+    runner.adopt_snapshot(call, mine)
