@@ -101,6 +101,10 @@ def test_sharded_checkpoint_loads_with_fewer_and_more_workers_and_other_strategi
         trainer.train()
         saved = trainer.save(path)
         expected = trainer.apply_all_operators(_full_loss)[0]
+        # Validation counts every row once (no padded duplicate), so any number of workers and
+        # any strategy give the same figures for the same weights.
+        expected_val = trainer.validate()
+        assert expected_val["num_samples"] == SAMPLES
         next_loss = trainer.train()["train_loss"]
         assert os.path.isfile(os.path.join(saved, ".metadata"))
         assert sorted(n for n in os.listdir(saved) if n.endswith(".distcp")) == [
@@ -115,6 +119,10 @@ def test_sharded_checkpoint_loads_with_fewer_and_more_workers_and_other_strategi
                 assert other.apply_all_operators(_full_loss) == pytest.approx(
                     [expected] * num_workers, rel=LOSS_RTOL
                 )
+                val = other.validate()
+                assert val["num_samples"] == SAMPLES
+                for key in ("val_loss", "val_accuracy"):
+                    assert val[key] == pytest.approx(expected_val[key], rel=LOSS_RTOL)
                 if strategy == "none":
                     other.save(whole)  # the one-file format of ddp/none
                     # one worker with the whole global batch sees the same batches as two

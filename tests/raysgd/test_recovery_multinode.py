@@ -1,8 +1,9 @@
-"""Losing a whole node mid-epoch, then getting it back (issue 5, on a `ray.cluster_utils.Cluster`).
+"""Losing a whole node mid-epoch, then getting it back (on a `ray.cluster_utils.Cluster`).
 
-Training must go on with the workers left, with the same global batch (re-split over fewer workers,
-so an epoch still covers every sample once), and a later `train()` grows back to `num_workers` once
-the cluster has room again.
+Training must go on with the workers left, from the last step the group finished, with the same
+global batch: the rest of the epoch is re-split over fewer workers, so the epoch trains every row
+once (the lost worker's finished steps included), and a later `train()` grows back to `num_workers`
+once the cluster has room again.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 import ray
 import torch
 from ray.util import placement_group_table
+from tests._support.rows import record_rows, rows_by_epoch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -36,16 +38,24 @@ class BlockOnceOperator(TrainingOperator):
         gen = torch.Generator().manual_seed(1)
         x = torch.randn(NUM_SAMPLES, 4, generator=gen)
         y = x.sum(dim=1, keepdim=True)
+        ids = torch.arange(NUM_SAMPLES)
         model = nn.Linear(4, 1)
         self.model, self.optimizer, self.criterion = self.register(
             models=model,
             optimizers=torch.optim.SGD(model.parameters(), lr=0.05),
             criterion=nn.MSELoss(),
         )
-        loader = DataLoader(TensorDataset(x, y), batch_size=config[BATCH_SIZE])
-        self.register_data(train_loader=loader, validation_loader=loader)
+        loader = DataLoader(TensorDataset(x, y, ids), batch_size=config[BATCH_SIZE], shuffle=True)
+        self.register_data(train_loader=loader)
 
     def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        x, y, ids = batch
+        self._maybe_block(batch_info)
+        metrics = super().train_batch((x, y), batch_info)
+        record_rows(self.config["marker_dir"], batch_info["epoch_idx"] + 1, ids)
+        return metrics
+
+    def _maybe_block(self, batch_info: dict[str, Any]) -> None:
         if self.world_rank == 1 and batch_info["global_step"] == BLOCK_AT_STEP:
             try:
                 fd = os.open(
@@ -58,7 +68,6 @@ class BlockOnceOperator(TrainingOperator):
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline:  # the test removes this node meanwhile
                     time.sleep(0.05)
-        return super().train_batch(batch, batch_info)
 
 
 def _node_id() -> str:
@@ -123,6 +132,11 @@ def test_node_loss_keeps_the_global_batch_and_grows_back(
         assert trainer.apply_all_operators(_per_worker_batch) == [GLOBAL_BATCH]
         lost = next(e for e in trainer.recovery_events if e.kind == "failure")
         assert lost.ranks == (1,) and lost.nodes == (victim.node_id,)
+        # The survivor went on from step 2; the other half of the shuffled epoch was re-split
+        # over it alone: every row once, none twice.
+        shrink = next(e for e in trainer.recovery_events if e.kind == "resize")
+        assert (shrink.source, shrink.steps_redone) == ("rank 0 at step 2", 1)
+        assert sorted(rows_by_epoch(tmp_path)[1]) == list(range(NUM_SAMPLES))
 
         # The node comes back: the next train() grows to num_workers and re-splits the batch.
         cluster.add_node(num_cpus=1)
@@ -134,5 +148,6 @@ def test_node_loss_keeps_the_global_batch_and_grows_back(
         assert trainer.apply_all_operators(_per_worker_batch) == [GLOBAL_BATCH // 2] * 2
         grow = [e for e in trainer.recovery_events if e.kind == "resize"][-1]
         assert (grow.num_workers_before, grow.num_workers_after) == (1, 2)
+        assert sorted(rows_by_epoch(tmp_path)[2]) == list(range(NUM_SAMPLES))
     finally:
         trainer.shutdown(force=True)

@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 import ray
 import torch
+from tests._support.rows import record_rows, rows_by_epoch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from raysgd import TorchTrainer, TrainingOperator
+from raysgd import StateLostError, TorchTrainer, TrainingOperator
 from raysgd.utils import BATCH_SIZE
 from raysgd_core import WorkerDiedError, WorkerError
 
@@ -32,7 +33,8 @@ DIE_AT_STEP = 2  # mid-epoch of the first epoch
 
 
 class LinearOperator(TrainingOperator):
-    """A seeded linear regression on a fixed synthetic data set; deterministic across runs."""
+    """A seeded linear regression on a fixed synthetic data set; deterministic across runs. Each
+    row carries its id, and every finished step's ids go to a file of the worker's process."""
 
     def setup(self, config: dict[str, Any]) -> None:
         torch.manual_seed(0)
@@ -43,11 +45,21 @@ class LinearOperator(TrainingOperator):
         y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.1 * torch.randn(
             NUM_SAMPLES, 1, generator=gen
         )
-        loader = DataLoader(TensorDataset(x, y), batch_size=config[BATCH_SIZE])
+        ids = torch.arange(NUM_SAMPLES)
+        loader = DataLoader(TensorDataset(x, y, ids), batch_size=config[BATCH_SIZE])
         self.model, self.optimizer, self.criterion = self.register(
             models=model, optimizers=optimizer, criterion=nn.MSELoss()
         )
         self.register_data(train_loader=loader, validation_loader=loader)
+
+    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        x, y, ids = batch
+        metrics = super().train_batch((x, y), batch_info)
+        record_rows(self.config["marker_dir"], batch_info["epoch_idx"] + 1, ids)
+        return metrics
+
+    def validate_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        return super().validate_batch(batch[:2], batch_info)
 
 
 def _first_time(config: dict[str, Any], name: str) -> bool:
@@ -85,6 +97,17 @@ class BlockOnceOperator(LinearOperator):
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:  # the test kills this process meanwhile
                 time.sleep(0.05)
+        return super().train_batch(batch, batch_info)
+
+
+class AllExitOnceOperator(LinearOperator):
+    """Every rank `os._exit`s at global step DIE_AT_STEP, on the first attempt only."""
+
+    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        if batch_info["global_step"] == DIE_AT_STEP and _first_time(
+            self.config, f"exited-{self.world_rank}"
+        ):
+            os._exit(1)
         return super().train_batch(batch, batch_info)
 
 
@@ -129,7 +152,8 @@ _CLEAN: dict[str, Any] = {}
 def _clean_run(tmp_path: Path) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
     """Two epochs without failure (computed once per module): the reference every recovery meets."""
     if not _CLEAN:
-        trainer = _make(LinearOperator, tmp_path)
+        (tmp_path / "clean").mkdir(exist_ok=True)
+        trainer = _make(LinearOperator, tmp_path / "clean")
         try:
             stats = [trainer.train(), trainer.train()]
             _CLEAN["stats"], _CLEAN["weights"] = stats, _weights(trainer)
@@ -178,6 +202,12 @@ def test_worker_exit_mid_epoch_recovers_to_the_clean_result(tmp_path: Path) -> N
         resize = next(e for e in trainer.recovery_events if e.kind == "resize")
         assert resize.path == "keep-healthy"
         assert resize.num_workers_after == 2
+        # The survivor had finished step 2 (of 4) and gave its state to the replacement: only the
+        # step in flight was redone, and each epoch trained every row once, the lost worker's
+        # first two batches included.
+        assert (resize.source, resize.steps_redone) == ("rank 0 at step 2", 1)
+        rows = rows_by_epoch(tmp_path)
+        assert sorted(rows[1]) == sorted(rows[2]) == list(range(NUM_SAMPLES))
         _assert_same_run(stats, _weights(trainer), tmp_path)
     finally:
         trainer.shutdown()
@@ -283,6 +313,35 @@ def test_failure_during_restart_is_retried(tmp_path: Path) -> None:
         assert len(failed) == 1 and "replacement machine is broken" in (failed[0].error or "")
         assert trainer.num_workers == 2
         _assert_same_run(stats, _weights(trainer), tmp_path)
+    finally:
+        trainer.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_every_worker_lost_at_once_restores_a_checkpoint_or_says_what_was_lost(
+    tmp_path: Path,
+) -> None:
+    # No worker survives to give the state, and the driver keeps no copy (state_copy_limit_mb=0):
+    # without a checkpoint the state is gone, and the error says how to keep it next time.
+    trainer = _make(AllExitOnceOperator, tmp_path, state_copy_limit_mb=0)
+    try:
+        with pytest.raises(StateLostError, match=r"checkpoint='auto'\) or save\(\)"):
+            trainer.train(max_retries=2)
+        assert trainer.failures == 1  # given up at once: retrying cannot bring the state back
+    finally:
+        trainer.shutdown(force=True)
+    # With the checkpoint written at the start of the call, the call is done again from it.
+    again = tmp_path / "again"
+    again.mkdir()
+    trainer = _make(AllExitOnceOperator, again, state_copy_limit_mb=0)
+    try:
+        stats = [trainer.train(max_retries=2, checkpoint="auto"), trainer.train()]
+        resize = next(e for e in trainer.recovery_events if e.kind == "resize")
+        assert resize.source is not None and resize.source.startswith("checkpoint ")
+        # Back to the call's start; with no survivor to ask, the count is what the driver knows
+        # for sure (the step in flight), a lower bound.
+        assert resize.steps_redone == 1
+        _assert_same_run(stats, _weights(trainer), tmp_path, interrupted=())
     finally:
         trainer.shutdown()
 

@@ -90,7 +90,8 @@ class RecoveryEvent:
             copy at step 12", a checkpoint).
         steps_redone: For a resize, how many training steps that had been started are done
             again: the one in flight when the worker was lost (0 when it was lost between steps),
-            plus those since the snapshot or copy the state came from.
+            plus those since the snapshot or copy the state came from. When no worker survived
+            to say how far it got, a lower bound (the steps the driver knows of).
     """
 
     kind: str
