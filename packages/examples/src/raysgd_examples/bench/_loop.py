@@ -31,6 +31,7 @@ __all__ = [
     "first_step_time",
     "maybe_kill",
     "recovery_from_timeline",
+    "steps_redone_from_timeline",
     "throughput_from_times",
     "worker_loop",
 ]
@@ -86,6 +87,19 @@ def recovery_from_timeline(timeline: Timeline) -> float:
     if not after:
         raise RuntimeError("no step finished after the kill: training did not recover")
     return min(after) - min(kills)
+
+
+def steps_redone_from_timeline(timeline: Timeline) -> int:
+    """Steps done again after the kill: from the first step stamped after it back to the step the
+    worker died in (which was in flight), e.g. 1 when training went on from the step it had
+    reached, ``kill step + 1`` when it started over."""
+    events = timeline.read()
+    kill = min((e for e in events if e["event"] == "kill"), key=lambda e: e["t"])
+    after = [e for e in events if e["event"] == "step" and e["t"] > kill["t"]]
+    if not after:
+        raise RuntimeError("no step finished after the kill: training did not recover")
+    first = min(after, key=lambda e: e["t"])
+    return int(kill["step"]) - int(first["step"]) + 1
 
 
 def worker_loop(
