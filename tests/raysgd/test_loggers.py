@@ -36,6 +36,7 @@ from raysgd.loggers import (
     WandbLogger,
     available_loggers,
     get_logger,
+    register_logger,
 )
 from raysgd.utils import BATCH_SIZE
 
@@ -117,10 +118,11 @@ def run(ray_local_module: None, tmp_path_factory: pytest.TempPathFactory) -> Sim
     """The module's one training run, with every logger; what it returned and where it wrote."""
     tmp = tmp_path_factory.mktemp("loggers")
     (tmp / "markers").mkdir()
-    os.environ.setdefault("WANDB_SILENT", "true")
     recording, failing = RecordingLogger(), FailingLogger()
     mlflow_logger = MLflowLogger(tracking_uri=str(tmp / "mlruns"), experiment_name="loggers-test")
-    wandb_logger = WandbLogger(project="loggers-test", dir=str(tmp / "wandb"))
+    wandb_logger = WandbLogger(
+        project="loggers-test", dir=str(tmp / "wandb"), settings={"silent": True}
+    )
     warnings = _Records()
     logging.getLogger("raysgd").addHandler(warnings)
     trainer = TorchTrainer(
@@ -328,10 +330,23 @@ def test_csv_files_one_per_kind_with_a_widening_header(run: SimpleNamespace) -> 
     assert params["config/lr"] == "0.05" and params["trainer/num_workers"] == "2"
 
 
-def test_names_build_the_built_in_loggers(tmp_path: Path) -> None:
+def test_names_build_the_built_in_and_registered_loggers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from raysgd.loggers import registry
+
+    monkeypatch.setattr(registry, "_registry", registry._registry.copy())
     assert set(available_loggers()) >= {"csv", "mlflow", "tensorboard", "wandb"}
     assert isinstance(get_logger("CSV", directory=str(tmp_path)), CSVLogger)
     assert isinstance(get_logger("tensorboard"), TensorBoardLogger)
+    register_logger("Recording", RecordingLogger)
+    assert "recording" in available_loggers()
+    assert isinstance(get_logger("recording"), RecordingLogger)
+    with pytest.raises(ValueError, match="already registered"):
+        register_logger("recording", RecordingLogger)
+    register_logger("bad", lambda: object())
+    with pytest.raises(TypeError, match="not a Logger"):
+        get_logger("bad")
     with pytest.raises(ValueError, match=r"unknown experiment logger 'neptune'.*'csv'"):
         get_logger("neptune")
     with pytest.raises(TypeError, match="cannot be applied"):
