@@ -9,8 +9,11 @@ asking for `ray_local` starts the shared cluster again.
 from __future__ import annotations
 
 import os
+import struct
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,6 +55,45 @@ def ray_local() -> Iterator[None]:
     """A running local Ray cluster with LOCAL_CPUS CPUs, shared across tests."""
     _start_local()
     yield
+
+
+@pytest.fixture(scope="module")
+def ray_local_module() -> Iterator[None]:
+    """`ray_local` for a module-scoped fixture (one trainer shared by a module's tests)."""
+    _start_local()
+    yield
+
+
+def _read_wandb_run(path: Path) -> list[Any]:
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a W&B run file"
+    block, pos, pending, records = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 2):  # a full record, or the first chunk of one
+            pending = chunk
+        elif kind in (3, 4):  # a middle or the last chunk
+            pending += chunk
+        if kind in (1, 4):
+            records.append(pb.Record.FromString(pending))
+        elif kind == 0:  # zeroes: the end of what was written
+            break
+    return records
+
+
+@pytest.fixture
+def read_wandb_run() -> Callable[[Path], list[Any]]:
+    """`read(path)`: the records of a W&B run file (`run-<id>.wandb`), for reading back what W&B
+    wrote without a server. The file is W&B's framing (a 7-byte header, then 32 KiB blocks of
+    chunks: crc32 4 bytes, length 2, type 1) around protobuf `Record`s of W&B's own schema
+    (`wandb.proto.wandb_internal_pb2`)."""
+    return _read_wandb_run
 
 
 @pytest.fixture

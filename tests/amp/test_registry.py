@@ -71,7 +71,7 @@ def test_apex_args_must_be_a_dict() -> None:
 
 
 def test_register_precision(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(registry_module, "_registry", dict(registry_module._registry))
+    monkeypatch.setattr(registry_module, "_registry", registry_module._registry.copy())
 
     class Tagged(Precision):
         name = "tagged"
@@ -145,7 +145,7 @@ def test_a_duck_typed_backend_is_used_as_given() -> None:
 def test_register_keyword_is_overwrite_like_the_fault_registry(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(registry_module, "_registry", dict(registry_module._registry))
+    monkeypatch.setattr(registry_module, "_registry", registry_module._registry.copy())
     register_precision("mine", FullPrecision)
     register_precision("mine", NativePrecision, overwrite=True)
     assert isinstance(get_precision("mine", device="cpu"), NativePrecision)

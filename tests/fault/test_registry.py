@@ -25,7 +25,7 @@ from raysgd_fault import (
 @pytest.fixture(autouse=True)
 def _fresh_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     # Registrations (and cached entry points) must not leak from one test into the next.
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_registry", registry._registry.copy())
 
 
 class HalfPolicy(FailurePolicy):

@@ -13,14 +13,13 @@ its signature accepts, so a `Precision` subclass whose `__init__` takes no argum
 
 from __future__ import annotations
 
-import inspect
 import logging
-import warnings
 from collections.abc import Mapping
-from importlib import metadata
 from typing import Any, Callable, Optional, Union
 
 import torch
+
+from raysgd_base import Registry, call_with_accepted, overwrite_flag
 
 from .full import FullPrecision
 from .native import NativePrecision, resolve_device
@@ -89,14 +88,12 @@ def _apex(apex_args: Optional[Mapping[str, Any]] = None) -> Precision:
     return ApexPrecision(apex_args)
 
 
-_BUILTIN: dict[str, PrecisionFactory] = {
-    "full": FullPrecision,
-    "fp32": FullPrecision,
-    "fp16": _fp16,
-    "bf16": _bf16,
-    "apex": _apex,
-}
-_registry: dict[str, PrecisionFactory] = dict(_BUILTIN)
+_registry = Registry(
+    "precision backend",
+    ENTRY_POINT_GROUP,
+    {"full": FullPrecision, "fp32": FullPrecision, "fp16": _fp16, "bf16": _bf16, "apex": _apex},
+    instance_type=Precision,  # an entry point may name a ready instance
+)
 
 
 def register_precision(
@@ -109,53 +106,21 @@ def register_precision(
     """Make `get_precision(name)` build a backend with `factory` (a `Precision` subclass or callable).
 
     Names are case-insensitive. Registering a name that exists raises ValueError unless
-    `overwrite` (the keyword `raysgd_fault.register_policy` uses too). `replace` is its deprecated
-    former name.
+    `overwrite` (the keyword every raysgd registry uses). `replace` is its deprecated former name.
     """
-    if replace is not None:
-        warnings.warn(
-            "register_precision(replace=...) is deprecated; use overwrite=...",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        overwrite = overwrite or replace
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"name must be a non-empty string, got {name!r}")
-    if not callable(factory):
-        raise TypeError(f"factory must be a Precision subclass or a callable, got {factory!r}")
-    key = name.strip().lower()
-    if key in _registry and not overwrite:
-        raise ValueError(
-            f"a precision backend named {key!r} is already registered; pass overwrite=True to "
-            "replace it"
-        )
-    _registry[key] = factory
-
-
-def _entry_points() -> list[Any]:
-    found = metadata.entry_points()
-    if hasattr(found, "select"):  # Python >= 3.10
-        return list(found.select(group=ENTRY_POINT_GROUP))
-    return list(found.get(ENTRY_POINT_GROUP, []))  # Python 3.9: a dict of groups
+    overwrite = overwrite_flag(overwrite, replace, caller="register_precision")
+    _registry.register(name, factory, overwrite=overwrite)
 
 
 def available_precisions() -> list[str]:
     """Every name `get_precision` accepts: built-in, registered and entry-point backends."""
-    names = set(_registry) | {ep.name.lower() for ep in _entry_points()}
-    return sorted(names)
+    return _registry.names()
 
 
 def _build(name: str, factory: Any, device: Any, apex_args: Any) -> Precision:
     if isinstance(factory, Precision):  # an entry point may name a ready instance
         return factory
-    offered = {"device": device, "apex_args": apex_args}
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):  # builtins and some C callables have no signature
-        params = {}
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    kwargs = {k: v for k, v in offered.items() if takes_any or k in params}
-    backend = factory(**kwargs)
+    backend = call_with_accepted(factory, {"device": device, "apex_args": apex_args})
     if not isinstance(backend, Precision):
         raise TypeError(
             f"precision backend {name!r} built {type(backend).__name__}, not a Precision"
@@ -187,10 +152,6 @@ def _choices() -> str:
     return f"False, True, a Precision instance, or one of {available_precisions()}"
 
 
-def _known_name(key: str) -> bool:
-    return key in _registry or any(ep.name.lower() == key for ep in _entry_points())
-
-
 def check_precision(use_fp16: Any, *, apex_args: Optional[Mapping[str, Any]] = None) -> None:
     """Raise as `get_precision(use_fp16, apex_args=apex_args)` would for a bad choice, without
     building a backend (so it runs on a machine without the backend's device or library).
@@ -206,7 +167,7 @@ def check_precision(use_fp16: Any, *, apex_args: Optional[Mapping[str, Any]] = N
         return
     if isinstance(use_fp16, type) and issubclass(use_fp16, Precision):
         return
-    if isinstance(use_fp16, str) and _known_name(use_fp16.strip().lower()):
+    if isinstance(use_fp16, str) and use_fp16 in _registry:
         return
     raise ValueError(f"use_fp16 must be {_choices()}; got {use_fp16!r}")
 
@@ -242,18 +203,9 @@ def get_precision(
         return _auto(None if device is None else resolve_device(device))
     if not isinstance(use_fp16, str):
         raise ValueError(f"use_fp16 must be {_choices()}; got {use_fp16!r}")
+    if use_fp16 not in _registry:
+        # The message speaks of the trainer's argument: a name is only one of its choices.
+        raise ValueError(f"use_fp16 must be {_choices()}; got {use_fp16!r}")
     key = use_fp16.strip().lower()
     dev = None if device is None else resolve_device(device)
-    if key in _registry:
-        return _build(key, _registry[key], dev, apex_args)
-    for ep in _entry_points():
-        if ep.name.lower() == key:
-            try:
-                factory = ep.load()
-            except Exception as exc:  # a broken plugin must say which one it is
-                raise ImportError(
-                    f"precision backend {key!r} (entry point {ep.value!r} in group "
-                    f"{ENTRY_POINT_GROUP!r}) failed to load: {exc}"
-                ) from exc
-            return _build(key, factory, dev, apex_args)
-    raise ValueError(f"use_fp16 must be {_choices()}; got {use_fp16!r}")
+    return _build(key, _registry.lookup(key), dev, apex_args)

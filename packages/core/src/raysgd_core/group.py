@@ -7,6 +7,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Optional, Union
 
+from raysgd_base import check_int
 from raysgd_core._internal import lifecycle, spares
 from raysgd_core._internal.args import check_group_args
 from raysgd_core._internal.failures import Outcome, collect, raise_for
@@ -380,13 +381,7 @@ class WorkerGroup:
         """
         if not self._started:
             raise RuntimeError("WorkerGroup is not started")
-        minimum = 1 if self.use_local else 0
-        if (
-            isinstance(num_workers, bool)
-            or not isinstance(num_workers, int)
-            or num_workers < minimum
-        ):
-            raise ValueError(f"num_workers must be an int >= {minimum}, got {num_workers!r}")
+        check_int("num_workers", num_workers, minimum=1 if self.use_local else 0)
         self._num_workers = num_workers
         return _recover(self._state, num_workers, timeout_s)
 

@@ -11,25 +11,18 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from raysgd_base import check_int
+
 __all__ = ["PHASES", "Action", "Decision", "FailureStatus", "check_max_retries", "describe"]
 
 #: "failure": workers were just lost; "grow": start of `train()` with fewer workers than wanted.
 PHASES = ("failure", "grow")
 
 
-def _check_count(name: str, value: object) -> None:
-    # bool is an int subclass; `True` workers is a bug in the caller, not a count.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-
-
 def check_max_retries(max_retries: object) -> int:
     """Validate a `max_retries` (an int >= 0) and return it; the one rule the trainer checks its
     `train(max_retries=...)` argument with before any work, and `FailureStatus` with later."""
-    _check_count("max_retries", max_retries)
-    return max_retries  # type: ignore[return-value]
+    return check_int("max_retries", max_retries, minimum=0)
 
 
 @dataclass(frozen=True)
@@ -63,16 +56,9 @@ class FailureStatus:
 
     def __post_init__(self) -> None:
         check_max_retries(self.max_retries)
-        for name in (
-            "failures",
-            "workers_wanted",
-            "workers_alive",
-            "workers_fitting",
-            "attempt",
-        ):
-            _check_count(name, getattr(self, name))
-        if self.workers_wanted < 1:
-            raise ValueError(f"workers_wanted must be >= 1, got {self.workers_wanted}")
+        for name in ("failures", "workers_alive", "workers_fitting", "attempt"):
+            check_int(name, getattr(self, name), minimum=0)
+        check_int("workers_wanted", self.workers_wanted, minimum=1)
         if self.workers_alive > self.workers_wanted:
             raise ValueError(
                 f"workers_alive ({self.workers_alive}) cannot exceed "
@@ -82,7 +68,7 @@ class FailureStatus:
             # Frozen dataclass: the only way to fill a derived default is object.__setattr__.
             object.__setattr__(self, "total_failures", self.failures)
         else:
-            _check_count("total_failures", self.total_failures)
+            check_int("total_failures", self.total_failures, minimum=0)
             if self.total_failures < self.failures:
                 raise ValueError(
                     f"total_failures ({self.total_failures}) cannot be less than "
@@ -134,7 +120,7 @@ class Decision:
     def __post_init__(self) -> None:
         if not isinstance(self.action, Action):
             raise TypeError(f"action must be an Action, got {self.action!r}")
-        _check_count("num_workers", self.num_workers)
+        check_int("num_workers", self.num_workers, minimum=0)
         if self.action is Action.RETRY and self.num_workers < 1:
             raise ValueError("num_workers must be >= 1 for a RETRY decision")
         if isinstance(self.wait_s, bool) or not isinstance(self.wait_s, (int, float)):

@@ -10,6 +10,7 @@ import abc
 import logging
 from typing import Any
 
+from raysgd_base import check_int
 from raysgd_fault.decision import Action, Decision, FailureStatus
 
 __all__ = ["DefaultPolicy", "ElasticPolicy", "FailurePolicy", "NeverRetryPolicy"]
@@ -83,10 +84,7 @@ class DefaultPolicy(FailurePolicy):
         max_wait_s: float = 60.0,
         grow_cooldown_s: float = 0.0,
     ) -> None:
-        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int):
-            raise TypeError(f"max_attempts must be an int, got {type(max_attempts).__name__}")
-        if max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        check_int("max_attempts", max_attempts)
         for arg, value in (
             ("base_wait_s", base_wait_s),
             ("max_wait_s", max_wait_s),
@@ -207,10 +205,7 @@ class ElasticPolicy(DefaultPolicy):
     name = "elastic"
 
     def __init__(self, min_workers: int = 1, **kwargs: Any) -> None:
-        if isinstance(min_workers, bool) or not isinstance(min_workers, int):
-            raise TypeError(f"min_workers must be an int, got {type(min_workers).__name__}")
-        if min_workers < 1:
-            raise ValueError(f"min_workers must be >= 1, got {min_workers}")
+        check_int("min_workers", min_workers)
         super().__init__(**kwargs)
         self._min_workers = min_workers
 

@@ -6,6 +6,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from raysgd_base import check_int
+
 __all__ = ["BATCH_SIZE", "check_batch_size", "split_batch_size"]
 
 #: Config key holding the *global* batch size; every worker's config gets its share of it.
@@ -18,8 +20,7 @@ def check_batch_size(config: Mapping[str, Any], num_workers: int) -> int | None:
     Raises ``ValueError`` when it is not a positive int or is smaller than ``num_workers`` (a
     worker would get an empty batch). Cheap and silent: the driver calls it before starting workers.
     """
-    if num_workers < 1:
-        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    check_int("num_workers", num_workers)
     if BATCH_SIZE not in config:
         return None
     total = config[BATCH_SIZE]

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from raysgd_base import check_int
 from raysgd_operator._internal.precision import check_precision
 from raysgd_operator.shards import DatasetOptions
 from raysgd_operator.strategies.registry import resolve_strategy
@@ -35,13 +36,6 @@ _SWITCHES = ("use_gpu", "use_tqdm", "wrap_ddp", "add_dist_sampler", "distributed
 
 def _is_number(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float))
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= 1, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
 
 
 @dataclass(frozen=True)
@@ -121,7 +115,7 @@ class TrainingOptions:
                 f"scheduler_step_freq must be one of {SCHEDULER_STEP_FREQS} or None, "
                 f"got {self.scheduler_step_freq!r}"
             )
-        _check_positive_int("accumulate_grad_batches", self.accumulate_grad_batches)
+        check_int("accumulate_grad_batches", self.accumulate_grad_batches)
         if self.clip_grad_norm is not None and not (
             _is_number(self.clip_grad_norm) and self.clip_grad_norm > 0
         ):
@@ -129,11 +123,8 @@ class TrainingOptions:
                 f"clip_grad_norm must be None or a positive number, got {self.clip_grad_norm!r}"
             )
         if self.num_threads is not None:
-            _check_positive_int("num_threads", self.num_threads)
-        if isinstance(self.snapshot_every, bool) or not isinstance(self.snapshot_every, int):
-            raise TypeError(f"snapshot_every must be an int >= 0, got {self.snapshot_every!r}")
-        if self.snapshot_every < 0:
-            raise ValueError(f"snapshot_every must be >= 0, got {self.snapshot_every}")
+            check_int("num_threads", self.num_threads)
+        check_int("snapshot_every", self.snapshot_every, minimum=0)
         # The strategy validates its own name and arguments (and wrap_ddp=False against it).
         strategy = resolve_strategy(self.strategy, self.strategy_args, wrap_ddp=bool(self.wrap_ddp))
         object.__setattr__(self, "_parallel_strategy", strategy)

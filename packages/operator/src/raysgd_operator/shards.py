@@ -14,16 +14,14 @@ from typing import Any, Optional, Union
 
 import torch
 
+from raysgd_base import check_int
+
 __all__ = ["DatasetOptions"]
 
 
 def _check_optional_int(name: str, value: Any, minimum: int) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(
-            f"DatasetOptions.{name} must be None or an int >= {minimum}, got {value!r}"
-        )
+    if value is not None:
+        check_int(f"DatasetOptions.{name}", value, minimum=minimum)
 
 
 @dataclass(frozen=True)

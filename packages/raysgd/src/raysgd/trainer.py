@@ -7,7 +7,7 @@ worker holds one long-lived `raysgd_operator.OperatorRunner` (see `raysgd._inter
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
 from raysgd._internal import worker
@@ -17,8 +17,8 @@ from raysgd._internal.datasets import DatasetSplitter, check_datasets, warn_if_n
 from raysgd._internal.driver import TrainerDriver
 from raysgd._internal.driver_copy import DEFAULT_LIMIT_MB, DriverCopy
 from raysgd._internal.recovery import Recovery
+from raysgd._internal.run_loggers import RunLoggers, trainer_options
 from raysgd._internal.sharded_state import ShardedState, is_sharded_checkpoint
-from raysgd._internal.tensorboard import ScalarLogger
 from raysgd._internal.validation import (
     check_optional_args,
     check_positive_int,
@@ -28,6 +28,7 @@ from raysgd._internal.validation import (
     resolve_timeout,
     start_timeout,
 )
+from raysgd.loggers import Logger
 from raysgd_core import WorkerGroup, require_cluster_gpus, resolve_use_gpu
 from raysgd_fault import FailurePolicy, get_policy
 from raysgd_operator import (
@@ -49,6 +50,10 @@ class TorchTrainer(TrainerDriver):
     `accumulate_grad_batches`, `clip_grad_norm`, `failure_policy` ("default", a registered name or a
     `raysgd_fault.FailurePolicy`), `checkpoint_dir` (where `train(checkpoint="auto")` writes) and
     `logdir` (TensorBoard scalars of every result). `timeout_s=None` reads `NCCL_TIMEOUT_S`, else 1800.
+
+    `loggers=[...]` records the run in experiment trackers: `raysgd.loggers` instances
+    (`MLflowLogger`, `WandbLogger`, `TensorBoardLogger`, `CSVLogger`, your own `Logger`) or their
+    names ("mlflow", "wandb", "tensorboard", "csv"); `logdir=` adds a `TensorBoardLogger(logdir)`.
 
     `strategy` says how models are spread over the workers: "ddp" (default; `wrap_ddp=False` means
     "none"), "fsdp" (FSDP2: parameters, gradients and optimizer state sharded; `strategy_args`
@@ -114,6 +119,7 @@ class TorchTrainer(TrainerDriver):
         failure_policy: Union[str, FailurePolicy] = "default",
         checkpoint_dir: Optional[str] = None,
         logdir: Optional[str] = None,
+        loggers: Optional[Sequence[Union[str, Logger]]] = None,
         strategy: Any = "ddp",
         strategy_args: Optional[dict[str, Any]] = None,
         compile: bool = False,
@@ -194,8 +200,23 @@ class TorchTrainer(TrainerDriver):
             require_cluster_gpus()
         if given_datasets:
             warn_if_no_room_for_data(self._num_workers, num_cpus_per_worker)
-        # Before any worker starts, so that a missing tensorboardX costs nothing.
-        self._tensorboard = ScalarLogger(logdir) if logdir else None
+        # Before any worker starts, so that a missing tracker library or a bad name costs nothing.
+        self._loggers = RunLoggers.start(
+            loggers,
+            logdir=logdir,
+            config=config or {},
+            options=trainer_options(
+                self._options,
+                num_workers=self._num_workers,
+                num_cpus_per_worker=num_cpus_per_worker,
+                backend=self._group.backend,
+                use_local=self._use_local,
+                spare_workers=spare_workers,
+                failure_policy=policy.name,
+                timeout_s=timeout,
+                state_copy_limit_mb=state_copy_limit_mb,
+            ),
+        )
         self._user_config: dict[str, Any] = dict(config or {})
         self._config: dict[str, Any] = dict(self._user_config)
         self._checkpoint_dir = checkpoint_dir

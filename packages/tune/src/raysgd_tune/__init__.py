@@ -2,6 +2,8 @@
 
 - `make_trainable` / `BaseTorchTrainable`: a Tune class trainable that runs one raysgd `TorchTrainer`
   per trial (what `TorchTrainer.as_trainable` returns).
+- `current_trial()`: which Tune trial this process runs (None outside Tune), for the experiment
+  loggers of a trainer built in a trial.
 - `DistributedTrainableCreator`: runs a plain Tune function data-parallel on several workers per trial,
   with `distributed_checkpoint_dir` and `is_distributed_trainable` for use inside it.
 
@@ -15,12 +17,13 @@ from raysgd_tune.distributed import (
     distributed_checkpoint_dir,
     is_distributed_trainable,
 )
-from raysgd_tune.trainable import BaseTorchTrainable, make_trainable
+from raysgd_tune.trainable import BaseTorchTrainable, current_trial, make_trainable
 
 __version__ = "0.1.0"
 __all__ = [
     "BaseTorchTrainable",
     "DistributedTrainableCreator",
+    "current_trial",
     "distributed_checkpoint_dir",
     "is_distributed_trainable",
     "make_trainable",

@@ -28,6 +28,7 @@ from typing import Any
 import ray
 from ray import tune
 
+from raysgd_base import check_int
 from raysgd_core import resolve_use_gpu, ship_by_value
 from raysgd_tune._internal import worker_run
 from raysgd_tune._internal.ray_session import trial_info as current_trial_info
@@ -179,13 +180,9 @@ def DistributedTrainableCreator(  # RaySGD's public name
     `num_workers` is not a multiple of `num_workers_per_host`.
     """
     _check_signature(func)
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers must be a positive integer, got {num_workers!r}")
+    check_int("num_workers", num_workers)
     if num_workers_per_host is not None:
-        if not isinstance(num_workers_per_host, int) or num_workers_per_host < 1:
-            raise ValueError(
-                f"num_workers_per_host must be a positive integer, got {num_workers_per_host!r}"
-            )
+        check_int("num_workers_per_host", num_workers_per_host)
         if num_workers % num_workers_per_host:
             raise ValueError(
                 f"num_workers ({num_workers}) must be a multiple of num_workers_per_host "

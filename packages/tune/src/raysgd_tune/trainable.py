@@ -10,16 +10,24 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 from ray import tune
 from ray.tune import PlacementGroupFactory
 
 from raysgd_core import resolve_use_gpu, ship_by_value
+from raysgd_tune._internal.ray_session import TrialInfo
 from raysgd_tune._internal.resources import worker_bundles_request
 
-__all__ = ["CHECKPOINT_FILE", "BaseTorchTrainable", "make_trainable", "trainer_resource_request"]
+__all__ = [
+    "CHECKPOINT_FILE",
+    "BaseTorchTrainable",
+    "current_trial",
+    "make_trainable",
+    "trainer_resource_request",
+]
 
 #: File name of the trainer state inside a Tune checkpoint directory (RaySGD 1.x's name).
 CHECKPOINT_FILE = "trainer.checkpoint"
@@ -48,6 +56,38 @@ def _merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]
     return merged
 
 
+# The trial a `BaseTorchTrainable` runs in this process (a trial's actor runs one trial at a time).
+_current_trial: Optional[TrialInfo] = None
+
+
+def _context_trial() -> TrialInfo:
+    """What `ray.tune.get_context()` says: filled in function trainables, empty elsewhere."""
+    context = tune.get_context()
+    with warnings.catch_warnings():
+        # Outside a function trainable Ray warns that it has nothing to say, and returns None.
+        warnings.simplefilter("ignore")
+        return TrialInfo(
+            experiment_name=context.get_experiment_name(),
+            trial_name=context.get_trial_name(),
+            trial_id=context.get_trial_id(),
+            trial_dir=context.get_trial_dir(),
+        )
+
+
+def current_trial() -> Optional[TrialInfo]:
+    """The Tune trial this process runs, or None outside Tune.
+
+    In a `BaseTorchTrainable` (`TorchTrainer.as_trainable`) it is the trainable's own trial, set
+    from `setup` to `cleanup`; in a function trainable, what `ray.tune.get_context()` tells. Ray
+    2.x gives a class trainable no public way to learn its experiment's name, so
+    `experiment_name` is None there unless `ray.tune.get_context()` has it.
+    """
+    if _current_trial is not None:
+        return _current_trial
+    info = _context_trial()
+    return info if info.trial_name else None
+
+
 class BaseTorchTrainable(tune.Trainable):
     """A Tune trainable that runs one raysgd `TorchTrainer` per trial.
 
@@ -62,6 +102,14 @@ class BaseTorchTrainable(tune.Trainable):
 
     def setup(self, config: dict[str, Any]) -> None:
         """Build the trainer; its workers go into this trial's placement group."""
+        global _current_trial
+        # So that the trainer's experiment loggers know which trial's run they record.
+        _current_trial = TrialInfo(
+            experiment_name=_context_trial().experiment_name,
+            trial_name=self.trial_name,
+            trial_id=self.trial_id,
+            trial_dir=self.logdir,
+        )
         self._trainer = self._create_trainer(config)
 
     def _create_trainer(self, tune_config: dict[str, Any]) -> Any:
@@ -100,9 +148,11 @@ class BaseTorchTrainable(tune.Trainable):
 
     def cleanup(self) -> None:
         """Stop the trainer's workers; Tune then releases the trial's placement group."""
+        global _current_trial
         if self._trainer is not None:
             trainer, self._trainer = self._trainer, None
             trainer.shutdown()
+        _current_trial = None
 
 
 def trainer_resource_request(

@@ -5,6 +5,8 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
+from raysgd_base import check_int
+
 __all__ = ["STRATEGIES", "check_group_args"]
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -25,8 +27,7 @@ def check_group_args(
     spare_imports: Union[list[str], tuple[str, ...]] = (),
 ) -> float:
     """Raise ValueError/TypeError naming the bad argument; return `timeout_s` in seconds."""
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+    check_int("num_workers", num_workers)
     for name, value in (
         ("num_cpus_per_worker", num_cpus_per_worker),
         ("num_gpus_per_worker", num_gpus_per_worker),
@@ -39,8 +40,7 @@ def check_group_args(
         raise ValueError(
             f"placement_strategy must be one of {STRATEGIES}, got {placement_strategy!r}"
         )
-    if isinstance(spare_workers, bool) or not isinstance(spare_workers, int) or spare_workers < 0:
-        raise ValueError(f"spare_workers must be an int >= 0, got {spare_workers!r}")
+    check_int("spare_workers", spare_workers, minimum=0)
     if not isinstance(spare_imports, (list, tuple)) or not all(
         isinstance(name, str) and name for name in spare_imports
     ):

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from importlib import metadata
 from typing import Any, Callable, Optional, Union
 
+from raysgd_base import Registry, accepted_keywords, normalize_name, overwrite_flag
 from raysgd_operator.strategies.ddp import DDPStrategy
 from raysgd_operator.strategies.fsdp import FSDPStrategy
 from raysgd_operator.strategies.none import NoStrategy
@@ -37,36 +37,33 @@ ENTRY_POINT_GROUP = "raysgd.strategy"
 #: Builds a strategy from its keyword arguments.
 StrategyFactory = Callable[..., Strategy]
 
-_BUILTIN: dict[str, StrategyFactory] = {
-    "ddp": DDPStrategy,
-    "fsdp": FSDPStrategy,
-    "none": NoStrategy,
-}
-_registry: dict[str, StrategyFactory] = dict(_BUILTIN)
+_registry = Registry(
+    "strategy",
+    ENTRY_POINT_GROUP,
+    {"ddp": DDPStrategy, "fsdp": FSDPStrategy, "none": NoStrategy},
+    instance_type=Strategy,  # an entry point may name a ready instance
+)
 
 
-def register_strategy(name: str, factory: StrategyFactory, *, replace: bool = False) -> None:
+def register_strategy(
+    name: str,
+    factory: StrategyFactory,
+    *,
+    overwrite: bool = False,
+    replace: Optional[bool] = None,
+) -> None:
     """Make `get_strategy(name)` build a strategy with `factory` (a `Strategy` subclass or callable).
 
-    Names are case-insensitive; registering a name that exists raises ValueError unless `replace`.
+    Names are case-insensitive; registering a name that exists raises ValueError unless
+    `overwrite` (the keyword every raysgd registry uses). `replace` is its deprecated former name.
     """
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"name must be a non-empty string, got {name!r}")
-    if not callable(factory):
-        raise TypeError(f"factory must be a Strategy subclass or a callable, got {factory!r}")
-    key = name.strip().lower()
-    if key in _registry and not replace:
-        raise ValueError(f"a strategy named {key!r} is already registered (pass replace=True)")
-    _registry[key] = factory
-
-
-def _entry_points() -> list[Any]:
-    return list(metadata.entry_points().select(group=ENTRY_POINT_GROUP))
+    overwrite = overwrite_flag(overwrite, replace, caller="register_strategy")
+    _registry.register(name, factory, overwrite=overwrite)
 
 
 def available_strategies() -> list[str]:
     """Every name `get_strategy` accepts: built-in, registered and entry-point strategies."""
-    return sorted(set(_registry) | {ep.name.lower() for ep in _entry_points()})
+    return _registry.names()
 
 
 def _build(name: str, factory: Any, args: Mapping[str, Any]) -> Strategy:
@@ -89,13 +86,9 @@ def _build(name: str, factory: Any, args: Mapping[str, Any]) -> Strategy:
 
 
 def _accepted(factory: Any) -> str:
-    try:
-        params = inspect.signature(factory).parameters.values()
-    except (TypeError, ValueError):
+    names = accepted_keywords(factory)
+    if names is None:
         return "unknown arguments"
-    names = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        names.append("**kwargs")
     return "(" + ", ".join(names) + ")" if names else "no arguments"
 
 
@@ -129,20 +122,8 @@ def get_strategy(
             f"strategy must be a name, a Strategy instance or subclass; got {strategy!r} "
             f"(names: {available_strategies()})"
         )
-    key = strategy.strip().lower()
-    if key in _registry:
-        return _build(key, _registry[key], args)
-    for ep in _entry_points():
-        if ep.name.lower() == key:
-            try:
-                factory = ep.load()
-            except Exception as exc:  # a broken plugin must say which one it is
-                raise ImportError(
-                    f"strategy {key!r} (entry point {ep.value!r} in group {ENTRY_POINT_GROUP!r}) "
-                    f"failed to load: {exc}"
-                ) from exc
-            return _build(key, factory, args)
-    raise ValueError(f"unknown strategy {strategy!r}; choose one of {available_strategies()}")
+    key = normalize_name(strategy)
+    return _build(key, _registry.lookup(key), args)
 
 
 def resolve_strategy(

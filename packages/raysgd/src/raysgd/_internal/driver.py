@@ -25,8 +25,8 @@ from raysgd._internal.checkpoint import read_file, state_from_bytes, write_file
 from raysgd._internal.datasets import DatasetSplitter
 from raysgd._internal.driver_copy import DriverCopy
 from raysgd._internal.restore_plan import RestoreOutcome, StateLostError, plan_restore
+from raysgd._internal.run_loggers import RunLoggers
 from raysgd._internal.sharded_state import ShardedState
-from raysgd._internal.tensorboard import ScalarLogger
 from raysgd_core import WorkerDiedError, WorkerError, WorkerGroup
 from raysgd_operator import (
     BATCH_SIZE,
@@ -61,7 +61,7 @@ class TrainerDriver:
     _config: dict[str, Any]
     _use_local: bool
     _checkpoint_dir: Optional[str]
-    _tensorboard: Optional[ScalarLogger]
+    _loggers: RunLoggers
     _recovery: Any
     # With a sharded strategy (fsdp) the state lives on the workers; this is the driver's view.
     _sharded: Optional[ShardedState] = None
@@ -96,8 +96,7 @@ class TrainerDriver:
         except BaseException as exc:
             self._group.shutdown()
             self._shut_down = True
-            if self._tensorboard is not None:
-                self._tensorboard.close()
+            self._loggers.finish()
             if isinstance(exc, WorkerError) and isinstance(exc.__cause__, (ValueError, TypeError)):
                 # A bad creator or operator set-up is the user's input error: raise it as its own
                 # type, chained to the WorkerError that holds the worker's traceback (the cause's
@@ -234,8 +233,7 @@ class TrainerDriver:
             logger.warning("graceful worker shutdown failed (%s); killing the workers", exc)
         finally:
             self._group.shutdown()
-            if self._tensorboard is not None:
-                self._tensorboard.close()
+            self._loggers.finish(self._recovery.events)
 
     # ------------------------------------------------------------------------------- internals
     def _check_alive(self) -> None:
@@ -347,11 +345,13 @@ class TrainerDriver:
     def _results(
         self, kind: str, results: list[dict], reduce_results: bool, call_rows: Optional[int] = None
     ) -> Any:
-        reduced = reduce_worker_results(results) if reduce_results or self._tensorboard else None
+        reduced = reduce_worker_results(results) if reduce_results or self._loggers else None
         if reduced is not None and call_rows is not None:
             # A call that went on after a recovery knows the rows the whole group trained in it,
             # those of workers lost meanwhile included: that is the call's num_samples.
             reduced[NUM_SAMPLES] = call_rows
-        if self._tensorboard is not None:
-            self._tensorboard.log(kind, reduced)
+        if self._loggers:
+            self._loggers.log(
+                kind, reduced, num_workers=self._world_size(), events=self._recovery.events
+            )
         return reduced if reduce_results else results

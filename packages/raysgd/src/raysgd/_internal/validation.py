@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
+from raysgd_base import check_int
 from raysgd_fault import check_max_retries
 from raysgd_operator import TrainingOperator
 
@@ -35,12 +36,8 @@ _BACKENDS = ("auto", "gloo", "nccl")
 
 
 def check_positive_int(name: str, value: Any) -> int:
-    """`value` as an int >= 1, else a ValueError/TypeError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= 1, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
+    """`value` as an int >= 1, else a TypeError/ValueError naming `name` (`raysgd_base.check_int`)."""
+    return check_int(name, value, minimum=1)
 
 
 def resolve_backend(backend: Any, use_gpu: bool) -> str:

@@ -11,14 +11,14 @@ from typing import Any
 
 from ray.tune import PlacementGroupFactory
 
+from raysgd_base import check_int
+
 __all__ = ["worker_bundles_request"]
 
 
-def _positive(name: str, value: Any, *, integer: bool) -> Any:
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
-        what = "a positive integer" if integer else "a positive number"
-        raise ValueError(f"{name} must be {what}, got {value!r}")
+def _positive(name: str, value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
     return value
 
 
@@ -42,12 +42,11 @@ def worker_bundles_request(
     does not matter to them. With `local_rank0`, rank 0 lives in the trial process: the first worker
     bundle becomes the trial's own and `head_bundle` is ignored.
     """
-    _positive("num_workers", num_workers, integer=True)
-    _positive("num_cpus_per_worker", num_cpus_per_worker, integer=False)
+    check_int("num_workers", num_workers)
+    _positive("num_cpus_per_worker", num_cpus_per_worker)
     if num_gpus_per_worker < 0:
         raise ValueError(f"num_gpus_per_worker must be >= 0, got {num_gpus_per_worker!r}")
-    if isinstance(spare_workers, bool) or not isinstance(spare_workers, int) or spare_workers < 0:
-        raise ValueError(f"spare_workers must be an integer >= 0, got {spare_workers!r}")
+    check_int("spare_workers", spare_workers, minimum=0)
     bundle = {
         "CPU": num_cpus_per_worker * workers_per_bundle,
         "GPU": num_gpus_per_worker * workers_per_bundle,

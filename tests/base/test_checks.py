@@ -1,0 +1,57 @@
+"""raysgd_base.check_int: one check, one message, TypeError for the type, ValueError for the range."""
+
+from __future__ import annotations
+
+import pytest
+
+from raysgd_base import check_int
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.mark.parametrize(("value", "minimum"), [(1, 1), (7, 1), (0, 0), (-3, -3)])
+def test_accepted_values_come_back(value: int, minimum: int) -> None:
+    assert check_int("n", value, minimum=minimum) == value
+
+
+@pytest.mark.parametrize("value", ["2", 2.0, 1.5, None, True, False, [1]])
+def test_a_value_that_is_not_an_int_is_a_type_error(value: object) -> None:
+    with pytest.raises(TypeError) as info:
+        check_int("num_workers", value)
+    assert str(info.value) == f"num_workers must be an int >= 1, got {value!r}"
+    assert not isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(("value", "minimum"), [(0, 1), (-1, 0), (2, 3)])
+def test_a_value_below_the_minimum_is_a_value_error(value: int, minimum: int) -> None:
+    with pytest.raises(ValueError) as info:
+        check_int("spare_workers", value, minimum=minimum)
+    assert str(info.value) == f"spare_workers must be an int >= {minimum}, got {value!r}"
+
+
+def test_the_packages_use_the_one_message_form() -> None:
+    """Checks that once had their own wording now say the same thing."""
+    from raysgd_core._internal.args import check_group_args
+    from raysgd_fault import ElasticPolicy, FailureStatus
+    from raysgd_operator import TrainingOptions
+
+    group_args = dict(
+        num_cpus_per_worker=1,
+        num_gpus_per_worker=0,
+        backend="gloo",
+        timeout_s=10,
+        placement_strategy="PACK",
+        init_hook=None,
+        placement_group=None,
+        start_timeout_s=10,
+    )
+    with pytest.raises(ValueError, match=r"^num_workers must be an int >= 1, got 0$"):
+        check_group_args(0, **group_args)
+    with pytest.raises(ValueError, match=r"^spare_workers must be an int >= 0, got -1$"):
+        check_group_args(1, spare_workers=-1, **group_args)
+    with pytest.raises(TypeError, match=r"^min_workers must be an int >= 1, got '2'$"):
+        ElasticPolicy(min_workers="2")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^failures must be an int >= 0, got 1\.0$"):
+        FailureStatus(failures=1.0, max_retries=0, workers_wanted=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^accumulate_grad_batches must be an int >= 1, got 0$"):
+        TrainingOptions(accumulate_grad_batches=0)
