@@ -1,4 +1,4 @@
-"""`train(checkpoint="auto")` (issue 5): the state before each epoch lands on disk, atomically, in the
+"""`train(checkpoint="auto")`: the state before each epoch lands on disk, atomically, in the
 directory the user chose, and a new trainer (a restarted driver) can `load` it and carry on."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Recovery of `TorchTrainer.train(max_retries=...)` from real worker deaths (issue 5).
+"""Recovery of `TorchTrainer.train(max_retries=...)` from real worker deaths.
 
 Every failure here is real: a worker process `os._exit`s or is `ray.kill`ed mid-epoch, an
 initialization hook dies in a replacement worker, user code raises. Marker files in `tmp_path` make a

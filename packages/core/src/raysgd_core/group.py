@@ -54,7 +54,7 @@ class WorkerGroup:
             state is sharded). A missing one is logged, not raised.
         keep_freed_memory: raise each worker's malloc thresholds (glibc only) so the memory a
             step frees is reused by the next one instead of being returned to the OS and faulted
-            back in (measured on a CPU CNN: about 10% of every step). Applied to the calling
+            back in (what that costs: the raysgd-core README). Applied to the calling
             process too when `use_local` is set. Skipped where the environment already sets
             glibc's `MALLOC_*_` variables; False keeps the allocator's defaults.
     """

@@ -5,10 +5,9 @@ the workers on small machines.
 
 Optionally (`preload=True`), Ray's worker processes import torch before they are handed out
 (`preload_python_modules`, a raylet setting), so an actor that lands on a process Ray started ahead
-of demand skips the ~1.5 s torch import: measured here, such an actor was ready in 0.1-0.2 s instead
-of 1.6-1.9 s. It is off by default: a replacement worker usually gets a fresh process anyway (Ray
-keeps few idle ones), the end-to-end start and recovery benchmarks did not move beyond their noise,
-two throughput runs came out about 2% lower with it, and it changes what every worker process of the
+of demand skips the torch import. It is off by default: a replacement worker usually gets a fresh
+process anyway (Ray keeps few idle ones), the start-up, recovery and throughput benchmarks did not
+gain from it (BENCHMARKS.md has the figures), and it changes what every worker process of the
 instance imports.
 """
 

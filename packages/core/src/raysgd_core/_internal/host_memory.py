@@ -3,9 +3,8 @@
 A CPU training step allocates and frees the same large activation and gradient buffers every step.
 glibc's default allocator returns freed memory at the top of its heap to the kernel once more than a
 threshold is free (and serves large blocks with fresh `mmap`s), so each step faults the same pages
-back in: measured on the benchmark CNN, about 14,000 page faults and 10% of every step. Raising the
-two thresholds keeps those pages mapped; the resident size measured the same, since the next step
-reuses them. Blocks larger than the mmap threshold are still mapped and unmapped each time.
+back in (the raysgd-core README gives what that cost the benchmark CNN). Raising the two thresholds
+keeps those pages mapped, at no cost in resident size, since the next step reuses them. Blocks larger than the mmap threshold are still mapped and unmapped each time.
 
 Only glibc has `mallopt`; elsewhere nothing changes. A process whose environment sets glibc's own
 malloc variables is left as its owner configured it.

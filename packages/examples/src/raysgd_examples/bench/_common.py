@@ -285,7 +285,7 @@ def print_metric(m: dict[str, Any]) -> None:
 
 
 def machine_info() -> dict[str, Any]:
-    """Where the numbers were taken (the lead pastes this next to the table)."""
+    """Where the numbers were taken (to print next to the table)."""
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),

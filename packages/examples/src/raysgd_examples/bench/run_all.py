@@ -6,7 +6,7 @@ as a ratio to the reference, torchrun unless the benchmark says otherwise) and p
 table for the README, headed by the machine it ran on. A benchmark that fails is reported in the
 table and the others go on.
 
-    hatch run bench:all                      # everything, default sizes (the lead, quiet machine)
+    hatch run bench:all                      # everything, default sizes (on a quiet machine)
     hatch run bench:all --quick --repeats 1  # a smoke run of everything
     hatch run bench:all --only throughput,recovery
 

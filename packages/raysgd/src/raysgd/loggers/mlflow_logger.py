@@ -127,6 +127,20 @@ class MLflowLogger(Logger):
         self._log_params(flatten_params({"config": dict(config), "trainer": dict(options)}))
 
     def _experiment_id(self, name: str) -> str:
+        uri = self.resolved_tracking_uri()
+        if not uri.startswith("file:"):
+            return self._get_or_create(name)
+        # A local file store checks a new experiment's name and then creates its folder, so two
+        # processes (two Tune trials) starting at once can both create one of the same name; a
+        # lock file in the store lets one create it and the other find it.
+        from filelock import FileLock
+
+        root = uri[len("file:") :]
+        os.makedirs(root, exist_ok=True)
+        with FileLock(os.path.join(root, ".raysgd-experiments.lock")):
+            return self._get_or_create(name)
+
+    def _get_or_create(self, name: str) -> str:
         from mlflow.exceptions import MlflowException
 
         found = self._client.get_experiment_by_name(name)
