@@ -25,6 +25,7 @@ import pickle
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -76,9 +77,13 @@ class Generation:
     #: The call in progress when it was taken (its rows so far), or None.
     call: Optional[CallRecord]
     #: old rank -> (its files, its call metrics): this worker's own part and its peer's.
-    parts: dict[int, tuple[dict[str, bytes], Optional[AverageMeterCollection]]] = field(
+    parts: dict[int, tuple[dict[str, Data], Optional[AverageMeterCollection]]] = field(
         default_factory=dict
     )
+
+
+#: A file's contents, as read from disk (`bytes`) or straight into a tensor (`torch.uint8`).
+Data = Union[bytes, torch.Tensor]
 
 
 def _read_dir(directory: str) -> dict[str, bytes]:
@@ -89,12 +94,37 @@ def _read_dir(directory: str) -> dict[str, bytes]:
     return files
 
 
-def _write_dir(directory: str, files: dict[str, bytes]) -> None:
+def _read_into_tensors(directory: str) -> dict[str, torch.Tensor]:
+    """The files of `directory` as uint8 tensors, read straight into them (no copy in between):
+    what the swap sends and a snapshot keeps."""
+    files = {}
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        data = torch.empty(os.path.getsize(path), dtype=torch.uint8)
+        with open(path, "rb") as handle:
+            handle.readinto(memoryview(data.numpy()))
+        files[name] = data
+    return files
+
+
+def _write_dir(directory: str, files: Mapping[str, Data]) -> None:
     for name, data in files.items():
         with open(os.path.join(directory, name), "wb") as handle:
-            handle.write(data)
+            handle.write(memoryview(data.numpy()) if isinstance(data, torch.Tensor) else data)
             handle.flush()
             os.fsync(handle.fileno())
+
+
+def _scratch_dir(expected_bytes: int) -> Optional[str]:
+    """Where a snapshot's files go for the moment between DCP writing them and this worker
+    reading them back: memory (/dev/shm) when it has room for them twice over, else the default
+    temporary directory."""
+    try:
+        if shutil.disk_usage("/dev/shm").free > 2 * expected_bytes:
+            return "/dev/shm"
+    except OSError:
+        pass
+    return None
 
 
 class Snapshots:
@@ -127,22 +157,29 @@ class Snapshots:
             # on the CPU (DCP stages to CPU memory), never in the way of the training group.
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=SWAP_TIMEOUT_S))
         runner, rank = self.runner, dist.get_rank()
+        started = time.perf_counter()
         tensors, state = runner.sharded_parts()
         meters = runner.call_meters()
         call = runner.call
-        directory = tempfile.mkdtemp(prefix="raysgd-snapshot-")
+        size_estimate = sum(
+            t.numel() * t.element_size() for t in _tensors_of(tensors) if t.device.type != "meta"
+        )
+        directory = tempfile.mkdtemp(prefix="raysgd-snapshot-", dir=_scratch_dir(size_estimate))
         future = dcp.async_save(
             tensors,
             storage_writer=FileSystemWriter(directory, single_file_per_rank=True),
             process_group=self._group,
         )
         step, size = runner.step, dist.get_world_size()
+        staged = time.perf_counter()
 
         def finish() -> None:
             try:
                 future.result()
-                files = _read_dir(directory)
-                metadata = files.pop(METADATA_FILE, None)
+                saved = time.perf_counter()
+                files: dict[str, Data] = dict(_read_into_tensors(directory))
+                raw = files.pop(METADATA_FILE, None)
+                metadata = bytes(raw.numpy()) if isinstance(raw, torch.Tensor) else raw
                 holder = [metadata]
                 dist.broadcast_object_list(holder, src=0, group=self._group)
                 generation = Generation(step, size, holder[0], state, call)
@@ -153,6 +190,13 @@ class Snapshots:
                 self.held[step] = generation
                 for old in sorted(self.held)[:-2]:
                     del self.held[old]
+                logger.debug(
+                    "snapshot at step %d: %.3f s in the loop, %.3f s saving, %.3f s swapping",
+                    step,
+                    staged - started,
+                    saved - staged,
+                    time.perf_counter() - saved,
+                )
             except BaseException as exc:  # kept for `join`; a lost peer ends the swap here
                 self._failed = exc
             finally:
@@ -168,28 +212,48 @@ class Snapshots:
         return None
 
     def _swap(self, rank: int, size: int, mine: Any) -> Any:
-        """Send `mine` to rank + 1, receive rank - 1's (a ring over the snapshot group)."""
+        """Send `mine` (files as tensors, and metrics) to rank + 1 and receive rank - 1's, over the
+        snapshot group: a small header (names, sizes, metrics) first, then each file's bytes as
+        they are, with no copy on either side."""
         import torch.distributed as dist
 
-        payload = torch.frombuffer(bytearray(pickle.dumps(mine)), dtype=torch.uint8)
+        files, meters = mine
+        names = sorted(files)
+        header = pickle.dumps(([(n, files[n].numel()) for n in names], meters))
+        to, frm = (rank + 1) % size, (rank - 1) % size
+        theirs = pickle.loads(
+            self._exchange(torch.frombuffer(bytearray(header), dtype=torch.uint8), to, frm)
+            .numpy()
+            .tobytes()
+        )
+        their_files = {}
+        sends = [dist.isend(files[n], to, group=self._group) for n in names]
+        for name, count in theirs[0]:
+            data = torch.empty(count, dtype=torch.uint8)
+            dist.irecv(data, frm, group=self._group).wait()
+            their_files[name] = data
+        for request in sends:
+            request.wait()
+        return their_files, theirs[1]
+
+    def _exchange(self, payload: torch.Tensor, to: int, frm: int) -> torch.Tensor:
+        """Send `payload` to `to` and receive one of any size from `frm` (sizes go first)."""
+        import torch.distributed as dist
+
         send_size = torch.tensor([payload.numel()], dtype=torch.int64)
         recv_size = torch.zeros(1, dtype=torch.int64)
-        to, frm = (rank + 1) % size, (rank - 1) % size
-        requests = [
+        for request in (
             dist.isend(send_size, to, group=self._group),
             dist.irecv(recv_size, frm, group=self._group),
-        ]
-        for request in requests:
+        ):
             request.wait()
         received = torch.empty(int(recv_size.item()), dtype=torch.uint8)
-        requests = [
+        for request in (
             dist.isend(payload, to, group=self._group),
             dist.irecv(received, frm, group=self._group),
-        ]
-        for request in requests:
+        ):
             request.wait()
-        # Written by this trainer's own workers for each other: plain pickle is safe here.
-        return pickle.loads(received.numpy().tobytes())
+        return received
 
     def join(self, timeout_s: Optional[float] = None) -> None:
         """Wait for the snapshot in flight (if any) to be held."""
@@ -201,6 +265,15 @@ class Snapshots:
         if self._failed is not None:
             logger.warning("a sharded snapshot failed: %s", self._failed)
             self._failed = None
+
+
+def _tensors_of(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        local = getattr(tree, "to_local", None)
+        return [local() if callable(local) else tree]
+    if isinstance(tree, dict):
+        return [t for value in tree.values() for t in _tensors_of(value)]
+    return []
 
 
 def _snapshots() -> Snapshots:
