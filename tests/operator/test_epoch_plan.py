@@ -246,3 +246,46 @@ def test_validation_counts_every_row_once_whatever_the_worker_count() -> None:
     assert one["num_samples"] == three["num_samples"] == 512  # no padded duplicate (513)
     assert three["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6)
     assert three["val_accuracy"] == pytest.approx(one["val_accuracy"], rel=1e-12)
+
+
+def test_a_call_stopped_at_a_step_boundary_goes_on_later_as_one_call() -> None:
+    # What a preemption notice does: a step hook stops the call at a boundary; the same call id
+    # then goes on, and the call's metrics and epoch are those of one uninterrupted call.
+    straight = OperatorRunner(_Regression, {}, world_size=2, distributed=True)
+    whole = straight.train_epoch(call_id=1)
+    runner = OperatorRunner(_Regression, {}, world_size=2, distributed=True)
+    runner.add_step_hook(lambda: runner.step == 3 and runner.request_stop())
+    part = runner.train_epoch(call_id=1)
+    assert runner.yielded and part["batch_count"] == 3
+    assert runner.call is not None and not runner.call.finished
+    rest = runner.train_epoch(call_id=1)
+    assert not runner.yielded and runner.call.finished
+    assert (rest["epoch"], rest["batch_count"], rest["num_samples"]) == (1, 6, 24)
+    assert rest["train_loss"] == pytest.approx(whole["train_loss"], rel=1e-6)
+
+
+def test_a_call_restored_to_an_earlier_epoch_first_finishes_that_epoch() -> None:
+    # A sharded restore may go back to a snapshot from before the call (here: step 4, in epoch 1,
+    # while the call was the whole of epoch 2). The call then trains the rest of epoch 1 and all
+    # of epoch 2, and its metrics count epoch 2's steps only.
+    straight = OperatorRunner(_Regression, {}, world_size=2, distributed=True)
+    straight.train_epoch(call_id=1)
+    whole = straight.train_epoch(call_id=2)
+    runner = OperatorRunner(_Regression, {}, world_size=2, distributed=True)
+    runner.train_epoch(num_steps=4, call_id=1)
+    snapshot = runner.state_dict()
+    runner.train_epoch(call_id=1)  # the rest of epoch 1 (a later call of its own)
+    stops = [8]  # once: stopped within epoch 2, the call in progress
+    runner.add_step_hook(lambda: runner.step in stops and (stops.clear() or runner.request_stop()))
+    runner.train_epoch(call_id=2)
+    call = runner.call
+    assert call is not None and not call.finished and call.start_step == 6
+    runner.load_state_dict(snapshot)
+    runner.adopt_snapshot(call, None)
+    assert runner.call.steps == -2  # two steps from before the call to do again first
+    rest = runner.train_epoch(call_id=2)
+    assert runner.step == 12 and rest["epoch"] == 2
+    assert (rest["batch_count"], rest["num_samples"]) == (6, 24)
+    assert rest["train_loss"] == pytest.approx(whole["train_loss"], rel=1e-6)
+    for a, b in zip(_weights(straight), _weights(runner)):
+        torch.testing.assert_close(a, b)

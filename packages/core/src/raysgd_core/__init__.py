@@ -7,6 +7,7 @@ Nothing here knows about models or training; this package imports no other raysg
 """
 
 from raysgd_core.context import WorkerContext, get_context
+from raysgd_core.drains import draining_nodes, preempted_nodes
 from raysgd_core.errors import (
     ResourcesUnavailableError,
     WorkerDiedError,
@@ -31,8 +32,10 @@ __all__ = [
     "WorkerGroupError",
     "WorkerInfo",
     "__version__",
+    "draining_nodes",
     "get_context",
     "local_ray_options",
+    "preempted_nodes",
     "require_cluster_gpus",
     "resolve_use_gpu",
     "ship_by_value",

@@ -28,15 +28,24 @@ class WorkerDiedError(WorkerGroupError):
     Attributes:
         ranks: the world ranks that are gone, sorted.
         nodes: the Ray node ids they ran on, in the order of `ranks`.
+        preempted: the ranks among them whose loss Ray marked as a preemption (their node was
+            reclaimed after a preemption drain).
     """
 
-    def __init__(self, message: str, ranks: Sequence[int], nodes: Sequence[str]) -> None:
+    def __init__(
+        self,
+        message: str,
+        ranks: Sequence[int],
+        nodes: Sequence[str],
+        preempted: Sequence[int] = (),
+    ) -> None:
         super().__init__(message)
         self.ranks: list[int] = list(ranks)
         self.nodes: list[str] = list(nodes)
+        self.preempted: list[int] = list(preempted)
 
     def __reduce__(self):  # keep the attributes when the error crosses a process boundary
-        return (type(self), (str(self), self.ranks, self.nodes))
+        return (type(self), (str(self), self.ranks, self.nodes, self.preempted))
 
 
 class WorkerError(WorkerGroupError):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -384,6 +384,34 @@ class WorkerGroup:
         check_int("num_workers", num_workers, minimum=1 if self.use_local else 0)
         self._num_workers = num_workers
         return _recover(self._state, num_workers, timeout_s)
+
+    def retire(self, ranks: Sequence[int]) -> None:
+        """Stop healthy workers on purpose, e.g. because their node is about to be reclaimed.
+
+        The workers of `ranks` are killed and their slots are not reused while their node drains;
+        spares on the same nodes are dropped too. The group then needs `recover(n)`, which keeps
+        the others and starts replacements elsewhere (spares first), as after a loss.
+        """
+        if not self._started:
+            raise RuntimeError("WorkerGroup is not started")
+        workers = self._state.workers
+        bad = [r for r in ranks if not 0 <= r < len(workers)]
+        if bad:
+            raise ValueError(f"ranks {bad} are not in [0, {len(workers)})")
+        if any(workers[r].local is not None for r in ranks):
+            raise ValueError("rank 0 runs in this process (use_local=True) and cannot be retired")
+        nodes = {workers[r].node_id for r in ranks}
+        for r in ranks:
+            self._state.drop(workers[r])
+        spares.discard_on(self._state, nodes)
+        self._state.broken = True
+
+    def replace_spares_on(self, nodes: Iterable[str]) -> None:
+        """Drop the spares on `nodes` (about to go away) and start new ones elsewhere."""
+        if not self._started:
+            raise RuntimeError("WorkerGroup is not started")
+        spares.discard_on(self._state, set(nodes))
+        spares.replenish(self._state)
 
     def estimate_fitting(self) -> int:
         """A cheap guess of how many more workers the cluster has room for right now (spares that

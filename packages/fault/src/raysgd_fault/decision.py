@@ -16,7 +16,7 @@ from raysgd_base import check_int
 __all__ = ["PHASES", "Action", "Decision", "FailureStatus", "check_max_retries", "describe"]
 
 #: "failure": workers were just lost; "grow": start of `train()` with fewer workers than wanted.
-PHASES = ("failure", "grow")
+PHASES = ("failure", "grow", "preemption")
 
 
 def check_max_retries(max_retries: object) -> int:
@@ -40,7 +40,10 @@ class FailureStatus:
         seconds_since_last_failure: Time since the last loss, or None if there was none.
         error: Short text of the last failure (shown in reasons and give-up errors).
         phase: "failure" right after a loss, "grow" at the start of `train()` when fewer workers
-            than wanted are running.
+            than wanted are running, "preemption" when workers are moving off a node that is
+            about to be reclaimed (`workers_alive` counts those that stay; not a failure, so
+            `failures` is 0): RETRY n starts replacements elsewhere up to n, anything else
+            goes on with the workers that stay.
     """
 
     failures: int

@@ -287,7 +287,8 @@ class TrainingOperator(OperatorBase):
         finally:
             if bar is not None:
                 bar.close()
-        if self.options.scheduler_step_freq == "epoch":
+        # A call stopped early to move workers goes on later: its epoch has not ended.
+        if self.options.scheduler_step_freq == "epoch" and not getattr(iterator, "yielded", False):
             self._step_schedulers()
         return meters.summary()
 

@@ -126,6 +126,8 @@ class OperatorRunner:
         self._global_step_at_step = 0
         self._call: CallRecord | None = None
         self._meters: AverageMeterCollection | None = None
+        #: The last `train_epoch` call stopped at a boundary on request (`request_stop`).
+        self.yielded = False
         self._step_hooks: list[Callable[[], None]] = []
         self._train = BatchStream(lambda: self._loader("train"), self._on_train_pass, self._on_step)
         self._val = BatchStream(lambda: self._loader("validation"), lambda resuming: None)
@@ -218,7 +220,9 @@ class OperatorRunner:
             finished = True
         finally:
             self._train.end_call(remaining, finished=finished)
-        self._call = call = dataclasses.replace(self._call, finished=True)
+        self.yielded = bool(getattr(batches, "yielded", False))
+        # A call stopped at a step boundary on request goes on later: it is not finished.
+        self._call = call = dataclasses.replace(self._call, finished=not self.yielded)
         metrics["epoch"] = self.epoch
         if call.recovered and BATCH_COUNT in metrics:
             metrics[BATCH_COUNT] = call.steps  # the call's steps, before and after the recovery
@@ -242,6 +246,11 @@ class OperatorRunner:
     def add_step_hook(self, hook: Callable[[], None]) -> None:
         """Call `hook()` every time a training step is finished (after the counters moved)."""
         self._step_hooks.append(hook)
+
+    def request_stop(self) -> None:
+        """From a step hook: end the call at this step boundary. `train_epoch` then returns the
+        metrics so far with `yielded` True, and the same call id goes on with the call later."""
+        self._train.stop_requested = True
 
     def validate(
         self,

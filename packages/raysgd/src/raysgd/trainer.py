@@ -16,6 +16,7 @@ from raysgd._internal.cluster import driver_has_cuda, ensure_ray
 from raysgd._internal.datasets import DatasetSplitter, check_datasets, warn_if_no_room_for_data
 from raysgd._internal.driver import TrainerDriver
 from raysgd._internal.driver_copy import DEFAULT_LIMIT_MB, DriverCopy
+from raysgd._internal.preemption import Preemption
 from raysgd._internal.recovery import Recovery
 from raysgd._internal.run_loggers import RunLoggers, trainer_options
 from raysgd._internal.sharded_state import ShardedState, is_sharded_checkpoint
@@ -65,6 +66,10 @@ class TorchTrainer(TrainerDriver):
     `compile=True` runs `torch.compile(model, **compile_args)` on every worker after wrapping.
     `spare_workers=k` keeps k more workers started, in reserved resources, to replace lost ones at
     once (`raysgd_core.WorkerGroup`'s `spare_workers`).
+
+    A node Ray drains for a preemption (a spot machine's warning) is left before its deadline: the
+    workers stop at a step boundary, spares or new workers elsewhere take over (or the group shrinks
+    where there is no room) and training goes on from that step; not counted as a failure.
 
     The training state stays on the workers. After a lost worker, the survivor furthest along
     gives its state to the replacements and training goes on from the last finished step: at most
@@ -242,6 +247,12 @@ class TorchTrainer(TrainerDriver):
             restore=self._restore_after_resize,
             policy=policy,
         )
+        self._preemption = Preemption(
+            group=lambda: self._group,
+            recovery=self._recovery,
+            before_retire=self._prepare_leaving,
+            local_checkpoint=self._checkpoint_at_notice,
+        )
 
     # --------------------------------------------------------------------------------- public
     def train(
@@ -269,19 +280,29 @@ class TorchTrainer(TrainerDriver):
         self._check_alive()
         check_train_args(max_retries, checkpoint, num_steps)
         self._recovery.maybe_grow(max_retries=max_retries)
+        self._move_off_draining(max_retries)
         if checkpoint:
             self._write_checkpoint(checkpoint)
         self._call_id += 1
         call_id = self._call_id
+        watch = [self._preemption.watch_spec()]
 
-        def attempt() -> list[tuple[dict, int, Optional[int]]]:
+        def attempt() -> list[tuple[dict, int, Optional[int], bool]]:
             # Reads `self._group` at call time: recovery may have replaced or re-formed it. After
             # a failure the same call id makes the workers go on with the call, not start it again.
-            return self._group.execute(worker.train_epoch, num_steps, profile, info, call_id)
+            return self._group.execute(
+                worker.train_epoch, num_steps, profile, info, call_id, watch[0]
+            )
 
-        returned = self._recovery.run(attempt, max_retries=max_retries)
+        while True:
+            returned = self._recovery.run(attempt, max_retries=max_retries)
+            if not any(answer[3] for answer in returned):
+                break
+            # The workers stopped together at a step boundary: a node of theirs is draining.
+            self._move_off_draining(max_retries)
+            watch[0] = self._preemption.watch_spec()
         results = self._train_results(returned)
-        rows = [r for _, _, r in returned if r is not None]
+        rows = [answer[2] for answer in returned if answer[2] is not None]
         if self._copy_wanted() and self._copy.due():
             self._copy.refresh(
                 self._group.execute_single_async(0, worker.state_copy, self._copy.limit_bytes)

@@ -34,6 +34,7 @@ class Outcome:
     results: dict[int, Any] = field(default_factory=dict)
     failures: list[Failure] = field(default_factory=list)
     died: dict[int, str] = field(default_factory=dict)  # rank -> Ray's reason
+    preempted: set[int] = field(default_factory=set)  # died ranks Ray marked as preempted
     killed: list[int] = field(default_factory=list)  # stuck after a failure, killed by us
 
     @property
@@ -74,6 +75,8 @@ def collect(
                 value = ray.get(ref)
             except RayActorError as exc:
                 outcome.died[rank] = _first_line(str(exc))
+                if getattr(exc, "preempted", False):
+                    outcome.preempted.add(rank)
             except Exception as exc:  # e.g. fn or an argument could not be unpickled there
                 outcome.add_failure(_failure_from_ray_error(rank, exc))
             else:
@@ -126,6 +129,7 @@ def raise_for(outcome: Outcome, node_of: Callable[[int], str]) -> None:
             "Workers lost: " + "; ".join(parts) + ". Call recover() to replace them.",
             lost,
             [node_of(r) for r in lost],
+            sorted(outcome.preempted),
         )
     first = min(outcome.failures, key=lambda f: f.time)
     raise failure_to_error(first)

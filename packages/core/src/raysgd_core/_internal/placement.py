@@ -5,6 +5,10 @@ borrowed group). `start()` makes one group with a bundle per worker, so the stra
 ...) holds for the whole set. Workers added later by `recover` first reuse free bundles (a killed
 actor gives its bundle back to the group, not to the cluster), then get a one-bundle group each, so
 that each of them starts or not on its own and the group can be sized by what actually starts.
+
+A free bundle that sits on a node Ray is draining (see `raysgd_core.drains`) is set aside rather
+than reused: a worker placed there would go down with the node. It is reused once the bundle is
+somewhere else (Ray places a lost node's bundles again when it has room) or the drain is over.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any, Optional
 __all__ = [
     "Slot",
     "SlotPool",
+    "bundle_node",
     "describe_free_resources",
     "describe_request",
     "estimate_fitting",
@@ -95,6 +100,8 @@ class SlotPool:
         self.strategy_name = strategy
         self.borrowed = borrowed  # a placement group we may use but never remove
         self.free: list[Slot] = []
+        #: Free bundles on draining nodes, not handed out until they are elsewhere.
+        self.parked: list[Slot] = []
         self.owned_pgs: list[Any] = []
 
     def create_main(self, bundles: list[dict]) -> list[Slot]:
@@ -108,9 +115,11 @@ class SlotPool:
         return [Slot(pg, i, owned=True, single=False) for i in range(len(bundles))]
 
     def acquire(self) -> Slot:
-        """A slot for one more worker: a free bundle first, else a new one-bundle group."""
+        """A slot for one more worker: a free bundle off draining nodes first, else a new
+        one-bundle group (which Ray does not place on a draining node)."""
         if self.borrowed is not None:
             return Slot(self.borrowed, -1, owned=False, single=False)
+        self._sort_free()
         if self.free:
             return self.free.pop(0)
         from ray.util.placement_group import placement_group
@@ -129,12 +138,29 @@ class SlotPool:
         elif slot not in self.free:
             self.free.append(slot)
 
+    def _sort_free(self) -> None:
+        """Set aside the free bundles on draining nodes; take back those that moved off them."""
+        if not self.free and not self.parked:
+            return
+        from raysgd_core.drains import draining_nodes
+
+        draining = draining_nodes()
+        if not draining and not self.parked:
+            return
+        candidates = self.free + self.parked
+        self.free, self.parked = [], []
+        for slot in candidates:
+            node = bundle_node(slot)
+            usable = node is not None and node not in draining
+            (self.free if usable else self.parked).append(slot)
+
     def remove_all(self) -> list[Any]:
         """Remove every placement group this pool created (killing anything still in them).
 
         Returns the groups whose removal was asked for (see `wait_removed`)."""
         removed = [pg for pg in list(self.owned_pgs) if self._remove(pg)]
         self.free.clear()
+        self.parked.clear()
         return removed
 
     def _remove(self, pg: Any) -> bool:
@@ -148,6 +174,18 @@ class SlotPool:
             logger.debug("remove_placement_group failed", exc_info=True)
             return False
         return True
+
+
+def bundle_node(slot: Slot) -> Optional[str]:
+    """The node a slot's bundle is placed on now (None: not placed, or unknown)."""
+    from ray.util import placement_group_table
+
+    try:
+        nodes = placement_group_table(slot.pg).get("bundles_to_node_id", {})
+    except Exception:  # the group is gone
+        return None
+    node = nodes.get(slot.bundle_index)
+    return str(node) if node else None
 
 
 def wait_removed(pgs: list[Any], timeout_s: float) -> bool:

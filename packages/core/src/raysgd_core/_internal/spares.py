@@ -23,7 +23,7 @@ from raysgd_core._internal.placement import (
 from raysgd_core._internal.state import GroupState
 from raysgd_core._internal.workers import Worker, spawn
 
-__all__ = ["discard", "ready", "replenish", "take", "warm_up"]
+__all__ = ["discard", "discard_on", "ready", "replenish", "take", "warm_up"]
 
 logger = logging.getLogger("raysgd_core")
 
@@ -118,3 +118,12 @@ def discard(state: GroupState) -> None:
     for w in state.spares:
         state.drop(w)
     state.spares = []
+
+
+def discard_on(state: GroupState, nodes: set[str]) -> None:
+    """Kill the spares on `nodes` (about to go away) and free their slots; `replenish` starts new
+    ones elsewhere."""
+    leaving = [w for w in state.spares if w.node_id in nodes]
+    for w in leaving:
+        state.drop(w)
+        state.spares.remove(w)

@@ -43,6 +43,10 @@ class CallBatches:
     ) -> None:
         self._batches, self._length = batches, length
         self.meters, self.first_index = meters, first_index
+        #: The call was asked to stop at a step boundary before its end (to move workers off a
+        #: node about to be reclaimed); it goes on later. A loop should then skip what it does at
+        #: the end of an epoch (the default loop skips its "epoch" scheduler step).
+        self.yielded = False
 
     def __iter__(self) -> Iterator[Any]:
         return self._batches
@@ -85,6 +89,9 @@ class BatchStream:
         self.in_flight = False
         #: The epoch `on_new_pass` gave the current pass.
         self.epoch_of_pass: int | None = None
+        #: Set at a step boundary (by a step hook) to end the call's batches right there.
+        self.stop_requested = False
+        self._current: CallBatches | None = None
         # A batch drawn ahead to learn whether a pass of unknown length had ended (_END: none).
         self._peeked: Any = _END
 
@@ -152,7 +159,13 @@ class BatchStream:
         if length is None:
             total = _known_len(self._get_loader())
             length = None if total is None else max(total - self.position, 0)
-        return CallBatches(self._draw(num_steps), length, meters=meters, first_index=first_index)
+        if until_epoch is not None and (self.epoch_of_pass or 0) < until_epoch:
+            length = None  # several passes: not known ahead
+        self.stop_requested = False
+        self._current = CallBatches(
+            self._draw(num_steps, until_epoch), length, meters=meters, first_index=first_index
+        )
+        return self._current
 
     def end_call(self, num_steps: int | None, *, finished: bool) -> None:
         """After the loop of a call. With `finished` (it returned normally) a batch still in its
@@ -162,7 +175,8 @@ class BatchStream:
             return
         if self.in_flight:
             self._complete()
-        if num_steps is None:
+        yielded = self._current is not None and self._current.yielded
+        if num_steps is None and not yielded:
             self.iterator, self._peeked = None, _END
 
     def _new_pass(self) -> None:
@@ -236,6 +250,11 @@ class BatchStream:
                 yield batch
                 # The loop came back for more: it is done with the batch it had.
                 self._complete()
+                if self.stop_requested:
+                    self.stop_requested = False
+                    if self._current is not None:
+                        self._current.yielded = True
+                    return
                 if num_steps is not None and drawn >= num_steps:
                     return
             self.iterator = None

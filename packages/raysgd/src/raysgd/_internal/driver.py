@@ -27,7 +27,7 @@ from raysgd._internal.driver_copy import DriverCopy
 from raysgd._internal.restore_plan import RestoreOutcome, StateLostError, plan_restore
 from raysgd._internal.run_loggers import RunLoggers
 from raysgd._internal.sharded_state import ShardedState
-from raysgd_core import WorkerDiedError, WorkerError, WorkerGroup
+from raysgd_core import WorkerDiedError, WorkerError, WorkerGroup, draining_nodes
 from raysgd_operator import (
     BATCH_SIZE,
     NUM_SAMPLES,
@@ -63,6 +63,7 @@ class TrainerDriver:
     _checkpoint_dir: Optional[str]
     _loggers: RunLoggers
     _recovery: Any
+    _preemption: Any  # `raysgd._internal.preemption.Preemption`
     # With a sharded strategy (fsdp) the state lives on the workers; this is the driver's view.
     _sharded: Optional[ShardedState] = None
     # The bounded copy of a replicated state (see `DriverCopy`).
@@ -209,6 +210,33 @@ class TrainerDriver:
         self._step = step
         return RestoreOutcome(what, step, reached - step)
 
+    def _move_off_draining(self, max_retries: int) -> None:
+        """Act on preemption notices for the group's nodes (see `Preemption`). A move that fails
+        (the node went first) leaves the group to the recovery loop, as after any loss."""
+        try:
+            self._preemption.handle(max_retries=max_retries)
+        except StateLostError:
+            raise
+        except Exception:
+            logger.warning(
+                "moving off a draining node failed; its loss is recovered like any other",
+                exc_info=True,
+            )
+            # Not again for these nodes in this run: the next attempt must not stop for them.
+            self._preemption.unmovable |= set(draining_nodes())
+
+    def _prepare_leaving(self, leaving: list[int]) -> None:
+        """Before workers leave on purpose: a sharded state gives their parts to workers that
+        stay (a replicated one needs nothing: the others hold it whole)."""
+        if self._sharded is not None:
+            self._sharded.hand_over(self._group, leaving)
+
+    def _checkpoint_at_notice(self) -> Optional[str]:
+        """A checkpoint written now, when rank 0 cannot leave a draining node (use_local)."""
+        if self._checkpoint_dir is None:
+            return None
+        return self._write_checkpoint("auto")
+
     def _sharded_view(self) -> ShardedState:
         # A ddp/none trainer loads sharded checkpoints too, through a throw-away view.
         return self._sharded if self._sharded is not None else ShardedState()
@@ -337,10 +365,10 @@ class TrainerDriver:
             checkpoint = os.path.join(self._checkpoint_dir, name)
         return self._save_to(checkpoint)
 
-    def _train_results(self, returned: list[tuple[dict, int, Optional[int]]]) -> list[dict]:
+    def _train_results(self, returned: list[tuple[dict, int, Optional[int], bool]]) -> list[dict]:
         """The metrics of `worker.train_epoch`'s answers; notes the step the workers reached."""
-        self._step = max(step for _, step, _ in returned)
-        return [metrics for metrics, _, _ in returned]
+        self._step = max(answer[1] for answer in returned)
+        return [answer[0] for answer in returned]
 
     def _results(
         self, kind: str, results: list[dict], reduce_results: bool, call_rows: Optional[int] = None

@@ -29,6 +29,9 @@ class ElasticGroup(Protocol):
     def estimate_fitting(self) -> int:
         """A cheap guess of how many more workers the cluster has room for."""
 
+    def retire(self, ranks: Sequence[int]) -> None:
+        """Stop healthy workers on purpose (their node is going away); `recover` follows."""
+
 
 class LoopState(str, enum.Enum):
     """Where the recovery loop is in one `run()` call (see the module docstring)."""

@@ -20,6 +20,11 @@ callback and a failure policy (`raysgd_fault`). It knows nothing else of the tra
    loss; one that starts no worker is a fruitless attempt. Either way -> FAILED.
 4. WAITING: sleep the policy's backoff, count a fruitless attempt -> FAILED.
 
+A planned move (`move_off`: workers on a node Ray is draining for a preemption) walks the same
+resize without a failure: the workers leave at a step boundary, the policy decides how many to
+start elsewhere (phase "preemption"), and the move is neither counted in `failures` nor spends
+`max_retries`; it is recorded as its own event kind.
+
 Errors raised by user code (`WorkerError`) are never retried: they reach the caller unchanged, with the
 worker's traceback; the group is only repaired (same size, last good state) so the trainer stays usable.
 Growth back towards the requested size is asked of the policy at the start of every `train()`.
@@ -47,7 +52,7 @@ from raysgd._internal.recovery_log import (
     where_lost,
 )
 from raysgd._internal.restore_plan import RestoreOutcome, StateLostError
-from raysgd_core import RecoveryReport, WorkerDiedError, WorkerError
+from raysgd_core import RecoveryReport, WorkerDiedError, WorkerError, preempted_nodes
 from raysgd_fault import Action, Decision, FailurePolicy, FailureStatus
 
 __all__ = [
@@ -157,7 +162,15 @@ class Recovery:
                     detected_at = detected_at or time.monotonic()
                     alive = max(0, self._world_size() - len(err.ranks))
                     reclaimable, fruitless = self._reclaimable_count(err.nodes), 0
-                    self._note_loss(err.ranks, err.nodes, err, during_restart=False, alive=alive)
+                    preempted = bool(err.preempted) or bool(preempted_nodes(err.nodes))
+                    self._note_loss(
+                        err.ranks,
+                        err.nodes,
+                        err,
+                        during_restart=False,
+                        alive=alive,
+                        preempted=preempted,
+                    )
                     self.state = LoopState.FAILED
                     continue
                 self.state = LoopState.SUCCEEDED
@@ -236,12 +249,89 @@ class Recovery:
         )
         return False
 
-    def _resize(self, num_workers: int, *, why: str) -> bool:
+    def move_off(
+        self,
+        ranks: Sequence[int],
+        nodes: dict[str, Optional[float]],
+        *,
+        max_retries: int,
+        before_retire: Callable[[], None] = lambda: None,
+    ) -> bool:
+        """Move the workers of `ranks` off `nodes` (draining: node -> deadline, None for none)
+        before the deadline; every worker has stopped at the same step boundary.
+
+        When no worker would be left, replacements join first (and take the state from the
+        leaving workers). `before_retire` runs once the group holds every worker it will keep
+        (a sharded strategy hands the leaving workers' parts over there). The policy then decides
+        how many to run (phase "preemption"): RETRY n starts replacements elsewhere up to n;
+        otherwise the group goes on with the workers that stay. Not a failure: neither counted nor
+        charged to `max_retries`. Returns False when nothing could be moved (the workers stay; if
+        the node goes, that is an ordinary loss). Errors (a node dying meanwhile) propagate: the
+        caller then recovers as after any loss.
+        """
+        started = time.monotonic()
+        deadlines = [d for d in nodes.values() if d is not None]
+        deadline = min(deadlines) if deadlines else None
+        where = ", ".join(short_node(n) for n in nodes)
+        left = f"{deadline - time.time():.1f} s before the deadline" if deadline else "no deadline"
+        before = self._world_size()
+        leaving = sorted(ranks)
+        if len(leaving) >= before:
+            # Everyone is on a draining node: the replacements come in first, while the state is
+            # still there to give them.
+            grown = self._resize(
+                before + len(leaving), why="preemption", timeout_s=self._left(deadline)
+            )
+            if not grown or self._world_size() <= before:
+                self._log.record(
+                    EventKind.PREEMPTION,
+                    f"every worker is on draining node(s) {where} ({left}) and no replacement "
+                    "started: they stay, and their loss will be recovered from a checkpoint",
+                    level=logging.WARNING,
+                    nodes=tuple(nodes),
+                    ranks=tuple(leaving),
+                    num_workers_before=before,
+                    num_workers_after=self._world_size(),
+                )
+                return False
+        before_retire()
+        self._group.retire(leaving)
+        alive = self._world_size() - len(leaving)
+        decision = self._decide(
+            max_retries, alive=alive, fitting=self._fitting(), phase="preemption"
+        )
+        target = decision.num_workers if decision.action is Action.RETRY else alive
+        if not self._resize(max(1, target), why="preemption", timeout_s=self._left(deadline)):
+            raise RuntimeError(f"moving off the draining node(s) {where} failed")
+        took = time.monotonic() - started
+        self._log.record(
+            EventKind.PREEMPTION,
+            f"moved rank(s) {leaving} off draining node(s) {where} ({left}) in {took:.2f} s: "
+            f"{before} -> {self._world_size()} worker(s), no step redone",
+            ranks=tuple(leaving),
+            nodes=tuple(nodes),
+            duration_s=took,
+            num_workers_before=before,
+            num_workers_after=self._world_size(),
+            steps_redone=0,
+        )
+        return True
+
+    def _left(self, deadline: Optional[float]) -> float:
+        """How long a restart for a move may take: up to the deadline, less a margin."""
+        if deadline is None:
+            return self._restart_timeout_s
+        return max(1.0, min(self._restart_timeout_s, deadline - time.time() - 2.0))
+
+    def _resize(self, num_workers: int, *, why: str, timeout_s: Optional[float] = None) -> bool:
         """`group.recover(num_workers)` and restore the state there; False (logged) if it failed."""
         before = self._world_size()
         started = time.monotonic()
         try:
-            report = self._group.recover(num_workers, timeout_s=self._restart_timeout_s)
+            report = self._group.recover(
+                num_workers,
+                timeout_s=timeout_s if timeout_s is not None else self._restart_timeout_s,
+            )
             formed = time.monotonic()
             if report.world_size < 1:
                 self._log.record(
@@ -314,8 +404,11 @@ class Recovery:
         *,
         during_restart: bool,
         alive: Optional[int],
+        preempted: bool = False,
     ) -> None:
-        record = FailureRecord(tuple(ranks), tuple(nodes), short_error(err), during_restart)
+        record = FailureRecord(
+            tuple(ranks), tuple(nodes), short_error(err), during_restart, preempted
+        )
         self._call_failures.append(record)
         self._total_failures += 1
         self._last_failure_at = time.monotonic()
@@ -331,6 +424,7 @@ class Recovery:
             error=record.error,
             num_workers_before=self._world_size(),
             num_workers_after=alive,
+            preempted=preempted,
         )
 
     def _note_recovered(self, took: float) -> None:

@@ -48,6 +48,9 @@ class EventKind:
     USER_ERROR = "user_error"
     #: The interrupted work was redone successfully after a recovery.
     RECOVERED = "recovered"
+    #: Workers moved off a node Ray is draining (a preemption notice), or could not be: planned,
+    #: not a failure.
+    PREEMPTION = "preemption"
 
 
 @dataclass(frozen=True)
@@ -58,13 +61,16 @@ class FailureRecord:
     nodes: tuple[str, ...]
     error: str
     during_restart: bool = False
+    #: The node was reclaimed after a preemption drain (a preemption that came too soon to move).
+    preempted: bool = False
 
     def describe(self) -> str:
         """E.g. ``"rank(s) [1] on node(s) [ab12cd34] lost: ..."``."""
         where = "restart" if self.during_restart else "training"
         ranks = list(self.ranks) if self.ranks else "?"
         nodes = [short_node(n) for n in self.nodes] if self.nodes else "?"
-        return f"rank(s) {ranks} on node(s) {nodes} lost during {where}: {self.error}"
+        cause = " (preempted)" if self.preempted else ""
+        return f"rank(s) {ranks} on node(s) {nodes} lost during {where}{cause}: {self.error}"
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,8 @@ class RecoveryEvent:
             and the state restored).
         source: For a resize, where the state came from ("rank 1 at step 30", "the driver's
             copy at step 12", a checkpoint).
+        preempted: For a failure, the lost workers' node was reclaimed after a preemption drain
+            (Ray says so): a preemption that came before the workers could move.
         steps_redone: For a resize, how many training steps that had been started are done
             again: the one in flight when the worker was lost (0 when it was lost between steps),
             plus those since the snapshot or copy the state came from. When no worker survived
@@ -106,6 +114,7 @@ class RecoveryEvent:
     action: Optional[str] = None
     source: Optional[str] = None
     steps_redone: Optional[int] = None
+    preempted: bool = False
     error: Optional[str] = None
     phases: dict[str, float] = field(default_factory=dict)
 

@@ -155,6 +155,26 @@ class ShardedState:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    def hand_over(self, group: WorkerGroup, leaving: Sequence[int]) -> None:
+        """Before the workers of `leaving` leave on purpose: snapshot now (every worker is at the
+        same step boundary) and give each leaving worker's part to a worker that stays, so that
+        the group rebuilt without them restores every part (no step is redone)."""
+        self.capture(group)
+        staying = [r for r in range(group.world_size) if r not in set(leaving)]
+        if not staying:
+            raise RuntimeError("no worker stays to take the leaving workers' parts")
+        offers = group.execute(ws.offer)
+        wanted = set(leaving)
+        given: list[dict[int, Any]] = [{} for _ in range(group.world_size)]
+        for i, rank in enumerate(sorted(wanted)):
+            for offered in offers:
+                part = offered["held"].get(self.step, {}).get("parts", {}).get(rank)
+                if part is not None:
+                    given[staying[i % len(staying)]][rank] = part
+                    break
+        # Each worker takes its own share (the argument is every worker's, in rank order).
+        group.execute(ws.adopt_parts_of, self.step, given)
+
     def restore(
         self,
         group: WorkerGroup,

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from raysgd._internal.checkpoint import state_from_bytes, state_to_bytes, write_file
+from raysgd._internal.drain_watch import WatchSpec, watch_for
 from raysgd._internal.restore_plan import RestorePlan
 from raysgd._internal.state_transfer import broadcast_state, flatten
 from raysgd_core import get_context
@@ -178,18 +179,25 @@ def _adopt_from(runner: OperatorRunner, source: int) -> None:
 
 
 def train_epoch(
-    num_steps: Optional[int], profile: bool, info: Optional[dict], call_id: Hashable = None
-) -> tuple[dict, int, Optional[int]]:
-    """One `train` call on this worker (`call_id` names it: see `OperatorRunner.train_epoch`).
+    num_steps: Optional[int],
+    profile: bool,
+    info: Optional[dict],
+    call_id: Hashable = None,
+    watch: Optional[WatchSpec] = None,
+) -> tuple[dict, int, Optional[int], bool]:
+    """One `train` call on this worker (`call_id` names it: see `OperatorRunner.train_epoch`),
+    watching `watch`'s nodes for a drain (see `drain_watch`).
 
     Returns (metrics, finished steps since training began, rows the whole group trained in the
-    call when it went on after a recovery and the split is known, else None).
+    call when it went on after a recovery and the split is known, else None, whether the call
+    stopped early because a node of the group is draining).
     """
     runner = _runner()
+    watch_for(runner, watch)
     metrics = runner.train_epoch(num_steps=num_steps, profile=profile, info=info, call_id=call_id)
     call = runner.call
     rows = call.rows if call is not None and call.recovered else None
-    return metrics, runner.step, rows
+    return metrics, runner.step, rows, runner.yielded
 
 
 def validate(num_steps: Optional[int], profile: bool, info: Optional[dict]) -> dict:

@@ -43,6 +43,8 @@ __all__ = [
     "SNAPSHOTS_KEY",
     "Generation",
     "Snapshots",
+    "adopt_parts",
+    "adopt_parts_of",
     "load_checkpoint",
     "offer",
     "restore",
@@ -324,6 +326,27 @@ def offer() -> dict[str, Any]:
         "call": None if runner is None else runner.call,
         "progress": None if runner is None else runner.progress(),
     }
+
+
+def adopt_parts(step: int, parts: Mapping[int, tuple[list[str], Any, Any]]) -> None:
+    """Keep copies of other workers' parts of the snapshot at `step` (`offer`'s entries), before
+    those workers leave the group on purpose (their node is being drained)."""
+    if not parts:
+        return
+    generation = _snapshots().held.get(step)
+    if generation is None:
+        raise RuntimeError(f"this worker holds no snapshot at step {step}")
+    for rank, (_, ref, meters) in parts.items():
+        files = ray.get(ref)
+        generation.parts[rank] = (
+            {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in files.items()},
+            meters,
+        )
+
+
+def adopt_parts_of(step: int, given: Sequence[Mapping[int, Any]]) -> None:
+    """`adopt_parts` with this worker's share of `given` (every worker's, in rank order)."""
+    adopt_parts(step, given[get_context().world_rank])
 
 
 def write_own(step: int, directory: str, driver_node: str) -> Any:

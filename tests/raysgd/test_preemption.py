@@ -1,0 +1,174 @@
+"""Preemption notices on a `ray.cluster_utils.Cluster`: a node holding a worker is drained with
+`ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds N` (the real
+command) and removed at the deadline, as a cloud reclaims a spot machine.
+
+The workers must leave before the deadline at a step boundary, without a failure, every row of the
+epoch trained once and the weights those of a run without the notice; where there is no room, the
+group shrinks instead; a notice between two `train()` calls is acted on before the next one; a node
+that dies before the move finished is an ordinary recovery, reported as a preemption.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+from tests._support.rows import record_rows, rows_by_epoch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from raysgd import TorchTrainer, TrainingOperator
+from raysgd.utils import BATCH_SIZE
+from raysgd_core import preempted_nodes
+
+ROWS = 192
+GLOBAL_BATCH = 8  # 4 per worker: 24 steps per epoch on 2 workers
+STEP_S = 0.15  # each step sleeps this long, so that a notice arrives mid-epoch
+
+
+class SlowLinearOperator(TrainingOperator):
+    """A seeded linear regression whose steps take `STEP_S`; records its finished rows and marks
+    in `marker_dir` the steps the test waits for."""
+
+    def setup(self, config: dict[str, Any]) -> None:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(ROWS, 3, generator=gen)
+        y = x @ torch.tensor([[1.0], [-2.0], [0.5]])
+        data = TensorDataset(x, y, torch.arange(ROWS))
+        self.register(
+            models=model,
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.05),
+            criterion=nn.MSELoss(),
+        )
+        self.register_data(
+            train_loader=DataLoader(data, batch_size=config[BATCH_SIZE], shuffle=True)
+        )
+
+    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        x, y, ids = batch
+        time.sleep(STEP_S)
+        metrics = super().train_batch((x, y), batch_info)
+        folder = self.config["marker_dir"]
+        record_rows(folder, batch_info["epoch_idx"] + 1, ids)
+        if self.world_rank == 0:
+            Path(folder, f"step-{batch_info['global_step']}").touch()
+        return metrics
+
+
+def _node_id() -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def _drain(cluster: Any, node_id: str, deadline_s: int) -> None:
+    """The real `ray drain-node`, as KubeRay or the autoscaler issue it."""
+    subprocess.run(
+        [
+            sys.executable, "-m", "ray.scripts.scripts", "drain-node",
+            "--address", cluster.address, "--node-id", node_id,
+            "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",
+            "--deadline-remaining-seconds", str(deadline_s),
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+
+
+def _reclaim_at_step(
+    cluster: Any, folder: Path, step: int, node: Any, deadline_s: int, *, remove_after_s: float
+) -> tuple[threading.Thread, dict[str, float]]:
+    """Drain `node` once rank 0 finished `step`, and remove it `remove_after_s` later; the dict
+    gets the wall-clock times of both."""
+    times: dict[str, float] = {}
+
+    def run() -> None:
+        until = time.monotonic() + 120
+        while not (folder / f"step-{step}").exists() and time.monotonic() < until:
+            time.sleep(0.02)
+        _drain(cluster, node.node_id, deadline_s)
+        times["drained"] = time.time()
+        time.sleep(remove_after_s)
+        cluster.remove_node(node)
+        times["removed"] = time.time()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, times
+
+
+def _trainer(folder: Path, **kwargs: Any) -> TorchTrainer:
+    return TorchTrainer(
+        training_operator_cls=SlowLinearOperator,
+        config={BATCH_SIZE: GLOBAL_BATCH, "marker_dir": str(folder)},
+        num_workers=2,
+        timeout_s=60,  # safety net only
+        **kwargs,
+    )
+
+
+def _weights(trainer: TorchTrainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in trainer.get_model(to_cpu=True).parameters()]
+
+
+def _cluster(cluster: Any, nodes: int) -> list[Any]:
+    added = [cluster.add_node(num_cpus=1) for _ in range(nodes)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+    return added
+
+
+def _on(nodes: list[Any], node_id: str) -> Any:
+    return next(n for n in nodes if n.node_id == node_id)
+
+
+@pytest.mark.timeout(240)
+def test_a_drained_node_is_left_before_its_deadline_losing_nothing(
+    ray_multinode: Any, tmp_path: Path
+) -> None:
+    nodes = _cluster(ray_multinode, 3)
+    reference_dir, moved_dir = tmp_path / "reference", tmp_path / "moved"
+    reference_dir.mkdir()
+    moved_dir.mkdir()
+    # The same two epochs without a notice: the run the preempted one must equal.
+    reference = _trainer(reference_dir)
+    try:
+        reference.train(), reference.train()
+        expected = _weights(reference)
+    finally:
+        reference.shutdown()
+
+    trainer = _trainer(moved_dir)
+    try:
+        where = trainer.apply_all_workers(_node_id)
+        victim = _on(nodes, where[1])
+        # Drained at step 5 of the first epoch with a 20 s deadline, removed at the deadline.
+        reclaim, times = _reclaim_at_step(
+            ray_multinode, moved_dir, 5, victim, 20, remove_after_s=20
+        )
+        first = trainer.train()
+        second = trainer.train()
+        assert trainer.failures == 0 and trainer.num_workers == 2
+        moves = [e for e in trainer.recovery_events if e.kind == "preemption"]
+        assert len(moves) == 1 and moves[0].steps_redone == 0
+        assert moves[0].nodes == (victim.node_id,) and moves[0].ranks == (1,)
+        assert moves[0].timestamp < times["drained"] + 20  # before the deadline
+        assert victim.node_id not in trainer.apply_all_workers(_node_id)
+        rows = rows_by_epoch(moved_dir)
+        assert sorted(rows[1]) == sorted(rows[2]) == list(range(ROWS))
+        assert (first["num_samples"], second["num_samples"]) == (ROWS, ROWS)
+        for got, want in zip(_weights(trainer), expected):
+            torch.testing.assert_close(got, want)
+        reclaim.join(timeout=60)
+        # The node went at its deadline; Ray reports it preempted, and the run had left it.
+        assert preempted_nodes([victim.node_id]) == {victim.node_id}
+        assert trainer.train()["num_samples"] == ROWS and trainer.failures == 0
+    finally:
+        trainer.shutdown()
