@@ -56,6 +56,11 @@ class SlowLinearOperator(TrainingOperator):
     def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
         x, y, ids = batch
         time.sleep(STEP_S)
+        block = Path(self.config["marker_dir"], f"block-{batch_info['global_step']}")
+        if self.world_rank == 1 and block.exists():
+            # Stuck in this step (no boundary to stop at) until the test takes the node away.
+            block.rename(block.with_name("blocking"))
+            time.sleep(60)
         metrics = super().train_batch((x, y), batch_info)
         folder = self.config["marker_dir"]
         record_rows(folder, batch_info["epoch_idx"] + 1, ids)
@@ -102,6 +107,26 @@ def _reclaim_at_step(
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, times
+
+
+def _reclaim_at_marker(
+    cluster: Any, marker: Path, node: Any, deadline_s: int, remove_after_s: float
+) -> tuple[threading.Thread, dict[str, float]]:
+    """Drain `node` once `marker` exists, and remove it `remove_after_s` later."""
+    folder = marker.parent
+    name = marker.name
+
+    def run() -> None:
+        until = time.monotonic() + 120
+        while not (folder / name).exists() and time.monotonic() < until:
+            time.sleep(0.02)
+        _drain(cluster, node.node_id, deadline_s)
+        time.sleep(remove_after_s)
+        cluster.remove_node(node)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, {}
 
 
 def _trainer(folder: Path, **kwargs: Any) -> TorchTrainer:
@@ -172,3 +197,82 @@ def test_a_drained_node_is_left_before_its_deadline_losing_nothing(
         assert trainer.train()["num_samples"] == ROWS and trainer.failures == 0
     finally:
         trainer.shutdown()
+
+
+def _full_loss(operator: Any) -> float:
+    """The loss over the whole data set with this worker's model (gathered under fsdp)."""
+    x, y, _ = operator.train_loader.dataset.tensors
+    with torch.no_grad():
+        return float(nn.functional.mse_loss(operator.model(x), y))
+
+
+@pytest.mark.timeout(240)
+def test_a_notice_between_two_calls_moves_an_fsdp_worker_with_its_shards(
+    ray_multinode: Any, tmp_path: Path
+) -> None:
+    nodes = _cluster(ray_multinode, 3)
+    losses = {}
+    for name in ("reference", "moved"):
+        folder = tmp_path / name
+        folder.mkdir()
+        trainer = _trainer(folder, strategy="fsdp")
+        try:
+            trainer.train()
+            if name == "moved":
+                victim = _on(nodes, trainer.apply_all_workers(_node_id)[1])
+                _drain(ray_multinode, victim.node_id, 30)
+            trainer.train()  # the notice came between the calls: acted on before this one
+            losses[name] = trainer.apply_all_operators(_full_loss)
+            if name == "moved":
+                (move,) = [e for e in trainer.recovery_events if e.kind == "preemption"]
+                assert move.nodes == (victim.node_id,) and move.steps_redone == 0
+                assert trainer.failures == 0 and trainer.num_workers == 2
+                assert victim.node_id not in trainer.apply_all_workers(_node_id)
+                rows = rows_by_epoch(folder)
+                assert sorted(rows[1]) == sorted(rows[2]) == list(range(ROWS))
+        finally:
+            trainer.shutdown()
+    # The moved worker's shards went to its successor: the same model as without the notice.
+    assert losses["moved"] == pytest.approx(losses["reference"], rel=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_without_room_the_group_shrinks_before_the_deadline_and_a_node_lost_first_is_a_loss(
+    ray_multinode: Any, tmp_path: Path
+) -> None:
+    nodes = _cluster(ray_multinode, 2)  # both nodes hold a worker: nowhere to move to
+    trainer = _trainer(tmp_path)
+    try:
+        victim = _on(nodes, trainer.apply_all_workers(_node_id)[1])
+        reclaim, _ = _reclaim_at_step(ray_multinode, tmp_path, 5, victim, 20, remove_after_s=20)
+        result = trainer.train()
+        (move,) = [e for e in trainer.recovery_events if e.kind == "preemption"]
+        assert (move.num_workers_before, move.num_workers_after) == (2, 1)
+        assert trainer.failures == 0 and result["num_samples"] == ROWS
+        assert sorted(rows_by_epoch(tmp_path)[1]) == list(range(ROWS))
+        reclaim.join(timeout=60)
+
+        # Room comes back: the next call grows to 2 again, on the new node.
+        ray_multinode.add_node(num_cpus=1)
+        ray_multinode.wait_for_nodes()
+        deadline = time.monotonic() + 60
+        while trainer.num_workers < 2 and time.monotonic() < deadline:
+            trainer.train(num_steps=1)
+        assert trainer.num_workers == 2
+        # This time the node is reclaimed at the deadline of a short notice (3 s) while the
+        # workers are in the middle of a long step and never reach a boundary to move at: an
+        # ordinary loss, which says it was a preemption (Ray reports the node reclaimed).
+        where = trainer.apply_all_workers(_node_id)
+        second = next(n for n in ray_multinode.worker_nodes if n.node_id == where[1])
+        step = trainer.apply_all_operators(lambda op: op.global_step)[0]
+        (tmp_path / f"block-{step + 2}").touch()
+        reclaim, _ = _reclaim_at_marker(ray_multinode, tmp_path / "blocking", second, 3, 4.0)
+        trainer.train()
+        reclaim.join(timeout=60)
+        lost = [e for e in trainer.recovery_events if e.kind == "failure"]
+        assert trainer.failures == 1 and len(lost) == 1 and lost[0].preempted
+        epochs = rows_by_epoch(tmp_path)
+        last = max(epochs)
+        assert sorted(epochs[last]) == list(range(ROWS))  # the epoch it happened in: once each
+    finally:
+        trainer.shutdown(force=True)

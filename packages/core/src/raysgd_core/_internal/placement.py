@@ -119,7 +119,7 @@ class SlotPool:
         one-bundle group (which Ray does not place on a draining node)."""
         if self.borrowed is not None:
             return Slot(self.borrowed, -1, owned=False, single=False)
-        self._sort_free()
+        self.refresh()
         if self.free:
             return self.free.pop(0)
         from ray.util.placement_group import placement_group
@@ -138,8 +138,9 @@ class SlotPool:
         elif slot not in self.free:
             self.free.append(slot)
 
-    def _sort_free(self) -> None:
-        """Set aside the free bundles on draining nodes; take back those that moved off them."""
+    def refresh(self) -> None:
+        """Set aside the free bundles on draining nodes; take back those that moved off them
+        (Ray placed a lost node's bundle elsewhere, or the drain is over)."""
         if not self.free and not self.parked:
             return
         from raysgd_core.drains import draining_nodes
@@ -241,5 +242,7 @@ def estimate_fitting(bundle: dict, pool: Optional[SlotPool]) -> int:
         math.floor(available.get(key + suffix, 0.0) / amount + 1e-9)
         for key, amount in bundle.items()
     ]
+    if pool is not None:
+        pool.refresh()
     free_slots = len(pool.free) if pool is not None else 0
     return (min(room) if room else 0) + free_slots

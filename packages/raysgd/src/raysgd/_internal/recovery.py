@@ -162,7 +162,7 @@ class Recovery:
                     detected_at = detected_at or time.monotonic()
                     alive = max(0, self._world_size() - len(err.ranks))
                     reclaimable, fruitless = self._reclaimable_count(err.nodes), 0
-                    preempted = bool(err.preempted) or bool(preempted_nodes(err.nodes))
+                    preempted = bool(err.preempted)
                     self._note_loss(
                         err.ranks,
                         err.nodes,
@@ -176,6 +176,7 @@ class Recovery:
                 self.state = LoopState.SUCCEEDED
                 if detected_at is not None:
                     self._note_recovered(time.monotonic() - detected_at)
+                    self._mark_preempted()
                 return result
             if self.state is LoopState.FAILED:
                 decision = self._decide(
@@ -426,6 +427,15 @@ class Recovery:
             num_workers_after=alive,
             preempted=preempted,
         )
+
+    def _mark_preempted(self) -> None:
+        """Tag this call's losses whose node Ray now reports reclaimed after a preemption drain.
+        Asked only once the call is done: Ray records why a node died a moment after its workers
+        are seen gone, and waiting for it must not delay the recovery."""
+        nodes = {n for record in self._call_failures for n in record.nodes}
+        preempted = preempted_nodes(nodes)
+        if preempted:
+            self._log.mark_preempted(preempted)
 
     def _note_recovered(self, took: float) -> None:
         self._log.record(

@@ -7,6 +7,7 @@ source for both, so the log and the structured record never disagree.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -120,7 +121,8 @@ class RecoveryEvent:
 
 
 class RecoveryLog:
-    """Append-only list of `RecoveryEvent`s that also writes each one to the logger."""
+    """Append-only list of `RecoveryEvent`s that also writes each one to the logger (an event
+    learns afterwards only that its loss was a preemption: `mark_preempted`)."""
 
     def __init__(self) -> None:
         self.events: list[RecoveryEvent] = []
@@ -138,6 +140,19 @@ class RecoveryLog:
         self.events.append(event)
         logger.log(level, "%s", message)
         return event
+
+    def mark_preempted(self, nodes: set[str]) -> None:
+        """Mark the failures on `nodes` as preemptions (Ray reported the nodes reclaimed after a
+        preemption drain), with a log line saying so."""
+        for i, event in enumerate(self.events):
+            if event.kind == EventKind.FAILURE and not event.preempted and set(event.nodes) & nodes:
+                self.events[i] = dataclasses.replace(event, preempted=True)
+                logger.warning(
+                    "the loss of rank(s) %s was a preemption: node(s) %s were reclaimed before "
+                    "the workers could move",
+                    list(event.ranks),
+                    [short_node(n) for n in event.nodes],
+                )
 
 
 def give_up_message(failures: Sequence[FailureRecord], reason: str, *, max_retries: int) -> str:

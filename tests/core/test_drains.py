@@ -1,0 +1,55 @@
+"""`raysgd_core.draining_nodes()` reads Ray's drains through the one private call raysgd makes
+for it (Ray 2.60 has no public one); this drains a real node and fails loudly when Ray moves or
+changes that call. `preempted_nodes()` reads the public `ray.nodes()` once the node is gone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+import ray
+
+from raysgd_core import draining_nodes, preempted_nodes
+
+
+@ray.remote(num_cpus=1)
+class _Busy:
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+@pytest.mark.timeout(120)
+def test_a_preemption_drain_is_seen_with_its_deadline_and_the_reclaimed_node_as_preempted(
+    ray_multinode: Any,
+) -> None:
+    cluster = ray_multinode
+    node = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+    busy = _Busy.remote()  # a drain of an idle node ends at once; a worker keeps it draining
+    assert ray.get(busy.node.remote()) == node.node_id
+    assert node.node_id not in draining_nodes()
+    asked = time.time()
+    subprocess.run(
+        [
+            sys.executable, "-m", "ray.scripts.scripts", "drain-node",
+            "--address", cluster.address, "--node-id", node.node_id,
+            "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",
+            "--deadline-remaining-seconds", "3",
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    draining = draining_nodes()
+    assert set(draining) == {node.node_id}, "Ray's private get_draining_nodes() moved or changed"
+    deadline = draining[node.node_id]
+    assert deadline is not None and asked + 2 <= deadline <= time.time() + 3.5
+    time.sleep(max(0.0, deadline - time.time()) + 1.0)
+    cluster.remove_node(node)  # reclaimed at the deadline, as a cloud does
+    until = time.monotonic() + 30
+    while not preempted_nodes([node.node_id]) and time.monotonic() < until:
+        time.sleep(0.2)
+    assert preempted_nodes([node.node_id]) == {node.node_id}
