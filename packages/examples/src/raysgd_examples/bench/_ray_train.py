@@ -17,7 +17,7 @@ import torch.distributed as dist
 from raysgd_examples.bench._loop import LoopConfig, worker_loop
 from raysgd_examples.bench.workload import Timeline
 
-__all__ = ["fit"]
+__all__ = ["fit", "fit_preemptible"]
 
 
 def _train_fn(config: dict[str, Any]) -> None:
@@ -75,5 +75,86 @@ def fit(
             ),
         )
         trainer.fit()
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+
+
+def _preemptible_train_fn(config: dict[str, Any]) -> None:
+    """The loop with Ray Train's preemption handling: after each step every worker asks
+    `ray.train.get_preemption_info()` (a barrier) and, the first time it answers, saves a
+    just-in-time checkpoint; a run restarted after the preemption resumes from it."""
+    import os
+
+    import ray.train
+    import ray.train.torch
+    from torch import nn
+
+    from raysgd_examples.bench.workload import (
+        Workload,
+        make_loader,
+        make_model,
+        make_optimizer,
+        train_step,
+    )
+
+    cfg: LoopConfig = config["loop"]
+    workload = Workload(**cfg["workload"])
+    torch.set_num_threads(workload.threads)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    timeline = Timeline(cfg.get("timeline"))
+    timeline.mark("node", rank=rank, node=ray.get_runtime_context().get_node_id())
+    model = ray.train.torch.prepare_model(make_model(workload))
+    optimizer = make_optimizer(model, workload)
+    criterion = nn.CrossEntropyLoss()
+    start = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as folder:
+            saved = torch.load(os.path.join(folder, "state.pt"), weights_only=True)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        start = int(saved["step"]) + 1
+    loader = make_loader(workload, cfg["steps"], rank, world_size)
+    saved_once = False
+    model.train()
+    for step, batch in enumerate(loader):
+        if step < start:
+            continue
+        train_step(model, optimizer, criterion, batch)
+        if rank == 0:
+            timeline.mark("step", step=step)
+        if ray.train.get_preemption_info() is not None and not saved_once:
+            saved_once = True
+            folder = tempfile.mkdtemp(prefix="raysgd_bench_jit_")
+            if rank == 0:
+                state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+                torch.save({**state, "step": step}, os.path.join(folder, "state.pt"))
+                timeline.mark("checkpoint", step=step)
+            ray.train.report(
+                {"step": step},
+                checkpoint=ray.train.Checkpoint.from_directory(folder) if rank == 0 else None,
+            )
+
+
+def fit_preemptible(cfg: LoopConfig, *, num_workers: int = 2) -> None:
+    """Run `cfg` under Ray Train with its just-in-time checkpoint on a preemption notice, and
+    restarts from that checkpoint once the node is gone."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    storage = tempfile.mkdtemp(prefix="raysgd_bench_raytrain_")
+    try:
+        TorchTrainer(
+            _preemptible_train_fn,
+            train_loop_config={"loop": cfg},
+            scaling_config=ScalingConfig(
+                num_workers=num_workers, use_gpu=False, resources_per_worker={"CPU": 1}
+            ),
+            run_config=RunConfig(
+                name=f"bench-{uuid.uuid4().hex[:8]}",
+                storage_path=storage,
+                failure_config=FailureConfig(max_failures=0, max_preemption_failures=-1),
+            ),
+        ).fit()
     finally:
         shutil.rmtree(storage, ignore_errors=True)

@@ -1,0 +1,221 @@
+"""Preemption: a node holding a worker is drained with a deadline mid-epoch and reclaimed then.
+
+Each run starts its own `ray.cluster_utils.Cluster` (a head with no CPU and three 1-CPU nodes), runs
+one epoch of `--steps` steps of the throughput benchmark's job on 2 workers, and at step `--at`
+drains rank 1's node with ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION
+--deadline-remaining-seconds D`` (the real command) and removes the node at the deadline, as a
+cloud reclaims a spot machine. Sides:
+
+- raysgd, raysgd_fsdp: `TorchTrainer` (ddp, fsdp): the workers stop at a step boundary, move off
+  the node to the free one and go on from that step.
+- ray_train: Ray Train's `TorchTrainer` with its preemption handling: every step asks
+  `ray.train.get_preemption_info()`, saves a just-in-time checkpoint on the notice and keeps
+  training; when the node goes, Ray Train restarts every worker from that checkpoint.
+- each side again with a ``_quiet`` suffix: the same epoch without the notice.
+
+Reported per side: time from the notice until the run trained a step off the node ("moved": for
+raysgd the move, for Ray Train the deadline plus its restart), steps trained twice (redone), and the
+epoch's throughput, which the quiet sides give without a preemption.
+
+    hatch run bench:preemption [--quick] [--repeats N] [--steps N] [--at K] [--deadline S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
+
+from raysgd_examples.bench import _common
+
+__all__ = ["SIDES", "main", "measure"]
+
+SIDES = (
+    "raysgd",
+    "raysgd_fsdp",
+    "ray_train",
+    "raysgd_quiet",
+    "raysgd_fsdp_quiet",
+    "ray_train_quiet",
+)
+_MODULE = "raysgd_examples.bench.preemption"
+
+
+@contextlib.contextmanager
+def _cluster() -> Iterator[Any]:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False}
+    )
+    try:
+        for _ in range(3):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _reclaimer(
+    cluster: Any,
+    steps: Callable[[], list[int]],
+    at: int,
+    victim: Callable[[], str],
+    deadline_s: int,
+) -> tuple[threading.Thread, dict[str, float], threading.Event]:
+    """Drain `victim()`'s node once step `at` is stamped, and remove it at the deadline (unless
+    the run is over by then: set the returned event)."""
+    times: dict[str, float] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        while at not in steps() and not done.is_set():
+            time.sleep(0.02)
+        if done.is_set():
+            return
+        node_id = victim()
+        subprocess.run(
+            [
+                sys.executable, "-m", "ray.scripts.scripts", "drain-node",
+                "--address", cluster.address, "--node-id", node_id,
+                "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",
+                "--deadline-remaining-seconds", str(deadline_s),
+            ],
+            check=True,
+            capture_output=True,
+        )  # fmt: skip
+        times["notice"] = time.time()
+        if not done.wait(deadline_s):
+            node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
+            cluster.remove_node(node)
+            times["reclaimed"] = time.time()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, times, done
+
+
+def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One epoch of one side (in a child process)."""
+    from raysgd_examples.bench.workload import Timeline, Workload
+
+    workload = Workload.quick() if args.quick else Workload()
+    quiet = side.endswith("_quiet")
+    base = side.removesuffix("_quiet")
+    with tempfile.TemporaryDirectory(prefix="raysgd_bench_") as tmp:
+        timeline = Timeline(f"{tmp}/timeline.jsonl")
+        cfg = {
+            "workload": workload.to_dict(),
+            "warmup": 0,
+            "steps": args.steps,
+            "timeline": timeline.path,
+        }
+        nodes: dict[int, str] = {}
+
+        def stamped() -> list[int]:
+            return [e["step"] for e in timeline.read() if e["event"] == "step"]
+
+        def victim() -> str:
+            if base == "ray_train":
+                marks = [e for e in timeline.read() if e["event"] == "node" and e["rank"] == 1]
+                return marks[-1]["node"]
+            return nodes[1]
+
+        events: list[Any] = []
+        with _cluster() as cluster:
+            at = args.steps + 1 if quiet else args.at  # quiet: never reached
+            reclaim, times, finished = _reclaimer(cluster, stamped, at, victim, args.deadline)
+            try:
+                if base == "ray_train":
+                    from raysgd_examples.bench import _ray_train
+
+                    _ray_train.fit_preemptible(cfg, num_workers=2)
+                else:
+                    from raysgd_examples.bench import _raysgd
+
+                    extra = {"strategy": "fsdp"} if base == "raysgd_fsdp" else {}
+                    trainer = _raysgd.make_trainer(cfg, num_workers=2, **extra)
+                    try:
+                        import ray
+
+                        for rank, node in enumerate(
+                            trainer.apply_all_workers(
+                                lambda: ray.get_runtime_context().get_node_id()
+                            )
+                        ):
+                            nodes[rank] = node
+                        trainer.train(num_steps=args.steps)
+                        events = list(trainer.recovery_events)
+                        failures = trainer.failures
+                    finally:
+                        trainer.shutdown()
+            finally:
+                finished.set()
+                reclaim.join(timeout=60)
+        stamps = [e for e in timeline.read() if e["event"] == "step"]
+    counts = Counter(e["step"] for e in stamps)
+    first, last = min(e["t"] for e in stamps), max(e["t"] for e in stamps)
+    result: dict[str, Any] = {
+        "samples_per_s": args.steps * workload.batch_size * 2 / (last - first),
+        "steps_redone": sum(c - 1 for c in counts.values() if c > 1),
+    }
+    moved: Optional[float] = None
+    if "notice" in times and base == "ray_train":
+        # Off the node once a step is stamped after the node is gone (the restart).
+        after = [e["t"] for e in stamps if e["t"] > times.get("reclaimed", last)]
+        moved = min(after) if after else None
+    elif "notice" in times:
+        move = [e.timestamp for e in events if e.kind == "preemption"]
+        moved = move[0] if move else None
+        result["failures"] = failures
+    if moved is not None:
+        result["notice_to_moved_s"] = moved - times["notice"]
+    elif "notice" in times:
+        result["note"] = "the epoch ended before the run left the node"
+    return result
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    """Run the benchmark; print the tables; write ``<out>/preemption.json``."""
+    parser = _common.bench_parser(__doc__.splitlines()[0], sides=SIDES, repeats=1)
+    parser.add_argument("--at", type=int, default=None, help="step at which the notice comes")
+    parser.add_argument("--deadline", type=int, default=30, help="seconds from notice to reclaim")
+    args = _common.parse_args(parser, argv, steps=60, quick_steps=20)
+    if args.at is None:
+        args.at = args.steps // 4
+    runs = _common.dispatch(_MODULE, measure, args, SIDES)
+    if runs is None:
+        return {}
+    metrics = [
+        _common.metric(
+            "notice -> trained off the node",
+            "s",
+            False,
+            runs,
+            "notice_to_moved_s",
+            reference="ray_train",
+        ),
+        _common.metric("steps redone", "steps", False, runs, "steps_redone", reference="ray_train"),
+        _common.metric(
+            "epoch throughput", "samples/s", True, runs, "samples_per_s", reference="raysgd_quiet"
+        ),
+    ]
+    for m in metrics:
+        _common.print_metric(m)
+    _common.write_results(args.out, "preemption", metrics, args)
+    return {"metrics": metrics}
+
+
+if __name__ == "__main__":
+    main()
