@@ -166,9 +166,15 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
         stamps = [e for e in timeline.read() if e["event"] == "step"]
     counts = Counter(e["step"] for e in stamps)
     first, last = min(e["t"] for e in stamps), max(e["t"] for e in stamps)
+    moments = sorted(e["t"] for e in stamps)
+    gaps = sorted(b - a for a, b in zip(moments, moments[1:]))
+    typical = gaps[len(gaps) // 2] if gaps else 0.0
     result: dict[str, Any] = {
         "samples_per_s": args.steps * workload.batch_size * 2 / (last - first),
         "steps_redone": sum(c - 1 for c in counts.values() if c > 1),
+        # Where the epoch lost time: the steps that took more than twice the typical one.
+        "stalled_s": sum(g - typical for g in gaps if g > 2 * typical),
+        "typical_step_s": typical,
     }
     moved: Optional[float] = None
     if "notice" in times and base == "ray_train":
@@ -181,6 +187,16 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
         result["failures"] = failures
     if moved is not None:
         result["notice_to_moved_s"] = moved - times["notice"]
+    if "notice" in times:
+        # The typical step before the notice, and after it (once off the node, and once it is gone).
+        def typical_between(lo: float, hi: float) -> Optional[float]:
+            inside = [b - a for a, b in zip(moments, moments[1:]) if lo <= a and b <= hi]
+            return sorted(inside)[len(inside) // 2] if inside else None
+
+        result["step_before_notice_s"] = typical_between(first, times["notice"])
+        result["step_after_notice_s"] = typical_between(times["notice"], times.get("reclaimed", last))
+        if "reclaimed" in times:
+            result["step_after_reclaim_s"] = typical_between(times["reclaimed"], last)
     elif "notice" in times:
         result["note"] = "the epoch ended before the run left the node"
     return result
