@@ -1,10 +1,11 @@
-"""raysgd_base.check_int: one check, one message, TypeError for the type, ValueError for the range."""
+"""raysgd_base.check_int and check_number: one check each, one message form, TypeError for the
+type, ValueError for the range."""
 
 from __future__ import annotations
 
 import pytest
 
-from raysgd_base import check_int
+from raysgd_base import check_int, check_number
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -31,27 +32,45 @@ def test_a_value_below_the_minimum_is_a_value_error(value: int, minimum: int) ->
 
 def test_the_packages_use_the_one_message_form() -> None:
     """Checks that once had their own wording now say the same thing."""
-    from raysgd_core._internal.args import check_group_args
+    from raysgd_core import GroupOptions, WorkerGroup
     from raysgd_fault import ElasticPolicy, FailureStatus
     from raysgd_operator import TrainingOptions
 
-    group_args = dict(
-        num_cpus_per_worker=1,
-        num_gpus_per_worker=0,
-        backend="gloo",
-        timeout_s=10,
-        placement_strategy="PACK",
-        init_hook=None,
-        placement_group=None,
-        start_timeout_s=10,
-    )
     with pytest.raises(ValueError, match=r"^num_workers must be an int >= 1, got 0$"):
-        check_group_args(0, **group_args)
+        WorkerGroup(0)
     with pytest.raises(ValueError, match=r"^spare_workers must be an int >= 0, got -1$"):
-        check_group_args(1, spare_workers=-1, **group_args)
+        GroupOptions(spare_workers=-1)
+    with pytest.raises(ValueError, match=r"^timeout_s must be a number > 0, got 0$"):
+        GroupOptions(timeout_s=0)
+    with pytest.raises(TypeError, match=r"^num_gpus_per_worker must be a number >= 0, got '1'$"):
+        WorkerGroup(1, num_gpus_per_worker="1")
     with pytest.raises(TypeError, match=r"^min_workers must be an int >= 1, got '2'$"):
         ElasticPolicy(min_workers="2")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^failures must be an int >= 0, got 1\.0$"):
         FailureStatus(failures=1.0, max_retries=0, workers_wanted=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^accumulate_grad_batches must be an int >= 1, got 0$"):
         TrainingOptions(accumulate_grad_batches=0)
+
+
+@pytest.mark.parametrize(
+    ("value", "kwargs", "error", "message"),
+    [
+        ("1", {}, TypeError, "x must be a number >= 0, got '1'"),
+        (True, {}, TypeError, "x must be a number >= 0, got True"),
+        (-0.5, {}, ValueError, "x must be a number >= 0, got -0.5"),
+        (0, {"above": 0}, ValueError, "x must be a number > 0, got 0"),
+        (float("nan"), {}, ValueError, "x must be a number >= 0, got nan"),
+        (1, {"minimum": 2}, ValueError, "x must be a number >= 2, got 1"),
+    ],
+)
+def test_check_number_refuses_with_one_message_form(
+    value: object, kwargs: dict, error: type, message: str
+) -> None:
+    with pytest.raises(error) as info:
+        check_number("x", value, **kwargs)
+    assert str(info.value) == message
+
+
+def test_check_number_returns_accepted_values() -> None:
+    assert check_number("x", 0) == 0
+    assert check_number("x", 2.5, above=0) == 2.5

@@ -1,15 +1,17 @@
-"""The one check of an integer argument, with one message form for every raysgd package.
+"""The checks of numeric arguments, with one message form for every raysgd package.
 
 check_int("num_workers", 0)           # ValueError: num_workers must be an int >= 1, got 0
 check_int("num_workers", "2")         # TypeError:  num_workers must be an int >= 1, got '2'
 check_int("spare_workers", 0, minimum=0)  # 0
+check_number("timeout_s", 0, above=0)     # ValueError: timeout_s must be a number > 0, got 0
+check_number("num_gpus_per_worker", 0.5)  # 0.5 (the default bound is >= 0)
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
-__all__ = ["check_int"]
+__all__ = ["check_int", "check_number"]
 
 
 def check_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -26,4 +28,25 @@ def check_int(name: str, value: Any, minimum: int = 1) -> int:
         raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def check_number(
+    name: str, value: Any, *, minimum: float = 0, above: Optional[float] = None
+) -> float:
+    """Return `value` when it is a real number (int or float, not a bool) >= `minimum`, or, when
+    `above` is given, > `above`.
+
+    Raises:
+        TypeError: `value` is not a number.
+        ValueError: `value` is out of range.
+
+    Both say "<name> must be a number >= <minimum>, got <value!r>" (or "> <above>").
+    """
+    bound = f">= {minimum:g}" if above is None else f"> {above:g}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number {bound}, got {value!r}")
+    # Written as `not (in range)` so that NaN, which compares False with everything, is refused.
+    if not ((value >= minimum) if above is None else (value > above)):
+        raise ValueError(f"{name} must be a number {bound}, got {value!r}")
     return value

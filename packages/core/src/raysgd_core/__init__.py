@@ -17,12 +17,14 @@ from raysgd_core.errors import (
 from raysgd_core.gpu import require_cluster_gpus, resolve_use_gpu
 from raysgd_core.group import WorkerGroup
 from raysgd_core.info import RecoveryReport, WorkerInfo
+from raysgd_core.options import GroupOptions, resolve_backend
 from raysgd_core.ray_options import WORKER_PRELOAD_MODULES, local_ray_options
 from raysgd_core.shipping import ship_by_value, shipped_by_value
 
 __version__ = "0.1.0"
 __all__ = [
     "WORKER_PRELOAD_MODULES",
+    "GroupOptions",
     "RecoveryReport",
     "ResourcesUnavailableError",
     "WorkerContext",
@@ -37,6 +39,7 @@ __all__ = [
     "local_ray_options",
     "preempted_nodes",
     "require_cluster_gpus",
+    "resolve_backend",
     "resolve_use_gpu",
     "ship_by_value",
     "shipped_by_value",

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from raysgd_base import check_int
 from raysgd_core._internal import lifecycle, spares
-from raysgd_core._internal.args import check_group_args
 from raysgd_core._internal.failures import Outcome, collect, raise_for
-from raysgd_core._internal.placement import estimate_fitting, make_bundle
+from raysgd_core._internal.placement import estimate_fitting
 from raysgd_core._internal.recovery import recover as _recover
 from raysgd_core._internal.state import GroupSpec, GroupState
-from raysgd_core._internal.workers import ActorSpec, kill_worker, record_local
+from raysgd_core._internal.workers import kill_worker, record_local
 from raysgd_core.info import RecoveryReport, WorkerInfo
+from raysgd_core.options import GroupOptions
 from raysgd_core.shipping import ship_by_value
 
 __all__ = ["RecoveryReport", "WorkerGroup", "WorkerInfo"]
@@ -28,99 +27,38 @@ class WorkerGroup:
 
     Args:
         num_workers: number of ranks (with `use_local=True`, rank 0 is the calling process).
-        num_cpus_per_worker: CPUs reserved per worker.
-        num_gpus_per_worker: GPUs reserved per worker (each worker then computes on `cuda:0` of its
-            own `CUDA_VISIBLE_DEVICES`).
-        resources_per_worker: extra Ray resources per worker.
-        backend: "gloo", "nccl" or "auto" (nccl when GPUs are requested, else gloo).
-        timeout_s: timeout of the process group's collectives, in seconds (or a `timedelta`).
-        placement_strategy: placement-group strategy: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD.
-        init_hook: called with no arguments on every worker before the process group is formed
-            (also on workers started by `recover`).
-        env_vars: environment variables set in each actor before anything else runs there.
-        use_local: run rank 0 in the calling process.
-        placement_group: "auto" (use the current placement group when the caller runs inside one
-            that captures child tasks, e.g. a Tune trial; else make one), a `PlacementGroup` to
-            place the workers in (any bundle with room), or None (always make one).
-        start_timeout_s: how long `start()` waits for resources, and then for the actors to come up.
-        spare_workers: how many workers to keep started outside the process group, each in
-            resources reserved like a worker's, to replace a lost worker at once: `recover`
-            promotes the spares that are up (torch already imported) before it starts new actors,
-            and starts new spares after every `start()` and `recover()`. They cost their
-            resources and an idle process each; 0 (the default) keeps none.
-        spare_imports: modules (a list or tuple of names) a spare imports while it waits,
-            besides torch and the modules every worker imports: those a promoted worker would
-            otherwise import after the loss (e.g. `torch.distributed.checkpoint` for a run whose
-            state is sharded). A missing one is logged, not raised.
-        keep_freed_memory: raise each worker's malloc thresholds (glibc only) so the memory a
-            step frees is reused by the next one instead of being returned to the OS and faulted
-            back in (what that costs: the raysgd-core README). Applied to the calling
-            process too when `use_local` is set. Skipped where the environment already sets
-            glibc's `MALLOC_*_` variables; False keeps the allocator's defaults.
+        options: how the workers are placed, started and connected (`GroupOptions`: resources,
+            backend, timeouts, placement, `init_hook`, `use_local`, spares, ...).
+        **fields: `GroupOptions` fields given as keywords, applied over `options`:
+            ``WorkerGroup(2, num_cpus_per_worker=2, backend="gloo")`` is
+            ``WorkerGroup(2, GroupOptions(num_cpus_per_worker=2, backend="gloo"))``. An unknown
+            name is a TypeError that lists the options.
+
+    Nothing starts until `start()` (or `with WorkerGroup(...) as group:`); the options are checked
+    here, so a bad one fails before anything is placed.
     """
 
     def __init__(
-        self,
-        num_workers: int,
-        *,
-        num_cpus_per_worker: float = 1,
-        num_gpus_per_worker: float = 0,
-        resources_per_worker: Optional[dict[str, float]] = None,
-        backend: str = "auto",
-        timeout_s: Union[float, timedelta] = 1800,
-        placement_strategy: str = "SPREAD",
-        init_hook: Optional[Callable[[], Any]] = None,
-        env_vars: Optional[dict[str, str]] = None,
-        use_local: bool = False,
-        placement_group: Union[str, Any, None] = "auto",
-        start_timeout_s: float = 30.0,
-        spare_workers: int = 0,
-        spare_imports: Union[list[str], tuple[str, ...]] = (),
-        keep_freed_memory: bool = True,
+        self, num_workers: int, options: Optional[GroupOptions] = None, **fields: Any
     ) -> None:
-        timeout_s = check_group_args(
-            num_workers,
-            num_cpus_per_worker=num_cpus_per_worker,
-            num_gpus_per_worker=num_gpus_per_worker,
-            backend=backend,
-            timeout_s=timeout_s,
-            placement_strategy=placement_strategy,
-            init_hook=init_hook,
-            placement_group=placement_group,
-            start_timeout_s=start_timeout_s,
-            spare_workers=spare_workers,
-            spare_imports=spare_imports,
-        )
+        check_int("num_workers", num_workers)
+        self._options = GroupOptions.build(options, **fields)
         self._num_workers = num_workers
-        self._placement_group_arg = placement_group
-        backend = ("nccl" if num_gpus_per_worker else "gloo") if backend == "auto" else backend
-        self._spec = GroupSpec(
-            actor=ActorSpec(
-                num_cpus=num_cpus_per_worker,
-                num_gpus=num_gpus_per_worker,
-                resources=dict(resources_per_worker or {}),
-                env_vars={str(k): str(v) for k, v in (env_vars or {}).items()},
-                init_hook=init_hook,
-                keep_freed_memory=bool(keep_freed_memory),
-            ),
-            bundle=make_bundle(num_cpus_per_worker, num_gpus_per_worker, resources_per_worker),
-            backend=backend,
-            timeout_s=float(timeout_s),
-            start_timeout_s=float(start_timeout_s),
-            placement_strategy=placement_strategy,
-            use_local=bool(use_local),
-            spare_workers=spare_workers,
-            spare_imports=tuple(spare_imports),
-        )
+        self._spec = GroupSpec.from_options(self._options)
         self._state = GroupState(self._spec)
         self._put_values: dict[str, Any] = {}  # ObjectRef hex -> the object `put` stored
         self._started = False
 
-    # Read-only views of the spec (public since the first release).
+    @property
+    def options(self) -> GroupOptions:
+        """The options the group was built with."""
+        return self._options
+
+    # Read-only views of the options (public since the first release).
     @property
     def use_local(self) -> bool:
         """Rank 0 runs in the calling process."""
-        return self._spec.use_local
+        return self._options.use_local
 
     @property
     def backend(self) -> str:
@@ -130,17 +68,17 @@ class WorkerGroup:
     @property
     def timeout_s(self) -> float:
         """Timeout of the process group's collectives, in seconds."""
-        return self._spec.timeout_s
+        return float(self._options.timeout_s)
 
     @property
     def start_timeout_s(self) -> float:
         """How long `start()` waits for resources, and then for the actors to come up."""
-        return self._spec.start_timeout_s
+        return self._options.start_timeout_s
 
     @property
     def placement_strategy(self) -> str:
         """The placement-group strategy of the workers started by `start()`."""
-        return self._spec.placement_strategy
+        return self._options.placement_strategy
 
     # ----------------------------------------------------------------------------- life cycle
     def start(self) -> WorkerGroup:
@@ -166,13 +104,13 @@ class WorkerGroup:
         return self
 
     def _resolve_placement_group(self) -> Any:
-        if self._placement_group_arg is None:
+        if self._options.placement_group is None:
             return None
-        if self._placement_group_arg == "auto":
+        if self._options.placement_group == "auto":
             from ray.util import get_current_placement_group
 
             return get_current_placement_group()
-        return self._placement_group_arg
+        return self._options.placement_group
 
     def __enter__(self) -> WorkerGroup:
         return self if self._started else self.start()

@@ -20,17 +20,17 @@ from raysgd._internal.preemption import Preemption
 from raysgd._internal.recovery import Recovery
 from raysgd._internal.run_loggers import RunLoggers, trainer_options
 from raysgd._internal.sharded_state import ShardedState, is_sharded_checkpoint
+from raysgd._internal.trainer_keywords import route_keywords
 from raysgd._internal.validation import (
     check_optional_args,
-    check_positive_int,
     check_train_args,
-    resolve_backend,
     resolve_operator_cls,
     resolve_timeout,
     start_timeout,
 )
 from raysgd.loggers import Logger
-from raysgd_core import WorkerGroup, require_cluster_gpus, resolve_use_gpu
+from raysgd_base import check_int, check_number
+from raysgd_core import GroupOptions, WorkerGroup, require_cluster_gpus, resolve_use_gpu
 from raysgd_fault import FailurePolicy, get_policy
 from raysgd_operator import (
     SHARDED_STATE_IMPORTS,
@@ -135,43 +135,28 @@ class TorchTrainer(TrainerDriver):
         state_copy_limit_mb: float = DEFAULT_LIMIT_MB,
         snapshot_every: int = 20,
     ) -> None:
+        # The keywords as given, before anything else is bound in this frame.
+        keywords = {name: value for name, value in locals().items() if name != "self"}
         # Everything that can be checked on the driver is checked before any worker starts.
-        self._num_workers = check_positive_int("num_workers", num_workers)
+        self._num_workers = check_int("num_workers", num_workers)
         given_datasets, dataset_options = check_datasets(datasets, dataset_options, config or {})
         check_optional_args(
             config=config,
             num_cpus_per_worker=num_cpus_per_worker,
-            backend=backend,
             initialization_hook=initialization_hook,
         )
-        if isinstance(state_copy_limit_mb, bool) or not (
-            isinstance(state_copy_limit_mb, (int, float)) and state_copy_limit_mb >= 0
-        ):
-            raise ValueError(
-                f"state_copy_limit_mb must be a number >= 0, got {state_copy_limit_mb!r}"
-            )
+        check_number("state_copy_limit_mb", state_copy_limit_mb)
         # A global batch too small to give every worker a sample fails here, not on the workers.
         check_batch_size(config or {}, self._num_workers)
-        # The workers' options, validated here once and shipped whole. A new option is a field of
-        # `TrainingOptions` plus its keyword above and its line here.
+        # The options of the workers and of their group, each validated once here and shipped
+        # whole. Keywords named like a field fill it (`trainer_keywords` says where the rest go).
+        training_fields, group_fields = route_keywords(keywords)
         self._options = TrainingOptions(
+            **training_fields,
             use_gpu=resolve_use_gpu(use_gpu),
-            use_fp16=use_fp16,
-            apex_args=apex_args,
-            use_tqdm=use_tqdm,
-            wrap_ddp=wrap_ddp,
-            add_dist_sampler=add_dist_sampler,
-            scheduler_step_freq=scheduler_step_freq,
-            accumulate_grad_batches=accumulate_grad_batches,
-            clip_grad_norm=clip_grad_norm,
             num_threads=max(1, int(num_cpus_per_worker)),
-            strategy=strategy,
-            strategy_args=strategy_args,
-            compile=compile,
-            compile_args=compile_args,
             dataset_options=dataset_options,
             distributed=self._num_workers > 1,
-            snapshot_every=snapshot_every,
         )
         self._operator_cls = resolve_operator_cls(
             training_operator_cls,
@@ -183,22 +168,20 @@ class TorchTrainer(TrainerDriver):
             serialize_data_creation=serialize_data_creation,
             has_datasets=bool(given_datasets),
         )
-        timeout = resolve_timeout(timeout_s)
         policy = get_policy(failure_policy)
         # Built (arguments checked) before Ray starts; nothing runs until `start()`.
-        self._use_local = bool(use_local)
         self._group: WorkerGroup = WorkerGroup(
             self._num_workers,
-            num_cpus_per_worker=num_cpus_per_worker,
-            num_gpus_per_worker=1 if self._options.use_gpu else 0,
-            backend=resolve_backend(backend, self._options.use_gpu),
-            timeout_s=timeout,
-            init_hook=initialization_hook,
-            use_local=self._use_local,
-            spare_workers=spare_workers,
-            spare_imports=SHARDED_STATE_IMPORTS if self._options.sharded else (),
-            **start_timeout(),
+            GroupOptions(
+                **group_fields,
+                num_cpus_per_worker=num_cpus_per_worker,
+                num_gpus_per_worker=1 if self._options.use_gpu else 0,
+                timeout_s=resolve_timeout(timeout_s),
+                spare_imports=SHARDED_STATE_IMPORTS if self._options.sharded else (),
+                **start_timeout(),
+            ),
         )
+        self._use_local = self._group.use_local
 
         ensure_ray()
         if self._options.use_gpu:
@@ -212,13 +195,9 @@ class TorchTrainer(TrainerDriver):
             config=config or {},
             options=trainer_options(
                 self._options,
+                self._group.options,
                 num_workers=self._num_workers,
-                num_cpus_per_worker=num_cpus_per_worker,
-                backend=self._group.backend,
-                use_local=self._use_local,
-                spare_workers=spare_workers,
                 failure_policy=policy.name,
-                timeout_s=timeout,
                 state_copy_limit_mb=state_copy_limit_mb,
             ),
         )
@@ -320,7 +299,7 @@ class TorchTrainer(TrainerDriver):
         `last_val_loss`, `val_accuracy`, `last_val_accuracy` (and custom metrics)."""
         self._check_alive()
         if num_steps is not None:
-            check_positive_int("num_steps", num_steps)
+            check_int("num_steps", num_steps)
         results = self._call(worker.validate, num_steps, profile, info)
         return self._results("validate", results, reduce_results)
 

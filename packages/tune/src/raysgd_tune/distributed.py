@@ -29,7 +29,7 @@ import ray
 from ray import tune
 
 from raysgd_base import check_int
-from raysgd_core import resolve_use_gpu, ship_by_value
+from raysgd_core import GroupOptions, resolve_use_gpu, ship_by_value
 from raysgd_tune._internal import worker_run
 from raysgd_tune._internal.ray_session import trial_info as current_trial_info
 from raysgd_tune._internal.resources import worker_bundles_request
@@ -81,10 +81,7 @@ def distributed_checkpoint_dir(step: int, disable: bool = False) -> Iterator[str
 class _Spec:
     func: Callable[..., Any]
     num_workers: int
-    num_cpus_per_worker: float
-    num_gpus_per_worker: float
-    backend: str
-    timeout_s: float
+    group: GroupOptions
 
 
 def _check_signature(func: Callable[..., Any]) -> None:
@@ -128,15 +125,7 @@ def _run_trial(spec: _Spec, config: dict[str, Any]) -> None:
     checkpoint = tune.get_checkpoint()
     trial_info = current_trial_info()
     node_id = ray.get_runtime_context().get_node_id()
-    group = WorkerGroup(
-        spec.num_workers,
-        num_cpus_per_worker=spec.num_cpus_per_worker,
-        num_gpus_per_worker=spec.num_gpus_per_worker,
-        backend=spec.backend,
-        timeout_s=spec.timeout_s,
-        # Tune's placement group captures child actors: the workers take the trial's bundles.
-        placement_group="auto",
-    )
+    group = WorkerGroup(spec.num_workers, spec.group)
     group.start()
     try:
         group.execute(worker_run.start_run, spec.func, config, checkpoint, trial_info)
@@ -198,17 +187,25 @@ def DistributedTrainableCreator(  # RaySGD's public name
             num_gpus_per_worker = num_gpus_per_worker or 1
     if timeout_s is None:
         timeout_s = float(os.environ.get("NCCL_TIMEOUT_S", 1800))
-    # Fails here, on the driver, rather than in every trial.
-    resources = worker_bundles_request(
-        num_workers=num_workers,
+    # Checked here, on the driver, rather than in every trial.
+    group = GroupOptions(
         num_cpus_per_worker=num_cpus_per_worker,
         num_gpus_per_worker=num_gpus_per_worker,
+        backend=backend,
+        timeout_s=timeout_s,
+        # Tune's placement group captures child actors: the workers take the trial's bundles.
+        placement_group="auto",
+    )
+    resources = worker_bundles_request(
+        num_workers=num_workers,
+        num_cpus_per_worker=group.num_cpus_per_worker,
+        num_gpus_per_worker=group.num_gpus_per_worker,
         head_bundle=None,  # the trial process only relays reports: it needs no CPU of its own
         workers_per_bundle=num_workers_per_host or 1,
         strategy="SPREAD" if num_workers_per_host else "PACK",
     )
     ship_by_value(func)
-    spec = _Spec(func, num_workers, num_cpus_per_worker, num_gpus_per_worker, backend, timeout_s)
+    spec = _Spec(func, num_workers, group)
 
     # A fresh function per call: Tune stores its resource request as an attribute on it.
     def trainable(config: dict[str, Any]) -> None:

@@ -23,24 +23,51 @@ from raysgd_tune._internal.resources import worker_bundles_request
 
 __all__ = [
     "CHECKPOINT_FILE",
+    "RESOURCE_KEYS",
     "BaseTorchTrainable",
     "current_trial",
     "make_trainable",
     "trainer_resource_request",
+    "trial_resources",
 ]
 
 #: File name of the trainer state inside a Tune checkpoint directory (RaySGD 1.x's name).
 CHECKPOINT_FILE = "trainer.checkpoint"
 
-# Trainer arguments that also size the trial's resource request; a Tune config may set them.
-_RESOURCE_KEYS = ("num_workers", "num_cpus_per_worker", "use_gpu", "use_local", "spare_workers")
-_DEFAULTS: dict[str, Any] = {
-    "num_workers": 1,
-    "num_cpus_per_worker": 1,
-    "use_gpu": "auto",
-    "use_local": False,
-    "spare_workers": 0,
-}
+#: Trainer keywords that also size the trial's resource request; a Tune config may set them.
+RESOURCE_KEYS = ("num_workers", "num_cpus_per_worker", "use_gpu", "use_local", "spare_workers")
+
+
+def _keyword_defaults(trainer_cls: type) -> dict[str, Any]:
+    """The defaults of `trainer_cls`'s keyword arguments, a subclass's winning over its bases'
+    (a subclass that takes `**kwargs` and passes them on keeps its base's defaults)."""
+    defaults: dict[str, Any] = {}
+    for klass in reversed(trainer_cls.__mro__):
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        for name, param in inspect.signature(init).parameters.items():
+            if param.default is not param.empty:
+                defaults[name] = param.default
+    return defaults
+
+
+def trial_resources(trainer_cls: type, settings: Mapping[str, Any]) -> PlacementGroupFactory:
+    """The resource request of a trial that runs `trainer_cls(**settings)`: each of
+    `RESOURCE_KEYS` is taken from `settings`, else from the trainer's own default, so that the
+    reservation always matches what the trainer starts. `num_replicas` (PyTorchTrainer's name for
+    `num_workers`) is understood."""
+    values = {**_keyword_defaults(trainer_cls), **settings}
+    if "num_workers" not in settings and values.get("num_replicas") is not None:
+        values["num_workers"] = values["num_replicas"]
+    missing = [key for key in RESOURCE_KEYS if key not in values]
+    if missing:
+        raise TypeError(
+            f"{trainer_cls.__name__} takes no default for {', '.join(missing)}; "
+            "give them in the trainer's arguments or the Tune config"
+        )
+    return trainer_resource_request(**{key: values[key] for key in RESOURCE_KEYS})
+
 
 TuneStep = Callable[[Any, dict[str, Any]], Mapping[str, Any]]
 
@@ -200,9 +227,10 @@ def make_trainable(
     """Return a Tune trainable class that builds `trainer_cls(*args, **kwargs)` in each trial.
 
     The trial's `config` is merged over `kwargs["config"]` (Tune's values win). `num_workers`,
-    `num_cpus_per_worker`, `use_gpu`, `use_local` and `spare_workers` are read from the Tune config
-    first, then from `kwargs`, both for the resource request and for the trainer, so the reservation
-    always matches what the trainer starts. The request is a PACK placement group of one bundle for
+    `num_cpus_per_worker`, `use_gpu`, `use_local` and `spare_workers` (`RESOURCE_KEYS`) are read
+    from the Tune config first, then from `kwargs`, then from the trainer's defaults, both for the
+    resource request and for the trainer, so the reservation always matches what the trainer
+    starts. The request is a PACK placement group of one bundle for
     the trial (with `use_local`, the trial process is rank 0 and its bundle is a worker's) plus one
     per remote worker and per spare.
 
@@ -217,25 +245,21 @@ def make_trainable(
     frozen_kwargs = dict(kwargs)
     ship_by_value(trainer_cls, frozen_args, frozen_kwargs, override_tune_step)
 
-    def setting(config: Mapping[str, Any], key: str) -> Any:
-        if key in config:
-            return config[key]
-        if key == "num_workers" and "num_replicas" in frozen_kwargs:  # PyTorchTrainer's name
-            return frozen_kwargs["num_replicas"]
-        return frozen_kwargs.get(key, _DEFAULTS[key])
-
     class _Trainable(BaseTorchTrainable):
         _trainer_cls: ClassVar[type] = trainer_cls
         _tune_step: ClassVar[TuneStep | None] = override_tune_step
 
         @classmethod
         def default_resource_request(cls, config: dict[str, Any]) -> PlacementGroupFactory:
-            return trainer_resource_request(**{key: setting(config, key) for key in _RESOURCE_KEYS})
+            settings = {**frozen_kwargs, **{k: config[k] for k in RESOURCE_KEYS if k in config}}
+            if "num_workers" in config:
+                settings.pop("num_replicas", None)
+            return trial_resources(trainer_cls, settings)
 
         def _create_trainer(self, tune_config: dict[str, Any]) -> Any:
             trainer_kwargs = dict(frozen_kwargs)
             trainer_kwargs["config"] = {**(frozen_kwargs.get("config") or {}), **tune_config}
-            for key in _RESOURCE_KEYS:
+            for key in RESOURCE_KEYS:
                 if key in tune_config:
                     trainer_kwargs[key] = tune_config[key]
                     if key == "num_workers":

@@ -38,16 +38,16 @@ def start(state: GroupState, num_workers: int, borrowed: Any) -> None:
     caller tears the state down. `borrowed`: a placement group to place the workers in, or None."""
     spec = state.spec
     t0 = time.monotonic()
-    state.pool = pool = SlotPool(spec.bundle, spec.placement_strategy, borrowed)
-    n_remote = num_workers - (1 if spec.use_local else 0)
+    state.pool = pool = SlotPool(spec.bundle, spec.options.placement_strategy, borrowed)
+    n_remote = num_workers - (1 if spec.options.use_local else 0)
     waits = []
-    if spec.use_local:
+    if spec.options.use_local:
         state.local = local = LocalWorker()
         if spec.actor.keep_freed_memory:
             host_memory.keep_freed_memory()
         state.workers = [Worker(local=local, info=local.runtime.describe())]
         if borrowed is None:
-            pg = local.reserve(spec.bundle, spec.start_timeout_s)
+            pg = local.reserve(spec.bundle, spec.options.start_timeout_s)
             if pg is not None:
                 waits.append(pg.ready())
     slots = pool.create_main([spec.bundle] * n_remote) if n_remote else []
@@ -57,16 +57,16 @@ def start(state: GroupState, num_workers: int, borrowed: Any) -> None:
     # its bundle is reserved, with no round trip in between.
     spawned = spawn(slots, spec.actor)
     state.workers += spawned
-    request = describe_request(num_workers, spec.bundle, spec.placement_strategy)
-    if not wait_ready(waits, spec.start_timeout_s):
+    request = describe_request(num_workers, spec.bundle, spec.options.placement_strategy)
+    if not wait_ready(waits, spec.options.start_timeout_s):
         raise ResourcesUnavailableError(
-            f"Could not reserve {request} within {spec.start_timeout_s:g}s; "
+            f"Could not reserve {request} within {spec.options.start_timeout_s:g}s; "
             f"the cluster has {describe_free_resources()}."
         )
     t_pg = time.monotonic()
     if state.local is not None:
         state.local.learn_gpu(spec.actor.num_gpus)
-    started, missing = await_started(spawned, spec.start_timeout_s)
+    started, missing = await_started(spawned, spec.options.start_timeout_s)
     died = [w.info["start_error"] for w in missing if "start_error" in w.info]
     if died:
         raise WorkerDiedError(
@@ -75,7 +75,7 @@ def start(state: GroupState, num_workers: int, borrowed: Any) -> None:
     if missing:
         raise ResourcesUnavailableError(
             f"Only {len(started)} of {n_remote} worker actors started within "
-            f"{spec.start_timeout_s:g}s for {request}; the cluster has {describe_free_resources()}."
+            f"{spec.options.start_timeout_s:g}s for {request}; the cluster has {describe_free_resources()}."
         )
     t_actors = time.monotonic()
     run_hooks(

@@ -46,11 +46,11 @@ def warm_up(extra: tuple[str, ...] = ()) -> None:
 
 
 def replenish(state: GroupState) -> None:
-    """Start spares until `spec.spare_workers` exist (those still starting count).
+    """Start spares until `spec.options.spare_workers` exist (those still starting count).
 
     Never raises: a spare is an optimisation, and a cluster without room for one leaves it pending
     (it starts when resources free up) without holding anything else up."""
-    missing = state.spec.spare_workers - len(state.spares)
+    missing = state.spec.options.spare_workers - len(state.spares)
     if missing <= 0 or state.pool is None:
         return
     try:
@@ -64,7 +64,7 @@ def replenish(state: GroupState) -> None:
             )
         new = spawn([state.pool.acquire() for _ in range(missing)], state.spec.actor)
         for w in new:
-            w.info["warm_ref"] = w.actor.run.remote(warm_up, state.spec.spare_imports)
+            w.info["warm_ref"] = w.actor.run.remote(warm_up, state.spec.options.spare_imports)
         state.spares += new
     except Exception:
         logger.warning("could not start a spare worker", exc_info=True)

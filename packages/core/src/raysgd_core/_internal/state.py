@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from raysgd_core._internal.local import LocalWorker
-from raysgd_core._internal.placement import SlotPool
+from raysgd_core._internal.placement import SlotPool, make_bundle
 from raysgd_core._internal.workers import ActorSpec, Worker, form_group, kill_worker
+from raysgd_core.options import GroupOptions
 
 __all__ = ["GroupSpec", "GroupState"]
 
@@ -20,22 +21,39 @@ __all__ = ["GroupSpec", "GroupState"]
 class GroupSpec:
     """What every worker of a group is started with; fixed when the group is built."""
 
+    options: GroupOptions
+    #: How one remote worker is started (from `options`).
     actor: ActorSpec
+    #: The placement-group bundle one worker takes (from `options`).
     bundle: dict
+    #: The process group's backend, "auto" resolved (`GroupOptions.process_group_backend`).
     backend: str
-    timeout_s: float
-    start_timeout_s: float
-    placement_strategy: str
-    use_local: bool
-    #: Started workers kept outside the process group, ready to replace a lost one.
-    spare_workers: int = 0
-    #: Modules a spare imports while it waits, besides those every worker imports.
-    spare_imports: tuple[str, ...] = ()
+
+    @classmethod
+    def from_options(cls, options: GroupOptions) -> GroupSpec:
+        """The spec of a group built with `options`."""
+        return cls(
+            options=options,
+            actor=ActorSpec(
+                num_cpus=options.num_cpus_per_worker,
+                num_gpus=options.num_gpus_per_worker,
+                resources=dict(options.resources_per_worker or {}),
+                env_vars=dict(options.env_vars or {}),
+                init_hook=options.init_hook,
+                keep_freed_memory=options.keep_freed_memory,
+            ),
+            bundle=make_bundle(
+                options.num_cpus_per_worker,
+                options.num_gpus_per_worker,
+                options.resources_per_worker,
+            ),
+            backend=options.process_group_backend,
+        )
 
     @property
     def formation_timeout_s(self) -> float:
         """How long forming the process group may take (joining ranks wait this long)."""
-        return max(self.start_timeout_s, 10.0)
+        return max(self.options.start_timeout_s, 10.0)
 
 
 @dataclass(eq=False)
@@ -61,7 +79,7 @@ class GroupState:
         form_group(
             self.workers,
             backend=self.spec.backend,
-            timeout_s=self.spec.timeout_s,
+            timeout_s=self.spec.options.timeout_s,
             formation_timeout_s=self.spec.formation_timeout_s,
             remote_gpu_index=0 if self.spec.actor.num_gpus else None,
         )

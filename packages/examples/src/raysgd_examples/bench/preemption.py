@@ -194,7 +194,9 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
             return sorted(inside)[len(inside) // 2] if inside else None
 
         result["step_before_notice_s"] = typical_between(first, times["notice"])
-        result["step_after_notice_s"] = typical_between(times["notice"], times.get("reclaimed", last))
+        result["step_after_notice_s"] = typical_between(
+            times["notice"], times.get("reclaimed", last)
+        )
         if "reclaimed" in times:
             result["step_after_reclaim_s"] = typical_between(times["reclaimed"], last)
     elif "notice" in times:

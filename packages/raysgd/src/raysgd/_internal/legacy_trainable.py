@@ -14,9 +14,9 @@ from typing import Any
 
 from ray.tune import PlacementGroupFactory
 
-from raysgd.compat import PyTorchTrainer
+from raysgd._internal.legacy_trainer import PyTorchTrainer
 from raysgd.trainer import TorchTrainer
-from raysgd_tune.trainable import BaseTorchTrainable, trainer_resource_request
+from raysgd_tune.trainable import BaseTorchTrainable, trial_resources
 
 __all__ = ["PyTorchTrainable"]
 
@@ -39,13 +39,7 @@ class PyTorchTrainable(BaseTorchTrainable):
 
     @classmethod
     def default_resource_request(cls, config: dict[str, Any]) -> PlacementGroupFactory:
-        return trainer_resource_request(
-            num_workers=config.get("num_replicas", config.get("num_workers", 1)),
-            num_cpus_per_worker=config.get("num_cpus_per_worker", 1),
-            use_gpu=config.get("use_gpu", "auto"),
-            use_local=config.get("use_local", False),
-            spare_workers=config.get("spare_workers", 0),
-        )
+        return trial_resources(PyTorchTrainer, config)
 
     def _create_trainer(self, tune_config: dict[str, Any]) -> Any:
         names = _trainer_args()

@@ -21,16 +21,18 @@ __all__ = ["RunLoggers", "trainer_options"]
 logger = logging.getLogger("raysgd")
 
 
-def trainer_options(options: Any, **settings: Any) -> dict[str, Any]:
-    """The trainer's options as plain parameters: `settings` (the driver-side ones: workers,
-    resources, policy, ...) and the fields of the workers' `TrainingOptions`."""
-    fields = {}
-    if dataclasses.is_dataclass(options):
-        fields = {
-            f.name: getattr(options, f.name)
+def trainer_options(training: Any, group: Any, **settings: Any) -> dict[str, Any]:
+    """The trainer's options as plain parameters: the fields of the workers' `TrainingOptions`
+    and of their `GroupOptions` (its backend resolved), and `settings` (the trainer's own: size,
+    failure policy, ...)."""
+    fields: dict[str, Any] = {}
+    for options in (group, training):
+        fields.update(
+            (f.name, getattr(options, f.name))
             for f in dataclasses.fields(options)
             if not f.name.startswith("_")
-        }
+        )
+    fields["backend"] = group.process_group_backend
     return flatten_params({**settings, **fields})
 
 

@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
-from raysgd_base import check_int
+from raysgd_base import check_int, check_number
 from raysgd_fault import check_max_retries
 from raysgd_operator import TrainingOperator
 
@@ -18,9 +18,7 @@ __all__ = [
     "DEFAULT_START_TIMEOUT_S",
     "DEFAULT_TIMEOUT_S",
     "check_optional_args",
-    "check_positive_int",
     "check_train_args",
-    "resolve_backend",
     "resolve_operator_cls",
     "resolve_timeout",
     "start_timeout",
@@ -32,21 +30,6 @@ DEFAULT_TIMEOUT_S = 1800
 #: unset (RaySGD's default). It covers starting each worker process and importing torch in it, which
 #: takes well over half a minute when a busy machine starts several trials' workers at once (Tune).
 DEFAULT_START_TIMEOUT_S = 100.0
-_BACKENDS = ("auto", "gloo", "nccl")
-
-
-def check_positive_int(name: str, value: Any) -> int:
-    """`value` as an int >= 1, else a TypeError/ValueError naming `name` (`raysgd_base.check_int`)."""
-    return check_int(name, value, minimum=1)
-
-
-def resolve_backend(backend: Any, use_gpu: bool) -> str:
-    """'auto' -> 'nccl' with GPUs, else 'gloo' (RaySGD's rule)."""
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "nccl" if use_gpu else "gloo"
-    return str(backend)
 
 
 def resolve_timeout(timeout_s: Optional[float]) -> float:
@@ -59,8 +42,7 @@ def resolve_timeout(timeout_s: Optional[float]) -> float:
             timeout_s = float(raw)
         except ValueError:
             raise ValueError(f"NCCL_TIMEOUT_S must be a number of seconds, got {raw!r}") from None
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    check_number("timeout_s", timeout_s, above=0)
     return float(timeout_s)
 
 
@@ -76,27 +58,14 @@ def start_timeout() -> dict[str, float]:
         raise ValueError(f"SGD_PLACEMENT_GROUP_TIMEOUT_S must be seconds, got {raw!r}") from None
 
 
-def check_optional_args(
-    *,
-    config: Any,
-    num_cpus_per_worker: Any,
-    backend: Any,
-    initialization_hook: Any,
-) -> None:
-    """Type and range checks of the driver-side constructor arguments (the workers' options are
-    checked by `raysgd_operator.TrainingOptions` itself)."""
+def check_optional_args(*, config: Any, num_cpus_per_worker: Any, initialization_hook: Any) -> None:
+    """Checks of the driver-side constructor arguments that no option object makes: the workers'
+    options are checked by `raysgd_operator.TrainingOptions`, the group's by
+    `raysgd_core.GroupOptions` (which allows 0 CPUs; a training worker needs some)."""
     if config is not None and not isinstance(config, Mapping):
         raise TypeError(f"config must be a dict, got {type(config).__name__}")
-    if (
-        isinstance(num_cpus_per_worker, bool)
-        or not isinstance(num_cpus_per_worker, (int, float))
-        or num_cpus_per_worker <= 0
-    ):
-        raise ValueError(
-            f"num_cpus_per_worker must be a positive number, got {num_cpus_per_worker!r}"
-        )
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    check_number("num_cpus_per_worker", num_cpus_per_worker, above=0)
+    # Checked again as `GroupOptions.init_hook`; here so that the error names RaySGD's keyword.
     if initialization_hook is not None and not callable(initialization_hook):
         raise TypeError("initialization_hook must be a zero-argument callable")
 
@@ -169,4 +138,4 @@ def check_train_args(max_retries: Any, checkpoint: Any, num_steps: Any) -> None:
     if checkpoint not in (None, False, "auto") and not isinstance(checkpoint, (str, os.PathLike)):
         raise ValueError(f"checkpoint must be None, 'auto' or a file path, got {checkpoint!r}")
     if num_steps is not None:
-        check_positive_int("num_steps", num_steps)
+        check_int("num_steps", num_steps)

@@ -7,19 +7,11 @@ the trial starts lands in it. Bundle 0 belongs to the trial process itself; the 
 
 from __future__ import annotations
 
-from typing import Any
-
 from ray.tune import PlacementGroupFactory
 
-from raysgd_base import check_int
+from raysgd_base import check_int, check_number
 
 __all__ = ["worker_bundles_request"]
-
-
-def _positive(name: str, value: Any) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-    return value
 
 
 def worker_bundles_request(
@@ -43,9 +35,8 @@ def worker_bundles_request(
     bundle becomes the trial's own and `head_bundle` is ignored.
     """
     check_int("num_workers", num_workers)
-    _positive("num_cpus_per_worker", num_cpus_per_worker)
-    if num_gpus_per_worker < 0:
-        raise ValueError(f"num_gpus_per_worker must be >= 0, got {num_gpus_per_worker!r}")
+    check_number("num_cpus_per_worker", num_cpus_per_worker, above=0)
+    check_number("num_gpus_per_worker", num_gpus_per_worker)
     check_int("spare_workers", spare_workers, minimum=0)
     bundle = {
         "CPU": num_cpus_per_worker * workers_per_bundle,
