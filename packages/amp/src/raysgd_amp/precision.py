@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from raysgd_base import check_number
+
 __all__ = ["Parameters", "Precision"]
 
 logger = logging.getLogger("raysgd_amp")
@@ -117,8 +119,7 @@ class Precision:
         Returns the total gradient norm before clipping, as `torch.nn.utils.clip_grad_norm_` does.
         It is inf or NaN when the gradients overflowed; the next `step` then skips the update.
         """
-        if max_norm <= 0:
-            raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
+        check_number("max_norm", max_norm, above=0)
         self.unscale(optimizer)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 

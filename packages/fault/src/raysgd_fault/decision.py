@@ -7,11 +7,10 @@ policy is a pure function from one to the other.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 from typing import Optional
 
-from raysgd_base import check_int
+from raysgd_base import check_int, check_number
 
 __all__ = ["PHASES", "Action", "Decision", "FailureStatus", "check_max_retries", "describe"]
 
@@ -84,8 +83,7 @@ class FailureStatus:
                     "seconds_since_last_failure must be a float or None, "
                     f"got {type(since).__name__}"
                 )
-            if math.isnan(since) or since < 0:
-                raise ValueError(f"seconds_since_last_failure must be >= 0, got {since}")
+            check_number("seconds_since_last_failure", since)
         if not isinstance(self.error, str):
             raise TypeError(f"error must be a str, got {type(self.error).__name__}")
         if self.phase not in PHASES:
@@ -126,10 +124,7 @@ class Decision:
         check_int("num_workers", self.num_workers, minimum=0)
         if self.action is Action.RETRY and self.num_workers < 1:
             raise ValueError("num_workers must be >= 1 for a RETRY decision")
-        if isinstance(self.wait_s, bool) or not isinstance(self.wait_s, (int, float)):
-            raise TypeError(f"wait_s must be a float, got {type(self.wait_s).__name__}")
-        if math.isnan(self.wait_s) or self.wait_s < 0:
-            raise ValueError(f"wait_s must be >= 0, got {self.wait_s}")
+        check_number("wait_s", self.wait_s)
         if not isinstance(self.reason, str) or not self.reason.strip():
             raise ValueError("reason must be a non-empty str: every decision is logged")
 

@@ -10,7 +10,7 @@ import abc
 import logging
 from typing import Any
 
-from raysgd_base import check_int
+from raysgd_base import check_int, check_number
 from raysgd_fault.decision import Action, Decision, FailureStatus
 
 __all__ = ["DefaultPolicy", "ElasticPolicy", "FailurePolicy", "NeverRetryPolicy"]
@@ -90,10 +90,7 @@ class DefaultPolicy(FailurePolicy):
             ("max_wait_s", max_wait_s),
             ("grow_cooldown_s", grow_cooldown_s),
         ):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{arg} must be a number, got {type(value).__name__}")
-            if not value >= 0:  # also rejects NaN
-                raise ValueError(f"{arg} must be >= 0, got {value}")
+            check_number(arg, value)
         self.max_attempts = max_attempts
         self.base_wait_s = float(base_wait_s)
         self.max_wait_s = float(max_wait_s)

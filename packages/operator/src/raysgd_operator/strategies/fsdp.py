@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from raysgd_base import check_number
 from raysgd_operator._internal.precision import Precision
 from raysgd_operator.strategy import Strategy, WrapContext
 
@@ -146,8 +147,7 @@ class FSDPStrategy(Strategy):
     ) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
-        if max_norm <= 0:
-            raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
+        check_number("max_norm", max_norm, above=0)
         params = list(parameters)
         precision.unscale(optimizer)
         grads = [p.grad for p in params if p.grad is not None]

@@ -52,6 +52,7 @@ from raysgd._internal.recovery_log import (
     where_lost,
 )
 from raysgd._internal.restore_plan import RestoreOutcome, StateLostError
+from raysgd_base import check_number
 from raysgd_core import RecoveryReport, WorkerDiedError, WorkerError, preempted_nodes
 from raysgd_fault import Action, Decision, FailurePolicy, FailureStatus
 
@@ -103,8 +104,7 @@ class Recovery:
         sleep: Callable[[float], None] = time.sleep,
         reclaimable: Optional[Callable[[Sequence[str]], int]] = None,
     ) -> None:
-        if not restart_timeout_s > 0:
-            raise ValueError(f"restart_timeout_s must be > 0, got {restart_timeout_s!r}")
+        check_number("restart_timeout_s", restart_timeout_s, above=0)
         self._group = group
         self._num_workers = int(num_workers)
         self._restore = restore
