@@ -5,8 +5,9 @@ error names the option), ships it whole to its workers, and `OperatorRunner` and
 take it whole. Nothing re-checks it on the way: a frozen dataclass is not run through
 `__post_init__` again when it is unpickled.
 
-Adding an option takes two edits: a field here (with its check in `_check`, when it needs one) and
-the keyword of `TorchTrainer` that fills it. The operator reads it as ``self.options.<name>``.
+Adding an option takes a field here (with its check in `_check`, when it needs one) and the keyword
+of the same name and default in `TorchTrainer`'s signature, which fills the field by its name. The
+operator reads it as ``self.options.<name>``.
 Precision choices (`use_fp16`, `apex_args`) are checked by raysgd_amp's `check_precision`, the same
 rule `get_precision` applies on the worker.
 """
