@@ -65,7 +65,7 @@ class TorchTrainer(TrainerDriver):
     copy on a peer: a lost worker costs at most the steps since the last snapshot.
     `compile=True` runs `torch.compile(model, **compile_args)` on every worker after wrapping.
     `spare_workers=k` keeps k more workers started, in reserved resources, to replace lost ones at
-    once (`raysgd_core.WorkerGroup`'s `spare_workers`).
+    once (`raysgd_core.GroupOptions.spare_workers`).
 
     A node Ray drains for a preemption (a spot machine's warning) is left before its deadline: the
     workers stop at a step boundary, spares or new workers elsewhere take over (or the group shrinks
