@@ -8,6 +8,8 @@ transformer small enough that a trainer starts and trains in seconds.
 from __future__ import annotations
 
 import os
+import pickle
+import shutil
 from typing import Any
 
 import pytest
@@ -134,8 +136,47 @@ def test_sharded_checkpoint_loads_with_fewer_and_more_workers_and_other_strategi
         trainer.load(whole)  # a whole-model checkpoint back into fsdp shards
         assert trainer.apply_all_operators(_full_loss)[0] == pytest.approx(expected, rel=LOSS_RTOL)
         assert trainer.train()["train_loss"] == pytest.approx(next_loss, rel=LOSS_RTOL)
+        _refuses_tampered_copies(trainer, path, tmp_path)
     finally:
         trainer.shutdown()
+
+
+class _RunsCode:
+    """A pickle that would run a shell command when un-pickled unsafely."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _refuses_tampered_copies(trainer: TorchTrainer, path: str, tmp_path: Any) -> None:
+    """A checkpoint directory whose state file would run code, or whose data file is cut short,
+    is refused in one line naming the file (no advice to load it unsafely); nothing runs, and
+    the trainer keeps its weights and goes on."""
+    marker = str(tmp_path / "code-ran")
+    before = trainer.apply_all_operators(_full_loss)[0]
+
+    def unsafe_state(file: str) -> None:
+        with open(file, "wb") as handle:
+            pickle.dump(_RunsCode(marker), handle)
+
+    def cut_short(file: str) -> None:
+        os.truncate(file, os.path.getsize(file) // 2)
+
+    for name, spoil in (("raysgd_state.pt", unsafe_state), ("__0_0.distcp", cut_short)):
+        bad = str(tmp_path / f"bad-{name}")
+        shutil.copytree(path, bad)
+        spoil(os.path.join(bad, name))
+        with pytest.raises(ValueError) as info:
+            trainer.load(bad)
+        message = str(info.value)
+        assert os.path.join(bad, name) in message, message
+        assert "\n" not in message and "weights_only" not in message, message
+    assert not os.path.exists(marker)
+    assert trainer.apply_all_operators(_full_loss)[0] == pytest.approx(before, rel=LOSS_RTOL)
+    assert trainer.train()["epoch"] >= 1
 
 
 def test_bad_strategy_names_and_arguments_fail_before_workers_start() -> None:

@@ -16,6 +16,7 @@ from raysgd_operator.operator import TrainingOperator
 from raysgd_operator.options import SCHEDULER_STEP_FREQS, TrainingOptions
 from raysgd_operator.progress import CallRecord, Progress
 from raysgd_operator.runner import OperatorRunner
+from raysgd_operator.safe_load import load_failure_reason
 from raysgd_operator.shards import DatasetOptions
 from raysgd_operator.strategies import available_strategies, get_strategy, register_strategy
 from raysgd_operator.strategy import Strategy, WrapContext
@@ -61,6 +62,7 @@ __all__ = [
     "available_strategies",
     "check_batch_size",
     "get_strategy",
+    "load_failure_reason",
     "read_dcp_metadata",
     "reduce_worker_results",
     "register_strategy",

@@ -16,24 +16,30 @@ Loading never runs code from the files:
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
+from torch.futures import Future
 from torch.optim import Optimizer
+
+from raysgd_operator.safe_load import load_failure_reason
 
 __all__ = [
     "METADATA_FILE",
@@ -132,7 +138,25 @@ class _TensorsOnlyPlanner(DefaultLoadPlanner):
 
 
 class _SafeReader(FileSystemReader):
-    """`FileSystemReader` whose metadata is read by the restricted unpickler."""
+    """`FileSystemReader` whose metadata is read by the restricted unpickler, and which reads one
+    data file at a time, so that a file that cannot be read is named in the error."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            name = self.storage_data[item.storage_index].relative_path
+            per_file.setdefault(name, []).append(item)
+        for name, items in per_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except Exception as exc:
+                raise ValueError(
+                    f"{os.path.join(self.path, name)} is not a raysgd checkpoint file that can be "
+                    f"loaded safely: {load_failure_reason(exc)}"
+                ) from None
+        done: Future = Future()
+        done.set_result(None)
+        return done
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         with open(os.path.join(self.path, METADATA_FILE), "rb") as handle:
@@ -153,8 +177,24 @@ def load_files(
 ) -> None:
     """Load the tensors under `directory` (resharded to this group) plus `others` into the models
     and optimizers. A collective over the group."""
-    template, _ = tensor_state(models, optimizers)
-    dcp.load(template, storage_reader=_SafeReader(directory), planner=_TensorsOnlyPlanner())
+    live, _ = tensor_state(models, optimizers)
+    # DCP copies each tensor into the template as it reads it. Reading into copies, and setting
+    # the state only once every file was read, leaves the worker as it was when a file turns out
+    # unreadable half-way (at the cost of a second copy of this worker's part while loading).
+    template = _clone(live)
+    del live
+    error: Optional[str] = None
+    try:
+        dcp.load(template, storage_reader=_SafeReader(directory), planner=_TensorsOnlyPlanner())
+    except CheckpointException as exc:  # a BaseException holding each failed rank's traceback
+        error = _first_failure(exc, directory)
+    except ValueError as exc:  # `_SafeReader`'s, naming the file
+        error = str(exc)
+    # A rank's read failure does not always reach the others: they agree before any of them
+    # sets its state, so that all of them keep the state they had, and all raise the same reason.
+    error = _first_error(error)
+    if error is not None:
+        raise ValueError(error)
     others = dict(others)
     fresh = others.pop(FRESH, [])
     state = merge(template, others)
@@ -170,6 +210,36 @@ def load_files(
     )
     for i in fresh:
         optimizers[i].state.clear()
+
+
+def _clone(tree: Any) -> Any:
+    """A nested dict/list with every tensor replaced by a copy (DTensors stay DTensors)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {key: _clone(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_clone(item) for item in tree)
+    return tree
+
+
+def _first_error(error: Optional[str]) -> Optional[str]:
+    """The first rank's error of all the ranks' `error`s (None when none failed)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return error
+    errors: list[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e is not None), None)
+
+
+def _first_failure(exc: CheckpointException, directory: str) -> str:
+    """The first failed rank's reason, in one line."""
+    for rank in sorted(exc.failures):
+        error = exc.failures[rank][0]
+        if isinstance(error, ValueError):  # ours: names the file and the reason
+            return str(error)
+        return f"checkpoint {directory} cannot be loaded: {load_failure_reason(error)}"
+    return f"checkpoint {directory} cannot be loaded"
 
 
 def needed_files(

@@ -15,6 +15,8 @@ from typing import Any, Union
 
 import torch
 
+from raysgd_operator import load_failure_reason
+
 __all__ = ["CHECKPOINT_KEYS", "read_file", "state_from_bytes", "state_to_bytes", "write_file"]
 
 #: Keys every raysgd (and RaySGD 1.x) checkpoint has; used to tell a checkpoint from another file.
@@ -30,35 +32,6 @@ def state_to_bytes(state: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-#: Lines of torch's load errors that advise loading unsafely or point to docs, not the reason.
-_ADVICE_MARKERS = (
-    "weights_only",
-    "weights only",
-    "trusted source",
-    "check the documentation",
-    "safe_globals",
-    "http",
-)
-
-
-def _load_failure_reason(exc: Exception) -> str:
-    """Why `torch.load` refused the bytes, in one line, without torch's advice to retry with
-    `weights_only=False` (that would run whatever code the file holds)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    refused_unsafe = bool(lines) and lines[0].lower().startswith("weights only load failed")
-    kept = [
-        line.removeprefix("WeightsUnpickler error:").strip()
-        for line in lines
-        if not any(marker in line.lower() for marker in _ADVICE_MARKERS)
-    ]
-    if refused_unsafe:
-        detail = f" ({kept[0]})" if kept else ""
-        return f"the safe loader (tensors and plain containers only) refused it{detail}"
-    if kept:
-        return f"{type(exc).__name__}: {kept[0]}"
-    return f"{type(exc).__name__} while reading it"
-
-
 def state_from_bytes(data: bytes, *, source: str = "state") -> dict[str, Any]:
     """Load a state dict safely onto the CPU; anything that is not one is a ValueError."""
     if not data:
@@ -68,7 +41,7 @@ def state_from_bytes(data: bytes, *, source: str = "state") -> dict[str, Any]:
     except Exception as exc:  # unpickling errors come in many types; all mean "not a checkpoint"
         raise ValueError(
             f"{source} is not a raysgd checkpoint that can be loaded safely: "
-            f"{_load_failure_reason(exc)}"
+            f"{load_failure_reason(exc)}"
         ) from None
     if not isinstance(state, dict) or any(key not in state for key in CHECKPOINT_KEYS):
         raise ValueError(

@@ -243,6 +243,10 @@ class TrainerDriver:
 
     def _load_sharded(self, load: Callable[[], None]) -> None:
         with self._repairing():
+            if self._sharded is not None:
+                # A load that fails leaves the group to be repaired from a snapshot: this one,
+                # so that the trainer goes on from its state now, not from an older snapshot.
+                self._sharded.capture(self._group)
             load()
             if self._sharded is not None:
                 self._sharded.capture(self._group)

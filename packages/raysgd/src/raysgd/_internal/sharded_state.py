@@ -44,7 +44,7 @@ def is_sharded_checkpoint(path: str) -> bool:
 
 def read_checkpoint(path: str) -> tuple[bytes, dict[str, Any]]:
     """(metadata, state) of a checkpoint directory, validated; nothing in it runs as code."""
-    from raysgd_operator import read_dcp_metadata
+    from raysgd_operator import load_failure_reason, read_dcp_metadata
 
     if not is_sharded_checkpoint(path):
         raise ValueError(f"{path!r} is not a raysgd checkpoint directory (no {ws.METADATA_FILE})")
@@ -54,7 +54,10 @@ def read_checkpoint(path: str) -> tuple[bytes, dict[str, Any]]:
     try:
         state = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=True)
     except Exception as exc:  # unpickling errors come in many types; all mean "not ours"
-        raise ValueError(f"{path!r}: {STATE_FILE} cannot be loaded safely: {exc}") from None
+        raise ValueError(
+            f"{os.path.join(path, STATE_FILE)} is not a raysgd checkpoint file that can be "
+            f"loaded safely: {load_failure_reason(exc)}"
+        ) from None
     if not isinstance(state, dict) or "epoch" not in state:
         raise ValueError(f"{path!r}: {STATE_FILE} is not a raysgd state")
     return metadata, state
