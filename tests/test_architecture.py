@@ -110,3 +110,97 @@ def test_a_worker_imports_no_checkpoint_machinery_until_it_needs_it() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _module_files() -> dict[str, Path]:
+    """Every module of every package: dotted name -> file (a package is its `__init__.py`)."""
+    modules = {}
+    for source in PACKAGES.glob("*/src/*/**/*.py"):
+        parts = source.relative_to(PACKAGES).parts  # <dir>/src/<package>/.../<file>.py
+        name = list(parts[2:])
+        name[-1] = name[-1].removesuffix(".py")
+        if name[-1] == "__init__":
+            name.pop()
+        modules[".".join(name)] = source
+    return modules
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of the import nodes under `if TYPE_CHECKING:` (never run)."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
+    return skipped
+
+
+def _imports(name: str, source: Path, modules: dict[str, Path]) -> list[tuple[str, list[str]]]:
+    """(module, names taken from it) for each import in `source`, relative ones resolved."""
+    tree = ast.parse(source.read_text(), str(source))
+    skipped = _type_checking_only(tree)
+    package = name if source.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.append((sub, []) if sub in modules else (base, [alias.name]))
+    return [(module, names) for module, names in found if module in modules]
+
+
+def test_no_import_circle_between_modules() -> None:
+    """No module imports itself through others, between two files of one package included.
+
+    Every import statement counts, lazy ones inside functions too (a circle that only a lazy
+    import keeps working is still two files that cannot be understood apart); imports under
+    `if TYPE_CHECKING:` do not (they never run). `from pkg import name` is an edge to the module
+    `pkg.name` when that is a module; else to the module `pkg/__init__.py` took `name` from when
+    it re-exports it (so that a submodule using its package's public name is not a circle through
+    the `__init__` that imports it), else to `pkg` itself.
+    """
+    modules = _module_files()
+    raw = {name: _imports(name, source, modules) for name, source in modules.items()}
+    # Where each package's __init__ takes the names it re-exports from.
+    exported_from: dict[str, dict[str, str]] = {}
+    for name, source in modules.items():
+        if source.name == "__init__.py":
+            exported_from[name] = {
+                taken: module for module, names in raw[name] for taken in names if module != name
+            }
+    edges: dict[str, set[str]] = {}
+    for name, found in raw.items():
+        targets = set()
+        for module, names in found:
+            if not names:
+                targets.add(module)
+            for taken in names:
+                targets.add(exported_from.get(module, {}).get(taken, module))
+        edges[name] = targets - {name}
+
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(edges.get(node, ())):
+            if state.get(target) == 1:
+                circles.append([*path[path.index(target) :], target])
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)

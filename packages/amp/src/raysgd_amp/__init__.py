@@ -4,14 +4,13 @@
 training loop talks to. Imports torch only; Apex is imported only when its backend is built.
 """
 
+from .apex_args import ApexArgsError, check_apex_args
 from .full import FullPrecision
 from .native import NativePrecision
 from .precision import Precision
 from .registry import (
     ENTRY_POINT_GROUP,
-    ApexArgsError,
     available_precisions,
-    check_apex_args,
     check_precision,
     get_precision,
     register_precision,

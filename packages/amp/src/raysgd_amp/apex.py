@@ -17,10 +17,11 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from .apex_args import check_apex_args
 from .precision import Parameters, Precision
-from .registry import check_apex_args
 
 __all__ = ["ApexNotAvailableError", "ApexPrecision"]
+
 
 _BUILD_HINT = (
     "NVIDIA Apex is not on PyPI: `pip install apex` installs an unrelated project of the same "

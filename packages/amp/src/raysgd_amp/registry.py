@@ -21,16 +21,15 @@ import torch
 
 from raysgd_base import Registry, call_with_accepted, overwrite_flag
 
+from .apex_args import check_apex_args
 from .full import FullPrecision
 from .native import NativePrecision, resolve_device
 from .precision import Precision
 
 __all__ = [
     "ENTRY_POINT_GROUP",
-    "ApexArgsError",
     "PrecisionFactory",
     "available_precisions",
-    "check_apex_args",
     "check_precision",
     "get_precision",
     "register_precision",
@@ -42,20 +41,6 @@ ENTRY_POINT_GROUP = "raysgd.amp"
 
 #: Builds a backend; called with the subset of `device=`, `apex_args=` that it accepts.
 PrecisionFactory = Callable[..., Precision]
-
-
-class ApexArgsError(TypeError, ValueError):
-    """`apex_args` is not a dict.
-
-    A TypeError (the value has the wrong type) that is also a ValueError, because
-    `TrainingOperator.register(apex_args=...)` raised ValueError for it before the check moved here.
-    """
-
-
-def check_apex_args(apex_args: Any) -> None:
-    """The one check of `apex_args` (None or a mapping of `amp.initialize` keyword arguments)."""
-    if apex_args is not None and not isinstance(apex_args, Mapping):
-        raise ApexArgsError(f"apex_args must be a dict, got {type(apex_args).__name__}")
 
 
 def _fp16(device: Optional[torch.device] = None) -> Precision:
@@ -83,7 +68,7 @@ def _bf16(device: Optional[torch.device] = None) -> Precision:
 
 
 def _apex(apex_args: Optional[Mapping[str, Any]] = None) -> Precision:
-    from .apex import ApexPrecision  # imports Apex itself, so only when asked for
+    from .apex import ApexPrecision  # imported when asked for: `import raysgd_amp` stays free of it
 
     return ApexPrecision(apex_args)
 

@@ -27,6 +27,7 @@ __all__ = [
     "bench_parser",
     "child_main",
     "dispatch",
+    "gpu_count",
     "local_ray",
     "machine_info",
     "metric",
@@ -317,3 +318,12 @@ def write_results(
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"\nwrote {path}")
     return path
+
+
+def gpu_count() -> int:
+    """CUDA devices this process sees (0 without torch, without CUDA or without a GPU)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from raysgd_examples.bench import _common
+from raysgd_examples.bench._common import gpu_count
 
 __all__ = ["SIDES", "gpu_count", "main", "measure"]
 
@@ -32,15 +33,6 @@ SIDES = ("raysgd", "plain", "ray_train")
 REFERENCE = "plain"
 _MODULE = "raysgd_examples.bench.gpu"
 _NAME = "gpu"
-
-
-def gpu_count() -> int:
-    """CUDA devices this process sees (0 without torch, without CUDA or without a GPU)."""
-    try:
-        import torch
-    except ImportError:
-        return 0
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _jobs(args: argparse.Namespace) -> list[dict[str, Any]]:

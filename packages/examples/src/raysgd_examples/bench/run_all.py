@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from raysgd_examples.bench._common import child_env, machine_info
+from raysgd_examples.bench._common import child_env, gpu_count, machine_info
 
 __all__ = ["BENCHMARKS", "chart", "main", "markdown_table"]
 
@@ -34,8 +34,6 @@ GPU_BENCHMARKS = ("gpu",)
 
 
 def _gpu_visible() -> bool:
-    from raysgd_examples.bench.gpu import gpu_count
-
     return gpu_count() > 0
 
 
