@@ -4,6 +4,7 @@ from typing import Any
 
 from raysgd_operator.batch import BATCH_SIZE, check_batch_size, split_batch_size
 from raysgd_operator.components import Components, Placement
+from raysgd_operator.dataset_options import DatasetOptions
 from raysgd_operator.metrics import (
     BATCH_COUNT,
     NUM_SAMPLES,
@@ -14,14 +15,21 @@ from raysgd_operator.metrics import (
 )
 from raysgd_operator.operator import TrainingOperator
 from raysgd_operator.options import SCHEDULER_STEP_FREQS, TrainingOptions
+from raysgd_operator.parallel_strategies import (
+    available_strategies,
+    get_strategy,
+    register_strategy,
+)
+from raysgd_operator.parallel_strategy import ParallelStrategy, WrapContext
 from raysgd_operator.progress import CallRecord, Progress
 from raysgd_operator.runner import OperatorRunner
 from raysgd_operator.safe_load import load_failure_reason
-from raysgd_operator.shards import DatasetOptions
-from raysgd_operator.strategies import available_strategies, get_strategy, register_strategy
-from raysgd_operator.strategy import Strategy, WrapContext
 
 __version__ = "0.1.0"
+
+#: The former name of `ParallelStrategy` (a placement strategy is raysgd_core's, not this), kept so
+#: that strategies written against it keep working.
+Strategy = ParallelStrategy
 
 #: The modules a worker imports to write or read a sharded (DCP) state, on first use only: a
 #: process started ahead of time (a spare worker) can import them while it waits.
@@ -52,6 +60,7 @@ __all__ = [
     "Components",
     "DatasetOptions",
     "OperatorRunner",
+    "ParallelStrategy",
     "Placement",
     "Progress",
     "Strategy",

@@ -20,13 +20,13 @@ import torch.distributed as dist
 from torch import nn
 
 from raysgd_operator._internal import loaders as _loaders
+from raysgd_operator._internal.dataset_loader import DatasetLoader
 from raysgd_operator._internal.precision import Precision, check_apex_args
 from raysgd_operator._internal.shapes import Shape, flatten, reshape
-from raysgd_operator._internal.shard_loader import ShardLoader
 from raysgd_operator.batch import BATCH_SIZE
+from raysgd_operator.dataset_options import DatasetOptions
 from raysgd_operator.options import SCHEDULER_STEP_FREQS, TrainingOptions
-from raysgd_operator.shards import DatasetOptions
-from raysgd_operator.strategy import Strategy, WrapContext
+from raysgd_operator.parallel_strategy import ParallelStrategy, WrapContext
 
 __all__ = ["LOADER_KINDS", "Components", "Placement"]
 
@@ -64,7 +64,7 @@ class Components:
         strategy: how the models are spread over the workers (`ddp`, `fsdp`, `none`, ...).
         placement: this worker's rank, size and device.
         config: this worker's config (``BATCH_SIZE`` already split).
-        dataset_shards: this worker's shards of the trainer's `datasets=`, by name.
+        dataset_iterators: this worker's shards of the trainer's `datasets=`, by name.
     """
 
     def __init__(
@@ -83,7 +83,7 @@ class Components:
         self._restoring = restoring
         self.placement = placement
         self.precision = precision
-        self.strategy: Strategy = options.parallel_strategy
+        self.strategy: ParallelStrategy = options.parallel_strategy
         self.config = config
         # The worker's share of the global batch when setup() ran: a loader built with it follows
         # the share when a resize changes it.
@@ -102,12 +102,12 @@ class Components:
         # What the user registered, and the loaders built from it (with a sampler when distributed).
         self.loader_sources: dict[str, Any] = dict.fromkeys(LOADER_KINDS)
         self.loaders: dict[str, Any] = dict.fromkeys(LOADER_KINDS)
-        self.dataset_shards: dict[str, Any] = dict(datasets or {})
-        self.shard_loaders: dict[str, ShardLoader] = {}
+        self.dataset_iterators: dict[str, Any] = dict(datasets or {})
+        self.dataset_loaders: dict[str, DatasetLoader] = {}
         self._compile = dict(options.compile_args or {}) if options.compile else None
         # compiled model (by id) -> the wrapped model inside it, which the strategy knows
         self._uncompiled: dict[int, nn.Module] = {}
-        self._bind_shards()
+        self._bind_datasets()
 
     # -- registration (called by TrainingOperator.register / register_data) -------------------
     def register(
@@ -180,7 +180,7 @@ class Components:
         self.loaders = {
             kind: self._prepare_loader(kind, source) for kind, source in self.loader_sources.items()
         }
-        for kind in self.shard_loaders:
+        for kind in self.dataset_loaders:
             if self.loader_sources.get(kind) is not None and self.placement.world_rank == 0:
                 logger.warning(
                     "the %s loader registered in setup() is not used: datasets[%r] feeds %s",
@@ -193,7 +193,7 @@ class Components:
     def loader(self, kind: str) -> Any:
         """The batches of `kind` ("train" or "validation"): a dataset shard's, else the registered
         loader as prepared for this worker; None when there is neither."""
-        shard = self.shard_loaders.get(kind)
+        shard = self.dataset_loaders.get(kind)
         return shard if shard is not None else self.loaders.get(kind)
 
     def uncompiled(self, model: nn.Module) -> nn.Module:
@@ -250,8 +250,8 @@ class Components:
                 return False
             rebuilds[kind] = batch
         self.placement, self.config = placement, config
-        self.dataset_shards = shards
-        self._bind_shards()
+        self.dataset_iterators = shards
+        self._bind_datasets()
         for kind, batch_size in rebuilds.items():
             self.loaders[kind] = self._prepare_loader(kind, self.loader_sources[kind], batch_size)
         for kind, batch_size in resplits.items():
@@ -312,10 +312,10 @@ class Components:
             pad=kind == "train",
         )
 
-    def _bind_shards(self) -> None:
+    def _bind_datasets(self) -> None:
         """Loaders over the current dataset shards, in this worker's batch size."""
-        self.shard_loaders = {
-            kind: ShardLoader(
+        self.dataset_loaders = {
+            kind: DatasetLoader(
                 shard,
                 name=kind,
                 batch_size=int(self.config[BATCH_SIZE]),
@@ -323,5 +323,5 @@ class Components:
                 options=self.options.dataset_options or DatasetOptions(),
             )
             for kind in LOADER_KINDS
-            if (shard := self.dataset_shards.get(kind)) is not None
+            if (shard := self.dataset_iterators.get(kind)) is not None
         }

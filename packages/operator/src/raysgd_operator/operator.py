@@ -15,7 +15,7 @@ from raysgd_operator.components import Components
 from raysgd_operator.creator import from_creators as _from_creators
 from raysgd_operator.metrics import NUM_SAMPLES, AverageMeterCollection, TimerCollection
 from raysgd_operator.options import TrainingOptions
-from raysgd_operator.strategy import Strategy
+from raysgd_operator.parallel_strategy import ParallelStrategy
 
 __all__ = ["TrainingOperator"]
 
@@ -144,7 +144,7 @@ class TrainingOperator(OperatorBase):
         return self.options.use_tqdm
 
     @property
-    def strategy(self) -> Strategy:
+    def strategy(self) -> ParallelStrategy:
         """How the models are spread over the workers (`ddp`, `fsdp`, `none`, ...)."""
         return self._components.strategy
 
@@ -187,7 +187,7 @@ class TrainingOperator(OperatorBase):
         names are for custom loops. After a resize or a recovery every worker gets a new shard, so
         fetch it when iterating rather than keeping the one seen in ``setup``.
         """
-        return self._components.dataset_shards.get(name)
+        return self._components.dataset_iterators.get(name)
 
     # -- helpers for custom loops ---------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:

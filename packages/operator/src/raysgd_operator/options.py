@@ -21,9 +21,9 @@ from typing import Any, Optional
 
 from raysgd_base import check_int
 from raysgd_operator._internal.precision import check_precision
-from raysgd_operator.shards import DatasetOptions
-from raysgd_operator.strategies.registry import resolve_strategy
-from raysgd_operator.strategy import Strategy
+from raysgd_operator.dataset_options import DatasetOptions
+from raysgd_operator.parallel_strategies.registry import resolve_strategy
+from raysgd_operator.parallel_strategy import ParallelStrategy
 
 __all__ = ["SCHEDULER_STEP_FREQS", "TrainingOptions"]
 
@@ -57,7 +57,7 @@ class TrainingOptions:
         clip_grad_norm: clip the gradient norm to this value before each step (None: no clipping).
         num_threads: torch intra-op threads per worker (None: leave torch's default).
         strategy: how models are spread over the workers: "ddp" (default), "fsdp", "none", a
-            registered name or a `raysgd_operator.Strategy` instance or subclass.
+            registered name or a `raysgd_operator.ParallelStrategy` instance or subclass.
         strategy_args: keyword arguments of that strategy (checked by the strategy itself).
         compile: `torch.compile` every model on every worker, after wrapping.
         compile_args: keyword arguments for `torch.compile` (with ``compile=True``).
@@ -93,7 +93,7 @@ class TrainingOptions:
     snapshot_every: int = 20
     distributed: bool = False
     #: The strategy object `strategy` names, resolved once here (see `parallel_strategy`).
-    _parallel_strategy: Optional[Strategy] = field(
+    _parallel_strategy: Optional[ParallelStrategy] = field(
         default=None, init=False, repr=False, compare=False
     )
 
@@ -144,8 +144,8 @@ class TrainingOptions:
             )
 
     @property
-    def parallel_strategy(self) -> Strategy:
-        """The `Strategy` object that `strategy`, `strategy_args` and `wrap_ddp` choose."""
+    def parallel_strategy(self) -> ParallelStrategy:
+        """The `ParallelStrategy` object that `strategy`, `strategy_args` and `wrap_ddp` choose."""
         assert self._parallel_strategy is not None  # set by __post_init__
         return self._parallel_strategy
 

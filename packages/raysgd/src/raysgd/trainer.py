@@ -59,7 +59,7 @@ class TorchTrainer(TrainerDriver):
     `strategy` says how models are spread over the workers: "ddp" (default; `wrap_ddp=False` means
     "none"), "fsdp" (FSDP2: parameters, gradients and optimizer state sharded; `strategy_args`
     `shard_modules`, `reshard_after_forward`, `cpu_offload`), "none", or a registered
-    `raysgd_operator.Strategy`. With "fsdp", `save()`/`checkpoint=` write a checkpoint directory
+    `raysgd_operator.ParallelStrategy`. With "fsdp", `save()`/`checkpoint=` write a checkpoint directory
     (each worker its shards) that loads with any number of workers and any strategy. Every
     `snapshot_every` steps each fsdp worker snapshots its shards in memory, asynchronously, with a
     copy on a peer: a lost worker costs at most the steps since the last snapshot.

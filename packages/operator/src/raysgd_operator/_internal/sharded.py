@@ -1,6 +1,6 @@
 """A worker's training state as `torch.distributed.checkpoint` (DCP) files, written and read safely.
 
-Used for strategies whose workers each hold part of the model (`Strategy.sharded`). The tensors go
+Used for strategies whose workers each hold part of the model (`ParallelStrategy.sharded`). The tensors go
 through DCP, so every worker writes only its own shards and reads only the parts it needs when the
 number of workers changed (DCP reshards on load); everything else (epoch, position, schedulers,
 optimizer hyper-parameters, ...) is small, the same on every worker, and travels as a plain dict.

@@ -11,8 +11,8 @@ the training loop has about that wrapping::
 The base class is itself a complete strategy: no wrapping at all (each worker trains its own copy,
 RaySGD's `wrap_ddp=False`). `ddp` replicates the model with DistributedDataParallel (the default);
 `fsdp` shards parameters, gradients and optimizer state with FSDP2's `fully_shard`. Third-party
-strategies subclass `Strategy` and register under the entry-point group `raysgd.strategy` (see
-`raysgd_operator.strategies.registry`).
+strategies subclass `ParallelStrategy` and register under the entry-point group `raysgd.strategy` (see
+`raysgd_operator.parallel_strategies.registry`).
 
 Strategies whose `sharded` is True hold only part of each tensor on a worker; the runner then keeps
 its state in `torch.distributed.checkpoint` form (one part per worker) instead of one whole copy.
@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 
 from raysgd_operator._internal.precision import Precision
 
-__all__ = ["Strategy", "WrapContext"]
+__all__ = ["ParallelStrategy", "WrapContext"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class WrapContext:
     sync_initial_state: bool = True
 
 
-class Strategy:
+class ParallelStrategy:
     """A data-parallel strategy; the defaults implement `none` (no wrapping).
 
     Method contract (the operator and the runner rely on it):

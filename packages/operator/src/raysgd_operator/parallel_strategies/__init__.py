@@ -1,9 +1,9 @@
 """Built-in strategies (`none`, `ddp`, `fsdp`) and the registry that picks one by name."""
 
-from raysgd_operator.strategies.ddp import DDPStrategy
-from raysgd_operator.strategies.fsdp import FSDPStrategy
-from raysgd_operator.strategies.none import NoStrategy
-from raysgd_operator.strategies.registry import (
+from raysgd_operator.parallel_strategies.ddp import DDPStrategy
+from raysgd_operator.parallel_strategies.fsdp import FSDPStrategy
+from raysgd_operator.parallel_strategies.none import NoStrategy
+from raysgd_operator.parallel_strategies.registry import (
     ENTRY_POINT_GROUP,
     available_strategies,
     get_strategy,

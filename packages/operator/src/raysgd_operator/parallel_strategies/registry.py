@@ -1,6 +1,6 @@
 """Choosing a strategy: `get_strategy(strategy, strategy_args)`, names and `raysgd.strategy` entry points.
 
-Resolution order: a `Strategy` instance is used as given; a `Strategy` subclass is built with
+Resolution order: a `ParallelStrategy` instance is used as given; a `ParallelStrategy` subclass is built with
 `strategy_args`; a name is looked up among built-ins (`ddp`, `fsdp`, `none`), `register_strategy`
 registrations, then, lazily, the entry points of group `raysgd.strategy`::
 
@@ -18,14 +18,14 @@ from collections.abc import Mapping
 from typing import Any, Callable, Optional, Union
 
 from raysgd_base import Registry, accepted_keywords, normalize_name, overwrite_flag
-from raysgd_operator.strategies.ddp import DDPStrategy
-from raysgd_operator.strategies.fsdp import FSDPStrategy
-from raysgd_operator.strategies.none import NoStrategy
-from raysgd_operator.strategy import Strategy
+from raysgd_operator.parallel_strategies.ddp import DDPStrategy
+from raysgd_operator.parallel_strategies.fsdp import FSDPStrategy
+from raysgd_operator.parallel_strategies.none import NoStrategy
+from raysgd_operator.parallel_strategy import ParallelStrategy
 
 __all__ = [
     "ENTRY_POINT_GROUP",
-    "StrategyFactory",
+    "ParallelStrategyFactory",
     "available_strategies",
     "get_strategy",
     "register_strategy",
@@ -35,24 +35,24 @@ __all__ = [
 ENTRY_POINT_GROUP = "raysgd.strategy"
 
 #: Builds a strategy from its keyword arguments.
-StrategyFactory = Callable[..., Strategy]
+ParallelStrategyFactory = Callable[..., ParallelStrategy]
 
 _registry = Registry(
     "strategy",
     ENTRY_POINT_GROUP,
     {"ddp": DDPStrategy, "fsdp": FSDPStrategy, "none": NoStrategy},
-    instance_type=Strategy,  # an entry point may name a ready instance
+    instance_type=ParallelStrategy,  # an entry point may name a ready instance
 )
 
 
 def register_strategy(
     name: str,
-    factory: StrategyFactory,
+    factory: ParallelStrategyFactory,
     *,
     overwrite: bool = False,
     replace: Optional[bool] = None,
 ) -> None:
-    """Make `get_strategy(name)` build a strategy with `factory` (a `Strategy` subclass or callable).
+    """Make `get_strategy(name)` build a strategy with `factory` (a `ParallelStrategy` subclass or callable).
 
     Names are case-insensitive; registering a name that exists raises ValueError unless
     `overwrite` (the keyword every raysgd registry uses). `replace` is its deprecated former name.
@@ -66,8 +66,8 @@ def available_strategies() -> list[str]:
     return _registry.names()
 
 
-def _build(name: str, factory: Any, args: Mapping[str, Any]) -> Strategy:
-    if isinstance(factory, Strategy):  # an entry point may name a ready instance
+def _build(name: str, factory: Any, args: Mapping[str, Any]) -> ParallelStrategy:
+    if isinstance(factory, ParallelStrategy):  # an entry point may name a ready instance
         if args:
             raise ValueError(f"strategy {name!r} is a ready instance: it takes no strategy_args")
         return factory
@@ -80,8 +80,8 @@ def _build(name: str, factory: Any, args: Mapping[str, Any]) -> Strategy:
     except ValueError:  # no signature to check: let the call itself decide
         pass
     built = factory(**args)
-    if not isinstance(built, Strategy):
-        raise TypeError(f"strategy {name!r} built {type(built).__name__}, not a Strategy")
+    if not isinstance(built, ParallelStrategy):
+        raise TypeError(f"strategy {name!r} built {type(built).__name__}, not a ParallelStrategy")
     return built
 
 
@@ -93,15 +93,15 @@ def _accepted(factory: Any) -> str:
 
 
 def get_strategy(
-    strategy: Union[str, Strategy, type, None] = "ddp",
+    strategy: Union[str, ParallelStrategy, type, None] = "ddp",
     strategy_args: Optional[Mapping[str, Any]] = None,
-) -> Strategy:
-    """Map the trainer's `strategy` (and `strategy_args`) to a `Strategy`.
+) -> ParallelStrategy:
+    """Map the trainer's `strategy` (and `strategy_args`) to a `ParallelStrategy`.
 
     - "ddp" (default, also for None): DistributedDataParallel; args go to its constructor.
     - "fsdp": FSDP2 (`shard_modules`, `reshard_after_forward`, `cpu_offload`).
     - "none": no wrapping.
-    - a `Strategy` instance (no args) or subclass (built with the args); any other name:
+    - a `ParallelStrategy` instance (no args) or subclass (built with the args); any other name:
       `register_strategy` or the `raysgd.strategy` entry points.
 
     Unknown names and arguments raise ValueError listing the choices.
@@ -109,17 +109,17 @@ def get_strategy(
     if strategy_args is not None and not isinstance(strategy_args, Mapping):
         raise TypeError(f"strategy_args must be a dict, got {type(strategy_args).__name__}")
     args = dict(strategy_args or {})
-    if isinstance(strategy, Strategy):
+    if isinstance(strategy, ParallelStrategy):
         if args:
-            raise ValueError("strategy_args cannot be combined with a Strategy instance")
+            raise ValueError("strategy_args cannot be combined with a ParallelStrategy instance")
         return strategy
-    if isinstance(strategy, type) and issubclass(strategy, Strategy):
+    if isinstance(strategy, type) and issubclass(strategy, ParallelStrategy):
         return _build(strategy.__name__, strategy, args)
     if strategy is None:
         strategy = "ddp"
     if not isinstance(strategy, str):
         raise ValueError(
-            f"strategy must be a name, a Strategy instance or subclass; got {strategy!r} "
+            f"strategy must be a name, a ParallelStrategy instance or subclass; got {strategy!r} "
             f"(names: {available_strategies()})"
         )
     key = normalize_name(strategy)
@@ -127,11 +127,11 @@ def get_strategy(
 
 
 def resolve_strategy(
-    strategy: Union[str, Strategy, type, None],
+    strategy: Union[str, ParallelStrategy, type, None],
     strategy_args: Optional[Mapping[str, Any]] = None,
     *,
     wrap_ddp: bool = True,
-) -> Strategy:
+) -> ParallelStrategy:
     """`get_strategy`, honouring RaySGD's `wrap_ddp=False` (train unwrapped: strategy "none").
 
     `wrap_ddp=False` together with a strategy other than ddp/none is contradictory: ValueError.

@@ -9,12 +9,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from raysgd_operator.strategy import Strategy, WrapContext
+from raysgd_operator.parallel_strategy import ParallelStrategy, WrapContext
 
 __all__ = ["DDPStrategy"]
 
 
-class DDPStrategy(Strategy):
+class DDPStrategy(ParallelStrategy):
     """DistributedDataParallel; `ddp_kwargs` go to its constructor (`register(ddp_args=)` wins).
 
     A model without trainable parameters (a frozen feature extractor) has no gradients to

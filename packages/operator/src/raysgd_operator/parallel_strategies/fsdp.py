@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from raysgd_base import check_number
 from raysgd_operator._internal.precision import Precision
-from raysgd_operator.strategy import Strategy, WrapContext
+from raysgd_operator.parallel_strategy import ParallelStrategy, WrapContext
 
 __all__ = ["FSDPStrategy", "ShardModules"]
 
@@ -49,7 +49,7 @@ def _check_shard_modules(value: Any) -> Callable[[nn.Module], bool] | None:
     )
 
 
-class FSDPStrategy(Strategy):
+class FSDPStrategy(ParallelStrategy):
     """FSDP2 (`fully_shard`) on every model with trainable parameters.
 
     Args:

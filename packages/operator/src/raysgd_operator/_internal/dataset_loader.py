@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from raysgd_operator.shards import DatasetOptions
+from raysgd_operator.dataset_options import DatasetOptions
 
-__all__ = ["ShardLoader"]
+__all__ = ["DatasetLoader"]
 
 
-class ShardLoader:
+class DatasetLoader:
     """Batches of one worker's shard of a dataset (anything with ``iter_torch_batches``).
 
     Its length is unknown (a streamed shard does not know its row count before the pass ends), so

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from raysgd_operator.strategy import Strategy
+from raysgd_operator.parallel_strategy import ParallelStrategy
 
 __all__ = ["NoStrategy"]
 
 
-class NoStrategy(Strategy):
+class NoStrategy(ParallelStrategy):
     """No wrapping and no gradient synchronization; takes no arguments."""
 
     name = "none"

@@ -1,4 +1,4 @@
-"""Strategy choice and arguments, the precision rule FSDP follows, and the safe DCP metadata reader
+"""ParallelStrategy choice and arguments, the precision rule FSDP follows, and the safe DCP metadata reader
 (all in one process; training under each strategy is tested in tests/raysgd/test_fsdp.py)."""
 
 from __future__ import annotations
@@ -11,9 +11,14 @@ import torch
 from torch import nn
 
 from raysgd_amp import get_precision
-from raysgd_operator import Strategy, TrainingOptions, get_strategy, register_strategy
+from raysgd_operator import ParallelStrategy, TrainingOptions, get_strategy, register_strategy
 from raysgd_operator._internal.sharded import merge, read_metadata, split
-from raysgd_operator.strategies import DDPStrategy, FSDPStrategy, NoStrategy, resolve_strategy
+from raysgd_operator.parallel_strategies import (
+    DDPStrategy,
+    FSDPStrategy,
+    NoStrategy,
+    resolve_strategy,
+)
 
 
 def test_names_instances_and_classes() -> None:
@@ -41,7 +46,7 @@ def test_bad_names_and_arguments_say_what_is_accepted() -> None:
         get_strategy("fsdp", {"cpu_offload": "yes"})
     with pytest.raises(ValueError, match="cannot set 'device_ids'"):
         get_strategy("ddp", {"device_ids": [0]})
-    with pytest.raises(ValueError, match="cannot be combined with a Strategy instance"):
+    with pytest.raises(ValueError, match="cannot be combined with a ParallelStrategy instance"):
         get_strategy(NoStrategy(), {"x": 1})
     with pytest.raises(TypeError, match="strategy_args must be a dict"):
         get_strategy("ddp", [("x", 1)])  # type: ignore[arg-type]
@@ -59,7 +64,7 @@ def test_wrap_ddp_false_means_none_and_contradicts_fsdp() -> None:
 
 
 def test_a_registered_third_party_strategy_is_found_by_name() -> None:
-    class Tagged(Strategy):
+    class Tagged(ParallelStrategy):
         name = "tagged"
 
         def __init__(self, *, tag: str = "") -> None:
