@@ -223,6 +223,33 @@ def test_a_group_left_broken_is_reformed_before_the_attempt() -> None:
     assert group.recover_calls == [2] and len(restored) == 1 and attempt.calls == 1
 
 
+def test_repair_after_a_call_other_than_train_goes_through_the_loop() -> None:
+    # What the trainer does when validate(), save(), ... fail: the same resize, restore seam,
+    # timeout and log as train(); a user error is not counted, a lost worker is.
+    group = FakeGroup(size=2, room=2)
+    loop, restored, _ = make_loop(group, 2)
+    group.needs_recovery = True  # the raising rank left its process group
+    assert loop.repair(WorkerError("boom", 1, "node", "Traceback ...")) is True
+    assert loop.failures == 0 and group.recover_calls == [2] and len(restored) == 1
+    assert [e.kind for e in loop.events] == ["user_error", "resize"]
+
+    lost = died(group, [1])
+    assert loop.repair(lost) is True
+    assert loop.failures == 1 and loop.failures_this_call == 1
+    assert group.recover_calls == [2, 2] and group.world_size == 2 and len(restored) == 2
+    assert [e.kind for e in loop.events][2:] == ["failure", "resize"]
+    assert "repair after a failed call" in loop.events[-1].message
+
+    # A repair that cannot re-form the group leaves it to the next run(), which starts there.
+    group.needs_recovery = True
+    group.recover_errors.append(died(group, [0]))
+    assert loop.repair() is False and loop.state is LoopState.FAILED
+    assert loop.failures == 2  # the worker lost while re-forming is a loss too
+    assert loop.run(Script(), max_retries=3) == "done" and group.world_size == 2
+    assert loop.repair() is True  # nothing to do on a healthy group
+    assert group.recover_calls == [2, 2, 2, 2]
+
+
 def test_grow_back_to_the_requested_size_with_the_callers_budget() -> None:
     group = FakeGroup(size=1, room=3)
     seen: list[FailureStatus] = []

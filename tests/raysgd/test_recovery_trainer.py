@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from raysgd import StateLostError, TorchTrainer, TrainingOperator
 from raysgd.utils import BATCH_SIZE
-from raysgd_core import WorkerDiedError, WorkerError
+from raysgd_core import WorkerDiedError, WorkerError, get_context
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -362,11 +362,12 @@ def test_exhausted_retry_budget_raises_naming_the_failures(tmp_path: Path) -> No
 
 
 @pytest.mark.timeout(120)
-def test_user_error_is_raised_once_with_traceback_and_trainer_still_works(tmp_path: Path) -> None:
+def test_user_error_once_with_traceback_then_a_loss_elsewhere_is_recovered(tmp_path: Path) -> None:
     trainer = _make(RaiseOnceOperator, tmp_path)
     try:
         with pytest.raises(WorkerError) as excinfo:
             trainer.train(max_retries=3)
+        assert isinstance(excinfo.value, ValueError)  # the user's own type, too
         text = str(excinfo.value) + str(getattr(excinfo.value, "remote_traceback", ""))
         assert "boom from rank 1" in text
         assert "train_batch" in text  # the worker's traceback reached the caller
@@ -378,8 +379,23 @@ def test_user_error_is_raised_once_with_traceback_and_trainer_still_works(tmp_pa
         stats = trainer.train(max_retries=3)
         assert (stats["epoch"], stats["num_samples"]) == (1, NUM_SAMPLES - GLOBAL_BATCH)
         assert trainer.num_workers == 2
+        # A worker lost in a call other than train() goes through the same recovery loop: counted
+        # and logged as a failure, replaced with the survivor's state, before the call raises.
+        with pytest.raises(WorkerDiedError):
+            trainer.apply_all_workers(_exit_on_rank_1)
+        assert trainer.failures == 1 and trainer.num_workers == 2
+        failure, repair = trainer.recovery_events[-2:]
+        assert failure.kind == "failure" and failure.ranks == (1,)
+        assert repair.kind == "resize" and "repair after a failed call" in repair.message
+        assert repair.source.startswith("rank 0 at step") and repair.steps_redone == 0
+        assert trainer.validate()["num_samples"] == NUM_SAMPLES
     finally:
         trainer.shutdown()
+
+
+def _exit_on_rank_1() -> None:
+    if get_context().world_rank == 1:
+        os._exit(1)
 
 
 def _operator_that_refers_to_the_trainer() -> tuple[type, Any]:

@@ -1,4 +1,5 @@
-"""Bad input fails at construction with a clear error (not a hang or a worker traceback), and a shut
+"""Bad input fails at construction with a clear error (not a hang or a worker traceback), a user
+error from any call comes in one form (the WorkerError and the user's own type at once), and a shut
 down trainer refuses every call."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from raysgd import TorchTrainer, TrainingOperator
+from raysgd_core import WorkerError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -111,13 +113,36 @@ class NoValidationOperator(TrainingOperator):
         self.register_data(train_loader=data_creator(config))
 
 
-def test_validate_without_loader_and_local_operator_without_use_local(ray_local):
+class MissingEntryError(LookupError):
+    """A user's exception with an `__init__` and a field of its own."""
+
+    def __init__(self, entry: str) -> None:
+        super().__init__(f"no entry {entry!r}")
+        self.entry = entry
+
+
+def test_user_errors_come_in_one_form_and_leave_the_trainer_usable(ray_local):
     trainer = TorchTrainer(training_operator_cls=NoValidationOperator, num_workers=1)
     try:
-        with pytest.raises(ValueError, match="validation loader"):
+        with pytest.raises(ValueError, match="validation loader") as info:
             trainer.validate()
+        # The same form as from train(): a WorkerError with the worker's traceback, too.
+        assert isinstance(info.value, WorkerError) and "validate" in info.value.remote_traceback
         with pytest.raises(NotImplementedError, match="use_local=True"):
             trainer.get_local_operator()
+
+        def hook(operator):
+            raise MissingEntryError("lr")
+
+        with pytest.raises(WorkerError, match="no entry 'lr'") as info:
+            trainer.apply_all_operators(hook)
+        assert isinstance(info.value, MissingEntryError) and info.value.entry == "lr"
+        assert type(info.value.__cause__) is MissingEntryError
+        assert "in hook" in info.value.remote_traceback
+        # Each error left the group to the recovery loop, which logged it and repaired the
+        # group; a user's error is not a failure.
+        kinds = [event.kind for event in trainer.recovery_events]
+        assert kinds == ["user_error", "resize"] * 2 and trainer.failures == 0
         assert trainer.train()["num_samples"] == 16  # still usable after the refusals
     finally:
         trainer.shutdown()

@@ -1,26 +1,32 @@
 """`TorchTrainer`: RaySGD's distributed PyTorch trainer on today's Ray and PyTorch.
 
-The driver holds a `raysgd_core.WorkerGroup`, the failure policy and the last good state; every
-worker holds one long-lived `raysgd_operator.OperatorRunner` (see `raysgd._internal.worker`).
+The trainer is composed of parts, each owning one thing, and its public methods delegate to them:
+`WorkerCalls` (`_internal/driver.py`: the `WorkerGroup`, how the per-worker runners are built, the
+calls to them), a `TrainingState` (`_internal/trainer_state.py`: replicated or sharded, how the
+state is restored, saved, loaded and what it falls back on), the `Recovery` loop (every resize),
+`Preemption` (drain notices), `RunLoggers` (experiment trackers). Every worker holds one
+long-lived `raysgd_operator.OperatorRunner` (see `raysgd._internal.worker`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
 from raysgd._internal import worker
-from raysgd._internal.checkpoint import read_file, state_from_bytes, state_to_bytes
 from raysgd._internal.cluster import driver_has_cuda, ensure_ray
 from raysgd._internal.datasets import DatasetSplitter, check_datasets, warn_if_no_room_for_data
-from raysgd._internal.driver import TrainerDriver
-from raysgd._internal.driver_copy import DEFAULT_LIMIT_MB, DriverCopy
+from raysgd._internal.driver import RunnerRecipe, WorkerCalls, in_one_form
+from raysgd._internal.driver_copy import DEFAULT_LIMIT_MB
 from raysgd._internal.preemption import Preemption
 from raysgd._internal.recovery import Recovery
+from raysgd._internal.restore_plan import RestoreOutcome, StateLostError
 from raysgd._internal.run_loggers import RunLoggers, trainer_options
-from raysgd._internal.sharded_state import ShardedState, is_sharded_checkpoint
 from raysgd._internal.trainer_keywords import route_keywords
+from raysgd._internal.trainer_state import TrainingState, training_state
 from raysgd._internal.validation import (
     check_optional_args,
     check_train_args,
@@ -30,19 +36,30 @@ from raysgd._internal.validation import (
 )
 from raysgd.loggers import Logger
 from raysgd_base import check_int, check_number
-from raysgd_core import GroupOptions, WorkerGroup, require_cluster_gpus, resolve_use_gpu
+from raysgd_core import (
+    GroupOptions,
+    WorkerError,
+    WorkerGroup,
+    draining_nodes,
+    require_cluster_gpus,
+    resolve_use_gpu,
+)
 from raysgd_fault import FailurePolicy, get_policy
 from raysgd_operator import (
+    NUM_SAMPLES,
     SHARDED_STATE_IMPORTS,
     DatasetOptions,
     TrainingOptions,
     check_batch_size,
+    reduce_worker_results,
 )
 
 __all__ = ["TorchTrainer"]
 
+logger = logging.getLogger("raysgd")
 
-class TorchTrainer(TrainerDriver):
+
+class TorchTrainer:
     """Train a PyTorch model on `num_workers` Ray workers with DistributedDataParallel.
 
     Built either from a `TrainingOperator` subclass (`training_operator_cls=`) or from RaySGD's creator
@@ -78,6 +95,18 @@ class TorchTrainer(TrainerDriver):
     from elsewhere: the last checkpoint written or loaded, or the driver's copy, which it keeps of
     states up to `state_copy_limit_mb` (refreshed after `train()` calls, asynchronously, taking at
     most 2% of the training time; 0 turns it off).
+
+    User errors have one form. An exception raised by user code on a worker (an operator's hook,
+    a creator, a function given to `apply_all_workers`) is not retried, and every method (`train`,
+    `validate`, `save`, `load`, `state_dict`, `get_model`, `apply_*`, ...) raises it as one
+    exception that is an instance of both `raysgd_core.WorkerError` (the worker's traceback in its
+    message; `rank`, `node_id`, `remote_traceback`) and the user's exception class (its `args` and
+    attributes; the original is `__cause__`), so `except WorkerError` and `except ValueError` both
+    catch a worker's ValueError. Where that class cannot be subclassed it is a plain `WorkerError`
+    with the original as `__cause__`. Before it is raised the group is repaired (its size kept,
+    every worker at the last step the group finished, recorded in `recovery_events`) and the
+    trainer stays usable. At construction, a ValueError or TypeError from a creator or `setup` is
+    the user's input error and is raised as itself, chained to the `WorkerError`.
 
     `datasets={"train": ds, "validation": ds2}` feeds the loops from Ray Data (`raysgd[data]`): each
     dataset is split over the workers with `streaming_split(n, equal=True)`, again after every
@@ -170,7 +199,7 @@ class TorchTrainer(TrainerDriver):
         )
         policy = get_policy(failure_policy)
         # Built (arguments checked) before Ray starts; nothing runs until `start()`.
-        self._group: WorkerGroup = WorkerGroup(
+        group = WorkerGroup(
             self._num_workers,
             GroupOptions(
                 **group_fields,
@@ -181,8 +210,6 @@ class TorchTrainer(TrainerDriver):
                 **start_timeout(),
             ),
         )
-        self._use_local = self._group.use_local
-
         ensure_ray()
         if self._options.use_gpu:
             require_cluster_gpus()
@@ -195,19 +222,17 @@ class TorchTrainer(TrainerDriver):
             config=config or {},
             options=trainer_options(
                 self._options,
-                self._group.options,
+                group.options,
                 num_workers=self._num_workers,
                 failure_policy=policy.name,
                 state_copy_limit_mb=state_copy_limit_mb,
             ),
         )
-        self._user_config: dict[str, Any] = dict(config or {})
-        self._config: dict[str, Any] = dict(self._user_config)
         self._checkpoint_dir = checkpoint_dir
-        self._sharded = ShardedState() if self._options.sharded else None
-        self._copy = DriverCopy(int(state_copy_limit_mb * 2**20))
-        self._datasets = DatasetSplitter(given_datasets)
         self._shut_down = False
+        # Names each train() call, so that a call a failure interrupted is continued, not
+        # started again.
+        self._call_id = 0
         # The operator class (and the creator functions a built one holds) is pickled once, here:
         # every start and restart reuses this copy. Pickling it again at a restart would take
         # its closure cells as they are then: one that by then refers to the trainer itself
@@ -216,20 +241,35 @@ class TorchTrainer(TrainerDriver):
         if dataset_options is not None:
             # Travels inside the options: registering its module ships it by value too.
             creators += (dataset_options.collate_fn,)
-        self._operator_ref = self._group.put(
-            self._operator_cls, by_value=tuple(fn for fn in creators if fn is not None)
+        recipe = RunnerRecipe(
+            operator_ref=group.put(
+                self._operator_cls, by_value=tuple(fn for fn in creators if fn is not None)
+            ),
+            options=self._options,
+            user_config=dict(config or {}),
+            config=dict(config or {}),
+            datasets=DatasetSplitter(given_datasets),
         )
-        self._start_workers()
+        # The parts. The state knows how it is kept and restored; the recovery loop owns every
+        # resize (after a loss, to grow, to move off a draining node, to repair after a failed
+        # call) and restores through the state; the worker calls go through the loop.
+        self._state: TrainingState = training_state(
+            self._options.sharded,
+            copy_limit_bytes=int(state_copy_limit_mb * 2**20),
+            use_local=group.use_local,
+        )
         self._recovery = Recovery(
-            group=self._group,
+            group=group,
             num_workers=self._num_workers,
             restore=self._restore_after_resize,
             policy=policy,
         )
+        self._workers = WorkerCalls(group, recipe, self._recovery)
+        self._start_workers()
         self._preemption = Preemption(
-            group=lambda: self._group,
+            group=lambda: group,
             recovery=self._recovery,
-            before_retire=self._prepare_leaving,
+            before_retire=lambda leaving: self._state.prepare_leaving(self._workers, leaving),
             local_checkpoint=self._checkpoint_at_notice,
         )
 
@@ -255,6 +295,8 @@ class TorchTrainer(TrainerDriver):
         After a lost worker the call goes on from the last step the group finished; its results
         then count every step of the call once, and `num_samples` every row once, also those of
         workers lost in it (whose loss values are lost with them: the averages cover the rest).
+        An exception raised by user code is not retried: it is raised in the one form every
+        method gives it (see the class docstring).
         """
         self._check_alive()
         check_train_args(max_retries, checkpoint, num_steps)
@@ -265,27 +307,23 @@ class TorchTrainer(TrainerDriver):
         self._call_id += 1
         call_id = self._call_id
         watch = [self._preemption.watch_spec()]
+        group = self._workers.group
 
         def attempt() -> list[tuple[dict, int, Optional[int], bool]]:
-            # Reads `self._group` at call time: recovery may have replaced or re-formed it. After
-            # a failure the same call id makes the workers go on with the call, not start it again.
-            return self._group.execute(
-                worker.train_epoch, num_steps, profile, info, call_id, watch[0]
-            )
+            # Recovery re-forms the group in place between attempts. After a failure the same
+            # call id makes the workers go on with the call, not start it again.
+            return group.execute(worker.train_epoch, num_steps, profile, info, call_id, watch[0])
 
         while True:
-            returned = self._recovery.run(attempt, max_retries=max_retries)
+            returned = self._workers.run(attempt, max_retries=max_retries)
             if not any(answer[3] for answer in returned):
                 break
             # The workers stopped together at a step boundary: a node of theirs is draining.
             self._move_off_draining(max_retries)
             watch[0] = self._preemption.watch_spec()
-        results = self._train_results(returned)
+        self._state.after_train(self._workers, max(answer[1] for answer in returned))
+        results = [answer[0] for answer in returned]
         rows = [answer[2] for answer in returned if answer[2] is not None]
-        if self._copy_wanted() and self._copy.due():
-            self._copy.refresh(
-                self._group.execute_single_async(0, worker.state_copy, self._copy.limit_bytes)
-            )
         return self._results("train", results, reduce_results, rows[0] if rows else None)
 
     def validate(
@@ -300,19 +338,14 @@ class TorchTrainer(TrainerDriver):
         self._check_alive()
         if num_steps is not None:
             check_int("num_steps", num_steps)
-        results = self._call(worker.validate, num_steps, profile, info)
+        results = self._workers.call(worker.validate, num_steps, profile, info)
         return self._results("validate", results, reduce_results)
 
     def state_dict(self) -> dict[str, Any]:
         """The full training state (`epoch`, `operator`, `models`, `optimizers`, `schedulers`,
         `precision`, position), on the CPU."""
         self._check_alive()
-        if self._sharded is not None:
-            # Every worker's part comes to this process: what asking for the whole state means.
-            with self._repairing():
-                self._sharded.capture(self._group)
-                return self._sharded.gather(self._group)
-        return state_from_bytes(self._read(worker.state_bytes))
+        return self._state.state_dict(self._workers)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load `state` (from `state_dict()` or a checkpoint) into every worker."""
@@ -321,26 +354,19 @@ class TorchTrainer(TrainerDriver):
             raise TypeError(
                 f"state must be a dict from TorchTrainer.state_dict(), got {type(state)}"
             )
-        if state.get("format") == "raysgd-dcp":
-            self._load_sharded(lambda: self._sharded_view().load_gathered(self._group, state))
-            return
-        self._load_bytes(state_to_bytes(state))
+        self._state.load_state_dict(self._workers, state)
 
     def save(self, path: Union[str, os.PathLike]) -> str:
         """Write the state to `path` atomically; returns the absolute path. A worker on this
         machine writes it, so the state does not pass through the driver."""
         self._check_alive()
-        return self._save_to(path)
+        return self._state.save(self._workers, path)
 
     def load(self, path: Union[str, os.PathLike]) -> None:
         """Load a checkpoint written by `save` into every worker. Never runs code from the file; a
         file that is not a checkpoint raises ValueError and leaves the trainer as it was."""
         self._check_alive()
-        if is_sharded_checkpoint(os.fspath(path)):
-            self._load_sharded(lambda: self._sharded_view().load(self._group, os.fspath(path)))
-            return
-        data, _ = read_file(path)
-        self._load_bytes(data, os.fspath(path))
+        self._state.load(self._workers, path)
 
     def get_model(self, to_cpu: bool = False) -> Any:
         """The trained model(s), without DDP wrappers (one model bare, several as a list).
@@ -350,13 +376,8 @@ class TorchTrainer(TrainerDriver):
         CPU comes back as it is.
         """
         self._check_alive()
-        if self._sharded is not None:
-            raise NotImplementedError(
-                "get_model() with a sharded strategy: no worker holds the whole model. save() a "
-                "checkpoint and load it into a TorchTrainer(strategy='none'), or use "
-                "apply_all_operators"
-            )
-        models = self._read(worker.get_models, to_cpu, not driver_has_cuda())
+        self._state.require_whole_model()
+        models = self._workers.read(worker.get_models, to_cpu, not driver_has_cuda())
         if isinstance(models, (list, tuple)) and len(models) == 1:
             return models[0]
         return list(models) if isinstance(models, tuple) else models
@@ -364,31 +385,31 @@ class TorchTrainer(TrainerDriver):
     def get_local_operator(self) -> Any:
         """The rank-0 operator living in this process; only with `use_local=True`."""
         self._check_alive()
-        if not self._use_local:
+        if not self._workers.use_local:
             raise NotImplementedError(
                 "get_local_operator() needs TorchTrainer(use_local=True): without it every operator "
                 "lives in a remote worker (use apply_all_operators instead)"
             )
-        return self._call(worker.get_operator, rank=0)
+        return self._workers.call(worker.get_operator, rank=0)
 
     def update_scheduler(self, metric: Any) -> None:
         """Step every registered scheduler with `metric` on every worker (`scheduler_step_freq="manual"`)."""
         self._check_alive()
-        self._call(worker.update_scheduler, metric)
+        self._workers.call(worker.update_scheduler, metric)
 
     def apply_all_workers(self, fn: Callable[[], Any]) -> list[Any]:
         """`fn()` on every worker; the results in rank order."""
         self._check_alive()
         if not callable(fn):
             raise TypeError("apply_all_workers needs a zero-argument callable")
-        return self._call(worker.apply_fn, fn)
+        return self._workers.call(worker.apply_fn, fn)
 
     def apply_all_operators(self, fn: Callable[[Any], Any]) -> list[Any]:
         """`fn(operator)` on every worker; the results in rank order."""
         self._check_alive()
         if not callable(fn):
             raise TypeError("apply_all_operators needs a callable taking the operator")
-        return self._call(worker.apply_operator, fn)
+        return self._workers.call(worker.apply_operator, fn)
 
     def shutdown(self, force: bool = False) -> None:
         """Stop the workers and release their resources. Calling it again does nothing; any other
@@ -396,7 +417,10 @@ class TorchTrainer(TrainerDriver):
         if self._shut_down:
             return
         self._shut_down = True
-        self._stop_workers(force)
+        try:
+            self._workers.stop(force)
+        finally:
+            self._loggers.finish(self._recovery.events)
 
     def __enter__(self) -> TorchTrainer:
         return self
@@ -417,13 +441,13 @@ class TorchTrainer(TrainerDriver):
     @property
     def config(self) -> dict[str, Any]:
         """The trainer's config; `config[BATCH_SIZE]` is the global batch actually used."""
-        return self._config
+        return self._workers.recipe.config
 
     @property
     def num_workers(self) -> int:
         """Workers training now (fewer than asked for after a loss the cluster could not refill)."""
         self._check_alive()
-        return self._world_size()
+        return self._workers.world_size
 
     @property
     def failures(self) -> int:
@@ -439,4 +463,76 @@ class TorchTrainer(TrainerDriver):
     def worker_group(self) -> WorkerGroup:
         """The `raysgd_core.WorkerGroup` running the workers."""
         self._check_alive()
-        return self._group
+        return self._workers.group
+
+    # ------------------------------------------------------------------------------- internals
+    def _start_workers(self) -> None:
+        """Start the workers and their runners; on any error release everything."""
+        try:
+            first = self._workers.start(self._state.copy_limit_bytes)
+            self._state.started(self._workers, first)
+        except BaseException as exc:
+            self._workers.group.shutdown()
+            self._shut_down = True
+            self._loggers.finish()
+            if isinstance(exc, WorkerError):
+                if isinstance(exc.__cause__, (ValueError, TypeError)):
+                    # A bad creator or operator set-up is the user's input error: raise it as its
+                    # own type, chained to the WorkerError that holds the worker's traceback (the
+                    # cause's own frames do not survive the trip back from the worker).
+                    raise exc.__cause__ from exc
+                raise in_one_form(exc)  # noqa: B904 (its cause is the user's exception)
+            raise
+
+    def _restore_after_resize(self, report: Any = None) -> RestoreOutcome:
+        """The recovery loop's restore seam: the state brings every worker of the re-formed
+        group back (see `TrainingState.restore`)."""
+        return self._state.restore(self._workers)
+
+    def _move_off_draining(self, max_retries: int) -> None:
+        """Act on preemption notices for the group's nodes (see `Preemption`). A move that fails
+        (the node went first) leaves the group to the recovery loop, as after any loss."""
+        try:
+            self._preemption.handle(max_retries=max_retries)
+        except StateLostError:
+            raise
+        except Exception:
+            logger.warning(
+                "moving off a draining node failed; its loss is recovered like any other",
+                exc_info=True,
+            )
+            # Not again for these nodes in this run: the next attempt must not stop for them.
+            self._preemption.unmovable |= set(draining_nodes())
+
+    def _checkpoint_at_notice(self) -> Optional[str]:
+        """A checkpoint written now, when rank 0 cannot leave a draining node (use_local)."""
+        if self._checkpoint_dir is None:
+            return None
+        return self._write_checkpoint("auto")
+
+    def _write_checkpoint(self, checkpoint: Union[str, os.PathLike]) -> str:
+        """Write the current state to `checkpoint` or, for "auto", into `checkpoint_dir`."""
+        if checkpoint == "auto":
+            if self._checkpoint_dir is None:
+                self._checkpoint_dir = tempfile.mkdtemp(prefix="raysgd-checkpoints-")
+                logger.info("checkpoint='auto' writes to %s", self._checkpoint_dir)
+            checkpoint = os.path.join(self._checkpoint_dir, self._state.checkpoint_name)
+        return self._state.save(self._workers, checkpoint)
+
+    def _results(
+        self, kind: str, results: list[dict], reduce_results: bool, call_rows: Optional[int] = None
+    ) -> Any:
+        reduced = reduce_worker_results(results) if reduce_results or self._loggers else None
+        if reduced is not None and call_rows is not None:
+            # A call that went on after a recovery knows the rows the whole group trained in it,
+            # those of workers lost meanwhile included: that is the call's num_samples.
+            reduced[NUM_SAMPLES] = call_rows
+        if self._loggers:
+            self._loggers.log(
+                kind, reduced, num_workers=self._workers.world_size, events=self._recovery.events
+            )
+        return reduced if reduce_results else results
+
+    def _check_alive(self) -> None:
+        if self._shut_down:
+            raise RuntimeError("This TorchTrainer has been shut down; create a new one.")

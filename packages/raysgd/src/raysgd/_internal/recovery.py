@@ -27,6 +27,10 @@ start elsewhere (phase "preemption"), and the move is neither counted in `failur
 
 Errors raised by user code (`WorkerError`) are never retried: they reach the caller unchanged, with the
 worker's traceback; the group is only repaired (same size, last good state) so the trainer stays usable.
+
+Calls other than `train()` (validate, save, state_dict, ...) are not redone by the loop, but their
+failures go through it too: `repair` logs the user error or counts the loss as `run` does, and
+re-forms the group at its size with the same resize, timeout and restore seam.
 Growth back towards the requested size is asked of the policy at the start of every `train()`.
 Deliberate differences from RaySGD 1.x's recovery: the group is sized in workers (not raw CPUs)
 and survivors are re-joined instead of killed.
@@ -249,6 +253,43 @@ class Recovery:
             num_workers_after=self._world_size(),
         )
         return False
+
+    def repair(self, error: Optional[BaseException] = None) -> bool:
+        """After a call other than a `run()` attempt failed with `error`, or found the group
+        broken (`error` None): put the group back in shape for the next call.
+
+        A user error (`WorkerError`) is logged and not counted, as in `run()`; a lost worker
+        (`WorkerDiedError`) is a loss, counted in `failures` and logged as in `run()`. A group that
+        needs it is then re-formed at its size (replacements for lost workers where there is
+        room), with the loop's restart timeout and restore seam, and the resize is logged. The
+        policy is not asked: a call other than `train()` has no retry budget, and the call itself
+        is not redone here. Returns whether the group is usable now; when it is not, the next
+        `run()` starts by recovering it. `StateLostError` from the restore propagates.
+        """
+        if isinstance(error, WorkerError):
+            self._after_user_error(error)
+            return not self._group.needs_recovery
+        self._call_failures, self._last_error = [], None  # a call of its own, as in run()
+        if isinstance(error, WorkerDiedError):
+            self._note_loss(
+                error.ranks,
+                error.nodes,
+                error,
+                during_restart=False,
+                alive=max(0, self._world_size() - len(error.ranks)),
+                preempted=bool(error.preempted),
+            )
+        if not self._group.needs_recovery:
+            return True
+        self.state = LoopState.RESTARTING
+        repaired = self._resize(max(1, self._world_size()), why="repair after a failed call")
+        self.state = LoopState.SUCCEEDED if repaired else LoopState.FAILED
+        if not repaired:
+            logger.warning(
+                "the worker group could not be repaired after a failed call; the next train() "
+                "recovers it"
+            )
+        return repaired
 
     def move_off(
         self,

@@ -1,6 +1,8 @@
-"""The driver's side of sharded training state: snapshots, checkpoint directories, recovery.
+"""The mechanics of a sharded training state on the driver: snapshots, checkpoint directories.
 
-With a sharded strategy no process holds the whole model. The workers snapshot their parts in the
+`ShardedSnapshots` is what `trainer_state.ShardedState` (the sharded implementation of the
+trainer's `TrainingState`) works with; a replicated trainer uses one too, to load a checkpoint
+directory. With a sharded strategy no process holds the whole model. The workers snapshot their parts in the
 training loop, each part also on a peer (see `worker_sharded`); the driver learns of a snapshot
 only when it asks for one (start-up, `save`, after a restore) or when a restore collects what the
 survivors hold, and then keeps only what is small: the DCP metadata and the replicated rest of the
@@ -29,12 +31,20 @@ from raysgd._internal.restore_plan import StateLostError
 from raysgd_core import WorkerGroup
 from raysgd_operator import TrainingOptions
 
-__all__ = ["STATE_FILE", "ShardedState", "is_sharded_checkpoint", "read_checkpoint"]
+__all__ = [
+    "GATHERED_FORMAT",
+    "STATE_FILE",
+    "ShardedSnapshots",
+    "is_sharded_checkpoint",
+    "read_checkpoint",
+]
 
 logger = logging.getLogger("raysgd")
 
 #: The replicated part of the state inside a sharded checkpoint directory.
 STATE_FILE = "raysgd_state.pt"
+#: `format` of the dict `ShardedSnapshots.gather` returns (what `state_dict()` gives when sharded).
+GATHERED_FORMAT = "raysgd-dcp"
 
 
 def is_sharded_checkpoint(path: str) -> bool:
@@ -79,8 +89,9 @@ def _source_for(group: WorkerGroup, path: str) -> ws.Source:
     return source
 
 
-class ShardedState:
-    """The driver's view of the workers' sharded snapshots."""
+class ShardedSnapshots:
+    """The driver's view of the workers' sharded snapshots (small: DCP metadata and the
+    replicated rest of the state), and the checkpoint directories written from them."""
 
     def __init__(self) -> None:
         self.step = -1
@@ -139,7 +150,7 @@ class ShardedState:
             files = ws._read_dir(path)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        return {"format": "raysgd-dcp", "files": files}
+        return {"format": GATHERED_FORMAT, "files": files}
 
     def load_gathered(self, group: WorkerGroup, state: dict[str, Any]) -> None:
         """Load what `gather` returned."""
