@@ -36,5 +36,6 @@ def load_failure_reason(exc: Exception) -> str:
         detail = f" ({kept[0]})" if kept else ""
         return f"the safe loader (tensors and plain containers only) refused it{detail}"
     if kept:
-        return f"{type(exc).__name__}: {kept[0]}"
+        # The first sentence: torch follows it with guesses at the cause and advice.
+        return f"{type(exc).__name__}: {kept[0].split('. ')[0].rstrip('.')}"
     return f"{type(exc).__name__} while reading it"

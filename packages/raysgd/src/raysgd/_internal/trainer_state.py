@@ -43,6 +43,7 @@ from raysgd._internal.sharded_state import (
     ShardedSnapshots,
     is_sharded_checkpoint,
 )
+from raysgd_core import WorkerError
 
 __all__ = [
     "AUTO_CHECKPOINT_NAME",
@@ -105,7 +106,14 @@ class TrainingState(abc.ABC):
         checkpoint raises ValueError before any worker is touched."""
         path = os.fspath(path)
         if is_sharded_checkpoint(path):
-            self._load_sharded(workers, lambda view: view.load(workers.group, path))
+            try:
+                self._load_sharded(workers, lambda view: view.load(workers.group, path))
+            except WorkerError as exc:
+                if isinstance(exc.__cause__, ValueError):
+                    # A data file the workers found bad is the input's fault, as a bad file
+                    # found here is: its one line, chained to the workers' report.
+                    raise exc.__cause__ from exc
+                raise
             return
         data, state = read_file(path)
         self._load_bytes(workers, data, state, path)
