@@ -124,6 +124,32 @@ def test_import_is_light():
     assert out.stdout.strip() == "[]"
 
 
+def test_start_makes_its_own_ray_even_where_another_cluster_left_its_address():
+    """Ray's `ray.init()` joins the cluster named in `<tmp>/ray/ray_current_cluster`, which
+    `ray start` and `ray.cluster_utils.Cluster` leave behind (even after it is gone). A group started
+    without Ray must start its own local instance instead, and so must the trainer."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="r", dir="/tmp") as tmp:  # short: Ray's socket paths
+        os.makedirs(os.path.join(tmp, "ray"))
+        with open(os.path.join(tmp, "ray", "ray_current_cluster"), "w") as f:
+            f.write("127.0.0.1:9")  # a cluster that is not there
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env["RAY_TMPDIR"] = tmp
+        code = (
+            "from raysgd_core import WorkerGroup\n"
+            "with WorkerGroup(1) as group:\n"
+            "    print('ranks', group.execute(lambda: 7))\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+        )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ranks [7]" in out.stdout
+
+
 @pytest.mark.parametrize("use_local", [False, True])
 def test_cpus_are_free_right_after_shutdown(ray_local, wait_for_cpus, use_local):
     # RaySGD's own tests read `ray.available_resources()` right after `shutdown()`: it must not

@@ -18,7 +18,7 @@ from raysgd_core.gpu import require_cluster_gpus, resolve_use_gpu
 from raysgd_core.group import WorkerGroup
 from raysgd_core.info import RecoveryReport, WorkerInfo
 from raysgd_core.options import GroupOptions, resolve_backend
-from raysgd_core.ray_options import WORKER_PRELOAD_MODULES, local_ray_options
+from raysgd_core.ray_options import WORKER_PRELOAD_MODULES, ensure_ray, local_ray_options
 from raysgd_core.shipping import ship_by_value, shipped_by_value
 
 __version__ = "0.1.0"
@@ -35,6 +35,7 @@ __all__ = [
     "WorkerInfo",
     "__version__",
     "draining_nodes",
+    "ensure_ray",
     "get_context",
     "local_ray_options",
     "preempted_nodes",

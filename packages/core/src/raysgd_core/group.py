@@ -15,6 +15,7 @@ from raysgd_core._internal.state import GroupSpec, GroupState
 from raysgd_core._internal.workers import kill_worker, record_local
 from raysgd_core.info import RecoveryReport, WorkerInfo
 from raysgd_core.options import GroupOptions
+from raysgd_core.ray_options import ensure_ray
 from raysgd_core.shipping import ship_by_value
 
 __all__ = ["RecoveryReport", "WorkerGroup", "WorkerInfo"]
@@ -88,13 +89,12 @@ class WorkerGroup:
             ResourcesUnavailableError: the cluster could not place or start the workers within
                 `start_timeout_s` (nothing is left behind).
             WorkerError / WorkerDiedError: `init_hook` raised, or a worker died while starting.
-        """
-        import ray
 
+        Starts a local Ray instance first when none is initialised (`ensure_ray`).
+        """
         if self._started:
             raise RuntimeError("WorkerGroup.start() was already called")
-        if not ray.is_initialized():
-            ray.init()
+        ensure_ray()
         try:
             lifecycle.start(self._state, self._num_workers, self._resolve_placement_group())
         except BaseException:

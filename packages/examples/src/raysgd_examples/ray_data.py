@@ -61,7 +61,8 @@ def main() -> None:
 
     if not ray.is_initialized():
         # Ray Data runs its read and map tasks on CPUs the workers leave free: ask for two more.
-        ray.init(num_cpus=args.num_workers + 2, include_dashboard=False)
+        # address="local": a new instance even where another process left a cluster running.
+        ray.init(address="local", num_cpus=args.num_workers + 2, include_dashboard=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     with tempfile.TemporaryDirectory() as folder:
         path = write_parquet(os.path.join(folder, "line.parquet"), rows)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
 from raysgd._internal import worker
-from raysgd._internal.cluster import driver_has_cuda, ensure_ray
+from raysgd._internal.cluster import driver_has_cuda
 from raysgd._internal.datasets import DatasetSplitter, check_datasets, warn_if_no_room_for_data
 from raysgd._internal.driver import RunnerRecipe, WorkerCalls, in_one_form
 from raysgd._internal.driver_copy import DEFAULT_LIMIT_MB
@@ -41,6 +41,7 @@ from raysgd_core import (
     WorkerError,
     WorkerGroup,
     draining_nodes,
+    ensure_ray,
     require_cluster_gpus,
     resolve_use_gpu,
 )
