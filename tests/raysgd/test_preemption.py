@@ -276,3 +276,65 @@ def test_without_room_the_group_shrinks_before_the_deadline_and_a_node_lost_firs
         assert sorted(epochs[last]) == list(range(ROWS))  # the epoch it happened in: once each
     finally:
         trainer.shutdown(force=True)
+
+
+def _line_rows(batch: dict[str, Any]) -> dict[str, Any]:
+    """Ray Data rows of the same regression as `SlowLinearOperator`'s, each with its id."""
+    import numpy as np
+
+    ids = batch["data"]
+    x = np.random.default_rng(1).standard_normal((ROWS, 3)).astype(np.float32)[ids]
+    return {"x": x, "y": x @ np.array([[1.0], [-2.0], [0.5]], np.float32), "id": ids}
+
+
+class SlowDataOperator(SlowLinearOperator):
+    """`SlowLinearOperator` fed by `datasets=`: no loader of its own."""
+
+    def setup(self, config: dict[str, Any]) -> None:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        self.register(
+            models=model,
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.05),
+            criterion=nn.MSELoss(),
+        )
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_fed_by_ray_data_moves_mid_epoch_and_the_epoch_keeps_its_rows(
+    ray_multinode: Any, tmp_path: Path
+) -> None:
+    from raysgd import DatasetOptions
+
+    # 2 workers, room for the one that moves, a CPU for Ray Data's tasks, and one for the bundle of
+    # the group's placement group that Ray places again once the drained node is gone (Ray cannot
+    # shrink a placement group: it stays reserved for the group's next new worker).
+    nodes = _cluster(ray_multinode, 5)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    dataset = ray.data.from_numpy(__import__("numpy").arange(ROWS)).map_batches(_line_rows)
+    trainer = TorchTrainer(
+        training_operator_cls=SlowDataOperator,
+        config={BATCH_SIZE: GLOBAL_BATCH, "marker_dir": str(tmp_path)},
+        num_workers=2,
+        timeout_s=60,
+        datasets={"train": dataset},
+        dataset_options=DatasetOptions(columns=("x", "y", "id"), dtypes=torch.float32),
+    )
+    try:
+        victim = _on(nodes, trainer.apply_all_workers(_node_id)[1])
+        reclaim, times = _reclaim_at_step(ray_multinode, tmp_path, 3, victim, 20, remove_after_s=20)
+        result = trainer.train()
+        assert trainer.failures == 0 and trainer.num_workers == 2
+        (move,) = [e for e in trainer.recovery_events if e.kind == "preemption"]
+        assert move.steps_redone == 0 and move.timestamp < times["drained"] + 20
+        assert victim.node_id not in trainer.apply_all_workers(_node_id)
+        # Split again at the move: the epoch has its full count, each step once, and at most the
+        # rows read before the move come twice (Ray Data's limit, as after any resize).
+        epoch = rows_by_epoch(tmp_path)[1]
+        assert result["num_samples"] == len(epoch) == ROWS
+        assert len(epoch) - len(set(epoch)) <= 24 * GLOBAL_BATCH
+        reclaim.join(timeout=60)
+        assert sorted(rows_by_epoch(tmp_path).get(1)) == sorted(epoch)
+        assert trainer.train()["num_samples"] == ROWS and trainer.failures == 0
+    finally:
+        trainer.shutdown()

@@ -321,6 +321,7 @@ class Components:
                 batch_size=int(self.config[BATCH_SIZE]),
                 device=self.placement.device,
                 options=self.options.dataset_options or DatasetOptions(),
+                group_size=self.placement.world_size,
             )
             for kind in LOADER_KINDS
             if (shard := self.dataset_iterators.get(kind)) is not None

@@ -49,7 +49,8 @@ class CallRecord:
             Negative after a restore from a snapshot older than the call: the steps before the
             call that are done again first.
         rows: Rows the whole group trained in the call's own steps, when the loader's split is
-            known (None otherwise, e.g. with the user's own sampler or a dataset shard).
+            known: raysgd's own sampler, or a dataset shard without a `collate_fn` (None
+            otherwise, e.g. with the user's own sampler).
         epoch: The epoch a call without `num_steps` finishes (None until its first batch).
         finished: The call returned on this worker.
         recovered: The call went on after a failure (its metrics then cover the steps since it

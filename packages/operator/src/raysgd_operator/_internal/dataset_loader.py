@@ -17,6 +17,10 @@ class DatasetLoader:
 
     Its length is unknown (a streamed shard does not know its row count before the pass ends), so
     the runner learns the end of a pass by drawing past it.
+
+    The shards are split with ``equal=True``: every worker reads the same number of rows, so the
+    workers' batches have the same sizes step by step, and a step of the group reads `group_size`
+    times this worker's batch (`group_rows`).
     """
 
     def __init__(
@@ -27,6 +31,7 @@ class DatasetLoader:
         batch_size: int,
         device: torch.device,
         options: DatasetOptions,
+        group_size: int = 1,
     ) -> None:
         if not callable(getattr(shard, "iter_torch_batches", None)):
             raise TypeError(
@@ -35,7 +40,10 @@ class DatasetLoader:
             )
         self.shard, self.name = shard, name
         self.batch_size = batch_size
+        self.group_size = group_size
         self._columns = options.columns
+        # A collate_fn gives batches of the user's own form, whose row count raysgd cannot tell.
+        self._countable = options.collate_fn is None
         self._kwargs = options.iter_kwargs(batch_size, device)
 
     def __iter__(self) -> Iterator[Any]:
@@ -43,6 +51,14 @@ class DatasetLoader:
         if self._columns is None:
             return iter(batches)
         return (self._select(batch) for batch in batches)
+
+    def group_rows(self, batch: Any) -> int | None:
+        """Rows the whole group reads in the step of `batch` (one of this loader's), or None where
+        a `collate_fn` made its form the user's."""
+        if not self._countable:
+            return None
+        first = next(iter(batch.values()), None) if isinstance(batch, Mapping) else batch[0]
+        return None if first is None else len(first) * self.group_size
 
     def _select(self, batch: Any) -> tuple[Any, ...]:
         if not isinstance(batch, Mapping):

@@ -18,6 +18,12 @@ from raysgd_operator._internal.loaders import planned_sampler
 __all__ = ["BatchStream", "CallBatches"]
 
 
+def _group_rows(loader: Any, batch: Any) -> int | None:
+    """Rows the whole group reads in the step of `batch`, for a loader that can tell (None)."""
+    count = getattr(loader, "group_rows", None)
+    return count(batch) if callable(count) else None
+
+
 def _known_len(loader: Any) -> int | None:
     try:
         return len(loader)
@@ -63,9 +69,9 @@ class BatchStream:
     ``on_new_pass(resuming)`` is called whenever a new pass over the loader starts; it returns the
     epoch number to give the sampler's ``set_epoch`` (or None). ``on_step(rows)`` is called each
     time the loop finishes a batch, with the rows the whole group read in that step when the loader
-    is planned (else None). ``resume`` (batches to skip) or ``resume_rows`` (the epoch's first
-    unread row, for a planned loader) are set after a state load so that the next pass goes on
-    from the same place.
+    is planned or can tell from the batch (a dataset shard's `group_rows`), else None. ``resume``
+    (batches to skip) or ``resume_rows`` (the epoch's first unread row, for a planned loader) are
+    set after a state load so that the next pass goes on from the same place.
     """
 
     def __init__(
@@ -87,6 +93,9 @@ class BatchStream:
         self.rows = 0
         #: A batch was handed to the loop and the loop has not finished with it yet.
         self.in_flight = False
+        #: Rows the whole group reads in the in-flight batch's step, for a loader that can tell
+        #: from the batch (a dataset shard); None when unknown.
+        self._flight_rows: int | None = None
         #: The epoch `on_new_pass` gave the current pass.
         self.epoch_of_pass: int | None = None
         #: Set at a step boundary (by a step hook) to end the call's batches right there.
@@ -229,10 +238,10 @@ class BatchStream:
     def _complete(self) -> None:
         """The loop finished the batch it was given."""
         sampler = self._planned()
-        rows = sampler.step_rows(self.position) if sampler is not None else None
+        rows = sampler.step_rows(self.position) if sampler is not None else self._flight_rows
         self.position += 1
         self.in_flight = False
-        if rows is not None:
+        if sampler is not None:
             self.rows += rows
         if self._on_step is not None:
             self._on_step(rows)
@@ -247,6 +256,7 @@ class BatchStream:
                 drawn += 1
                 yielded = True
                 self.in_flight = True
+                self._flight_rows = _group_rows(self._get_loader(), batch)
                 yield batch
                 # The loop came back for more: it is done with the batch it had.
                 self._complete()
