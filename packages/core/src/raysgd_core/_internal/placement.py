@@ -9,6 +9,8 @@ that each of them starts or not on its own and the group can be sized by what ac
 A free bundle that sits on a node Ray is draining (see `raysgd_core.drains`) is set aside rather
 than reused: a worker placed there would go down with the node. It is reused once the bundle is
 somewhere else (Ray places a lost node's bundles again when it has room) or the drain is over.
+Until then, and from then until a new worker takes it, it holds one worker's resources that no
+worker uses: Ray can remove a placement group but not one bundle of it.
 """
 
 from __future__ import annotations
@@ -148,11 +150,19 @@ class SlotPool:
         draining = draining_nodes()
         if not draining and not self.parked:
             return
+        was_parked = self.parked
         candidates = self.free + self.parked
         self.free, self.parked = [], []
         for slot in candidates:
             node = bundle_node(slot)
             usable = node is not None and node not in draining
+            if usable and slot in was_parked:
+                logger.info(
+                    "A free bundle of the workers' placement group left a draining node and is "
+                    "reserved on node %s until the group's next new worker takes it (Ray cannot "
+                    "remove one bundle of a placement group)",
+                    node,
+                )
             (self.free if usable else self.parked).append(slot)
 
     def remove_all(self) -> list[Any]:
