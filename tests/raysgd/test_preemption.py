@@ -338,3 +338,67 @@ def test_a_worker_fed_by_ray_data_moves_mid_epoch_and_the_epoch_keeps_its_rows(
         assert trainer.train()["num_samples"] == ROWS and trainer.failures == 0
     finally:
         trainer.shutdown()
+
+
+class NodeMarkingOperator(SlowLinearOperator):
+    """`SlowLinearOperator` that also writes, for the test, the node each rank starts on."""
+
+    def setup(self, config: dict[str, Any]) -> None:
+        super().setup(config)
+        Path(config["marker_dir"], f"node-{self.world_rank}").write_text(_node_id())
+
+
+def _one_epoch_of_a_trial(trainer: TorchTrainer, info: dict[str, Any]) -> dict[str, Any]:
+    result = trainer.train()
+    kinds = [event.kind for event in trainer.recovery_events]
+    return {
+        "num_samples": result["num_samples"],
+        "failures": trainer.failures,
+        "moves": kinds.count("preemption"),
+        "num_workers": trainer.num_workers,
+    }
+
+
+@pytest.mark.timeout(240)
+def test_a_tune_trial_hands_a_draining_workers_place_to_its_spare(
+    ray_multinode: Any, tmp_path: Path
+) -> None:
+    from ray import tune
+
+    # The trial, its two workers and its spare: one 1-CPU node each (the trial's group packs
+    # what fits, so each bundle lands on its own node).
+    _cluster(ray_multinode, 4)
+    markers = tmp_path / "markers"
+    markers.mkdir()
+
+    def drain_rank_1() -> None:
+        until = time.monotonic() + 120
+        while not (markers / "step-3").exists() and time.monotonic() < until:
+            time.sleep(0.02)
+        _drain(ray_multinode, (markers / "node-1").read_text(), 30)
+
+    drainer = threading.Thread(target=drain_rank_1, daemon=True)
+    drainer.start()
+    trainable = TorchTrainer.as_trainable(
+        training_operator_cls=NodeMarkingOperator,
+        config={BATCH_SIZE: GLOBAL_BATCH, "marker_dir": str(markers)},
+        num_workers=2,
+        num_cpus_per_worker=1,
+        spare_workers=1,
+        timeout_s=60,
+        override_tune_step=_one_epoch_of_a_trial,
+    )
+    results = tune.Tuner(
+        trainable,
+        run_config=tune.RunConfig(
+            storage_path=str(tmp_path / "tune"), stop={"training_iteration": 1}, verbose=0
+        ),
+    ).fit()
+    drainer.join(timeout=10)
+    assert not results.errors
+    metrics = results[0].metrics
+    # The worker left the draining node for the trial's spare within the trial's reservation:
+    # not a failure, the group kept its size, the epoch trained every row once.
+    assert (metrics["moves"], metrics["failures"], metrics["num_workers"]) == (1, 0, 2)
+    assert metrics["num_samples"] == ROWS
+    assert sorted(rows_by_epoch(markers)[1]) == list(range(ROWS))
