@@ -402,3 +402,63 @@ def test_a_tune_trial_hands_a_draining_workers_place_to_its_spare(
     assert (metrics["moves"], metrics["failures"], metrics["num_workers"]) == (1, 0, 2)
     assert metrics["num_samples"] == ROWS
     assert sorted(rows_by_epoch(markers)[1]) == list(range(ROWS))
+
+
+@ray.remote(num_cpus=0)
+class UseLocalDriver:
+    """A driver process on a worker node (as a Tune trial's is): `use_local=True` puts rank 0 here."""
+
+    def train(self, folder: str, checkpoint_dir: str) -> dict[str, Any]:
+        trainer = _trainer(Path(folder), use_local=True, checkpoint_dir=checkpoint_dir)
+        try:
+            nodes = trainer.apply_all_workers(_node_id)
+            Path(folder, "ready").touch()
+            result = trainer.train()
+            trained = _weights(trainer)
+            written = sorted(Path(checkpoint_dir).iterdir())
+            trainer.load(written[0])
+            return {
+                "nodes": nodes,
+                "num_samples": result["num_samples"],
+                "failures": trainer.failures,
+                "num_workers": trainer.num_workers,
+                "written": len(written),
+                "rolled_back": not all(map(torch.equal, trained, _weights(trainer))),
+            }
+        finally:
+            trainer.shutdown(force=True)
+
+
+@pytest.mark.timeout(180)
+def test_a_draining_driver_node_under_use_local_writes_a_checkpoint_and_training_goes_on(
+    ray_multinode: Any, tmp_path: Path
+) -> None:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # The driver, and with it rank 0 (whose CPU is the driver's own), on one node; rank 1 on the
+    # other.
+    driver_node, _ = _cluster(ray_multinode, 2)
+    driver = UseLocalDriver.options(
+        num_cpus=1,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(driver_node.node_id, soft=False),
+    ).remote()
+    drainer = threading.Thread(
+        target=lambda: _wait_then_drain(ray_multinode, tmp_path / "step-3", driver_node.node_id)
+    )
+    drainer.start()
+    out = ray.get(driver.train.remote(str(tmp_path), str(tmp_path / "checkpoints")), timeout=120)
+    drainer.join(timeout=60)
+    assert out["nodes"][0] == driver_node.node_id != out["nodes"][1]
+    # Rank 0 cannot leave the driver's process: the notice wrote one checkpoint (a driver
+    # started elsewhere can load it: it holds the weights of step 3 or so, not the last ones),
+    # and the call went on to the end of the epoch without a failure.
+    assert (out["written"], out["failures"], out["num_workers"]) == (1, 0, 2)
+    assert out["num_samples"] == ROWS and out["rolled_back"]
+    assert sorted(rows_by_epoch(tmp_path)[1]) == list(range(ROWS))
+
+
+def _wait_then_drain(cluster: Any, marker: Path, node_id: str) -> None:
+    until = time.monotonic() + 120
+    while not marker.exists() and time.monotonic() < until:
+        time.sleep(0.02)
+    _drain(cluster, node_id, 60)

@@ -63,8 +63,9 @@ class Preemption:
         """What the workers watch during the next call (None on a one-node cluster)."""
         if not _multi_node():
             return None
-        nodes = {w.node_id for w in self._group().workers if not w.is_local}
-        nodes -= self.unmovable
+        # The driver's node too (use_local): rank 0 cannot leave it, but the notice must reach
+        # the trainer within the call, while a checkpoint can still be written.
+        nodes = {w.node_id for w in self._group().workers} - self.unmovable
         return WatchSpec(frozenset(nodes), WATCH_INTERVAL_S) if nodes else None
 
     def handle(self, *, max_retries: int) -> bool:
