@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -153,6 +154,16 @@ def test_a_spare_replaces_a_lost_worker_and_another_spare_starts(ray_local, wait
     assert wait_no_leftovers() == ([], [])
 
 
+def _rank_terminated_others_all_reduce(victim: int) -> float:
+    if get_context().world_rank == victim:
+        time.sleep(0.5)
+        # What a node shutting down does to its workers: Ray's handler turns SIGTERM into a
+        # SystemExit raised inside the running call.
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    return _all_reduce_sum()
+
+
 def test_exit_inside_collective_gives_worker_died_error(ray_local):
     with WorkerGroup(3) as group:
         with pytest.raises(WorkerDiedError) as info:
@@ -162,6 +173,10 @@ def test_exit_inside_collective_gives_worker_died_error(ray_local):
         report = group.recover(2, timeout_s=30)
         assert report.world_size == 2 and report.started == []
         assert group.execute(_all_reduce_sum) == [3.0, 3.0]
+        # A worker terminated mid-call is lost too, not a user error (SystemExit ends the actor).
+        with pytest.raises(WorkerDiedError) as info:
+            group.execute(_rank_terminated_others_all_reduce, 1)
+        assert info.value.ranks == [1]
 
 
 def _rank1_raises_rank0_hangs() -> None:

@@ -147,7 +147,14 @@ class WorkerRuntime:
             # Peers may be blocked in a collective waiting for this rank: closing our side of the
             # group makes them fail at once instead of after the collective timeout.
             self.destroy()
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)) and not _in_actor():
+            # A SystemExit means this process is ending: Ray's SIGTERM handler raises it when the
+            # node shuts down (a removed or reclaimed node), and so does a user's sys.exit().
+            # Returned as a Failure it would read as user code raising, and a worker on its way
+            # out would be reported as an error instead of a lost worker; let it end the actor
+            # so the caller sees the loss. An interrupt ends only a local (non-actor) caller.
+            if isinstance(exc, SystemExit) or (
+                isinstance(exc, KeyboardInterrupt) and not _in_actor()
+            ):
                 raise
             return self._failure(exc)
         finally:
