@@ -76,14 +76,8 @@ class FailureStatus:
                     f"total_failures ({self.total_failures}) cannot be less than "
                     f"failures ({self.failures})"
                 )
-        since = self.seconds_since_last_failure
-        if since is not None:
-            if isinstance(since, bool) or not isinstance(since, (int, float)):
-                raise TypeError(
-                    "seconds_since_last_failure must be a float or None, "
-                    f"got {type(since).__name__}"
-                )
-            check_number("seconds_since_last_failure", since)
+        if self.seconds_since_last_failure is not None:
+            check_number("seconds_since_last_failure", self.seconds_since_last_failure)
         if not isinstance(self.error, str):
             raise TypeError(f"error must be a str, got {type(self.error).__name__}")
         if self.phase not in PHASES:

@@ -17,15 +17,13 @@ BATCH_SIZE = "*batch_size"
 def check_batch_size(config: Mapping[str, Any], num_workers: int) -> int | None:
     """Validate ``config[BATCH_SIZE]`` for ``num_workers`` workers; return it (``None`` if absent).
 
-    Raises ``ValueError`` when it is not a positive int or is smaller than ``num_workers`` (a
-    worker would get an empty batch). Cheap and silent: the driver calls it before starting workers.
+    Raises ``TypeError`` when it is not an int, ``ValueError`` when it is below 1 or smaller than
+    ``num_workers`` (a worker would get an empty batch). Cheap and silent: the driver calls it before starting workers.
     """
     check_int("num_workers", num_workers)
     if BATCH_SIZE not in config:
         return None
-    total = config[BATCH_SIZE]
-    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
-        raise ValueError(f"config[BATCH_SIZE] must be a positive int, got {total!r}")
+    total = check_int("config[BATCH_SIZE]", config[BATCH_SIZE])
     if total < num_workers:
         raise ValueError(
             f"config[BATCH_SIZE]={total} is smaller than num_workers={num_workers}: "

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from raysgd_base import check_int
+from raysgd_base import check_int, check_number
 from raysgd_operator._internal.precision import check_precision
 from raysgd_operator.dataset_options import DatasetOptions
 from raysgd_operator.parallel_strategies.registry import resolve_strategy
@@ -33,10 +33,6 @@ SCHEDULER_STEP_FREQS = ("batch", "epoch", "manual")
 
 #: Options that are plain switches; any truthy value is kept as True (RaySGD accepted 0/1 too).
 _SWITCHES = ("use_gpu", "use_tqdm", "wrap_ddp", "add_dist_sampler", "distributed")
-
-
-def _is_number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float))
 
 
 @dataclass(frozen=True)
@@ -117,12 +113,8 @@ class TrainingOptions:
                 f"got {self.scheduler_step_freq!r}"
             )
         check_int("accumulate_grad_batches", self.accumulate_grad_batches)
-        if self.clip_grad_norm is not None and not (
-            _is_number(self.clip_grad_norm) and self.clip_grad_norm > 0
-        ):
-            raise ValueError(
-                f"clip_grad_norm must be None or a positive number, got {self.clip_grad_norm!r}"
-            )
+        if self.clip_grad_norm is not None:
+            check_number("clip_grad_norm", self.clip_grad_norm, above=0)
         if self.num_threads is not None:
             check_int("num_threads", self.num_threads)
         check_int("snapshot_every", self.snapshot_every, minimum=0)

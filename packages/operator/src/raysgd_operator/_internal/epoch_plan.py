@@ -21,6 +21,8 @@ from collections.abc import Iterator, Sized
 import torch
 from torch.utils.data import DistributedSampler, Sampler
 
+from raysgd_base import check_int
+
 __all__ = ["EpochSampler", "PlannedBatchSampler", "step_sizes"]
 
 logger = logging.getLogger(__name__)
@@ -81,8 +83,7 @@ class EpochSampler(DistributedSampler):
         pad: bool = True,
     ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        check_int("batch_size", batch_size)
         self.num_rows = len(dataset)
         self.batch_size, self.drop_last_step, self.pad = int(batch_size), bool(drop_last), pad
         self.start = 0

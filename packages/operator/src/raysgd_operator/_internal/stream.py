@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Callable
 
+from raysgd_base import check_int
 from raysgd_operator._internal.epoch_plan import EpochSampler
 from raysgd_operator._internal.loaders import planned_sampler
 
@@ -152,8 +153,8 @@ class BatchStream:
     ) -> CallBatches:
         """Batches for one call: ``num_steps`` of them (wrapping into new passes), else the rest
         of the pass, or with `until_epoch`, of every pass up to the end of that epoch."""
-        if num_steps is not None and num_steps < 0:
-            raise ValueError(f"num_steps must be >= 0 or None, got {num_steps}")
+        if num_steps is not None:
+            check_int("num_steps", num_steps, minimum=0)
         if self.iterator is not None and self._exhausted():
             self.iterator = None
         if self.iterator is not None and _known_len(self._get_loader()) is None:
