@@ -17,7 +17,7 @@ from raysgd_core.errors import (
 from raysgd_core.gpu import require_cluster_gpus, resolve_use_gpu
 from raysgd_core.group import WorkerGroup
 from raysgd_core.info import RecoveryReport, WorkerInfo
-from raysgd_core.options import GroupOptions, resolve_backend
+from raysgd_core.options import GroupOptions, resolve_backend, resolve_timeout
 from raysgd_core.ray_options import WORKER_PRELOAD_MODULES, ensure_ray, local_ray_options
 from raysgd_core.shipping import ship_by_value, shipped_by_value
 
@@ -41,6 +41,7 @@ __all__ = [
     "preempted_nodes",
     "require_cluster_gpus",
     "resolve_backend",
+    "resolve_timeout",
     "resolve_use_gpu",
     "ship_by_value",
     "shipped_by_value",

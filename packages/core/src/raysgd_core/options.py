@@ -10,6 +10,7 @@ starts and the error names the option.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,12 +18,24 @@ from typing import Any, Optional, Union
 
 from raysgd_base import check_int, check_number
 
-__all__ = ["BACKENDS", "PLACEMENT_STRATEGIES", "GroupOptions", "resolve_backend"]
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_TIMEOUT_S",
+    "PLACEMENT_STRATEGIES",
+    "TIMEOUT_ENV_VAR",
+    "GroupOptions",
+    "resolve_backend",
+    "resolve_timeout",
+]
 
 #: Ray placement-group strategies a group may use for its workers.
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 #: Process-group backends: "auto" is resolved by `resolve_backend`.
 BACKENDS = ("auto", "gloo", "nccl")
+#: Timeout of the process group's collectives, in seconds, when none is given (RaySGD's).
+DEFAULT_TIMEOUT_S = 1800.0
+#: The environment variable RaySGD read the process group's timeout from; its users already set it.
+TIMEOUT_ENV_VAR = "NCCL_TIMEOUT_S"
 
 
 def resolve_backend(backend: str, uses_gpu: bool) -> str:
@@ -35,6 +48,27 @@ def resolve_backend(backend: str, uses_gpu: bool) -> str:
     if backend == "auto":
         return "nccl" if uses_gpu else "gloo"
     return backend
+
+
+def resolve_timeout(timeout_s: Union[float, timedelta, None]) -> Union[float, timedelta]:
+    """The process group's timeout: `timeout_s` when given (`GroupOptions` checks it), else the
+    seconds in `NCCL_TIMEOUT_S` (`TIMEOUT_ENV_VAR`), else `DEFAULT_TIMEOUT_S`.
+
+    Raises ValueError when `NCCL_TIMEOUT_S` is set to anything but a number of seconds > 0.
+    """
+    if timeout_s is not None:
+        return timeout_s
+    raw = os.environ.get(TIMEOUT_ENV_VAR)
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    # `not >` so that NaN (and a text that is no number) is refused too.
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV_VAR} must be a number of seconds > 0, got {raw!r}")
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -82,7 +116,7 @@ class GroupOptions:
     num_gpus_per_worker: float = 0
     resources_per_worker: Optional[Mapping[str, float]] = None
     backend: str = "auto"
-    timeout_s: Union[float, timedelta] = 1800
+    timeout_s: Union[float, timedelta] = DEFAULT_TIMEOUT_S
     placement_strategy: str = "SPREAD"
     init_hook: Optional[Callable[[], Any]] = None
     env_vars: Optional[Mapping[str, str]] = None

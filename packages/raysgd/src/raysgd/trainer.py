@@ -31,7 +31,6 @@ from raysgd._internal.validation import (
     check_optional_args,
     check_train_args,
     resolve_operator_cls,
-    resolve_timeout,
     start_timeout,
 )
 from raysgd.loggers import Logger
@@ -43,6 +42,7 @@ from raysgd_core import (
     draining_nodes,
     ensure_ray,
     require_cluster_gpus,
+    resolve_timeout,
     resolve_use_gpu,
 )
 from raysgd_fault import FailurePolicy, get_policy

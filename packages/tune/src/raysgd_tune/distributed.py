@@ -16,7 +16,6 @@ import contextlib
 import inspect
 import io
 import logging
-import os
 import shutil
 import tarfile
 import tempfile
@@ -29,7 +28,7 @@ import ray
 from ray import tune
 
 from raysgd_base import check_int
-from raysgd_core import GroupOptions, resolve_use_gpu, ship_by_value
+from raysgd_core import GroupOptions, resolve_timeout, resolve_use_gpu, ship_by_value
 from raysgd_tune._internal import worker_run
 from raysgd_tune._internal.ray_session import trial_info as current_trial_info
 from raysgd_tune._internal.resources import worker_bundles_request
@@ -185,14 +184,12 @@ def DistributedTrainableCreator(  # RaySGD's public name
         )
         if resolve_use_gpu(use_gpu):
             num_gpus_per_worker = num_gpus_per_worker or 1
-    if timeout_s is None:
-        timeout_s = float(os.environ.get("NCCL_TIMEOUT_S", 1800))
     # Checked here, on the driver, rather than in every trial.
     group = GroupOptions(
         num_cpus_per_worker=num_cpus_per_worker,
         num_gpus_per_worker=num_gpus_per_worker,
         backend=backend,
-        timeout_s=timeout_s,
+        timeout_s=resolve_timeout(timeout_s),
         # Tune's placement group captures child actors: the workers take the trial's bundles.
         placement_group="auto",
     )

@@ -16,34 +16,16 @@ from raysgd_operator import TrainingOperator
 
 __all__ = [
     "DEFAULT_START_TIMEOUT_S",
-    "DEFAULT_TIMEOUT_S",
     "check_optional_args",
     "check_train_args",
     "resolve_operator_cls",
-    "resolve_timeout",
     "start_timeout",
 ]
 
-#: `dist.init_process_group` timeout when neither `timeout_s` nor `NCCL_TIMEOUT_S` is set (RaySGD's).
-DEFAULT_TIMEOUT_S = 1800
 #: How long the workers may take to be placed and started when `SGD_PLACEMENT_GROUP_TIMEOUT_S` is
 #: unset (RaySGD's default). It covers starting each worker process and importing torch in it, which
 #: takes well over half a minute when a busy machine starts several trials' workers at once (Tune).
 DEFAULT_START_TIMEOUT_S = 100.0
-
-
-def resolve_timeout(timeout_s: Optional[float]) -> float:
-    """The user's value, else `NCCL_TIMEOUT_S` from the environment (the variable RaySGD users already set), else 1800."""
-    if timeout_s is None:
-        raw = os.environ.get("NCCL_TIMEOUT_S")
-        if raw is None:
-            return float(DEFAULT_TIMEOUT_S)
-        try:
-            timeout_s = float(raw)
-        except ValueError:
-            raise ValueError(f"NCCL_TIMEOUT_S must be a number of seconds, got {raw!r}") from None
-    check_number("timeout_s", timeout_s, above=0)
-    return float(timeout_s)
 
 
 def start_timeout() -> dict[str, float]:

@@ -1,0 +1,28 @@
+"""GroupOptions' rules that need no cluster: the process group's timeout default."""
+
+from __future__ import annotations
+
+import pytest
+
+from raysgd_core import GroupOptions, resolve_timeout
+from raysgd_core.options import DEFAULT_TIMEOUT_S
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_timeout_is_the_argument_else_nccl_timeout_s_else_the_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("NCCL_TIMEOUT_S", raising=False)
+    assert resolve_timeout(None) == DEFAULT_TIMEOUT_S == GroupOptions().timeout_s == 1800
+    monkeypatch.setenv("NCCL_TIMEOUT_S", "60")
+    assert resolve_timeout(None) == 60.0
+    assert resolve_timeout(5) == 5
+
+
+@pytest.mark.parametrize("raw", ["soon", "", "0", "-1", "nan"])
+def test_a_bad_nccl_timeout_s_is_one_value_error(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv("NCCL_TIMEOUT_S", raw)
+    with pytest.raises(ValueError) as info:
+        resolve_timeout(None)
+    assert str(info.value) == f"NCCL_TIMEOUT_S must be a number of seconds > 0, got {raw!r}"
