@@ -195,8 +195,7 @@ def DistributedTrainableCreator(  # RaySGD's public name
     )
     resources = worker_bundles_request(
         num_workers=num_workers,
-        num_cpus_per_worker=group.num_cpus_per_worker,
-        num_gpus_per_worker=group.num_gpus_per_worker,
+        group=group,
         head_bundle=None,  # the trial process only relays reports: it needs no CPU of its own
         workers_per_bundle=num_workers_per_host or 1,
         strategy="SPREAD" if num_workers_per_host else "PACK",

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Optional
 from ray import tune
 from ray.tune import PlacementGroupFactory
 
-from raysgd_core import resolve_use_gpu, ship_by_value
+from raysgd_core import GroupOptions, resolve_use_gpu, ship_by_value
 from raysgd_tune._internal.ray_session import TrialInfo
 from raysgd_tune._internal.resources import worker_bundles_request
 
@@ -33,9 +33,6 @@ __all__ = [
 
 #: File name of the trainer state inside a Tune checkpoint directory (RaySGD 1.x's name).
 CHECKPOINT_FILE = "trainer.checkpoint"
-
-#: Trainer keywords that also size the trial's resource request; a Tune config may set them.
-RESOURCE_KEYS = ("num_workers", "num_cpus_per_worker", "use_gpu", "use_local", "spare_workers")
 
 
 def _keyword_defaults(trainer_cls: type) -> dict[str, Any]:
@@ -193,16 +190,23 @@ def trainer_resource_request(
     """The placement group a trial running one `TorchTrainer` needs: PACK, one bundle of one CPU
     for the trial process plus one per worker and per spare worker (`{"CPU": num_cpus_per_worker,
     "GPU": 0 or 1}`). With `use_local`, rank 0 runs in the trial process, so the trial's own bundle
-    is a worker's."""
-    gpus = int(resolve_use_gpu(use_gpu))
-    return worker_bundles_request(
-        num_workers=num_workers,
+    is a worker's. The group's options are checked by `raysgd_core.GroupOptions`, as the trainer's
+    own group checks them."""
+    group = GroupOptions(
         num_cpus_per_worker=num_cpus_per_worker,
-        num_gpus_per_worker=gpus,
-        head_bundle=None if use_local else {"CPU": 1},
-        local_rank0=bool(use_local),
+        num_gpus_per_worker=int(resolve_use_gpu(use_gpu)),
+        use_local=use_local,
         spare_workers=spare_workers,
     )
+    return worker_bundles_request(
+        num_workers=num_workers, group=group, head_bundle=None if use_local else {"CPU": 1}
+    )
+
+
+#: Trainer keywords that also size the trial's resource request (the keywords of
+#: `trainer_resource_request`, read from the trainer's own defaults by `trial_resources`); a Tune
+#: config may set them.
+RESOURCE_KEYS = tuple(inspect.signature(trainer_resource_request).parameters)
 
 
 def _check_tune_step(override_tune_step: TuneStep | None) -> None:

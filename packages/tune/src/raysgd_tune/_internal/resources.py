@@ -10,6 +10,7 @@ from __future__ import annotations
 from ray.tune import PlacementGroupFactory
 
 from raysgd_base import check_int, check_number
+from raysgd_core import GroupOptions
 
 __all__ = ["worker_bundles_request"]
 
@@ -17,34 +18,32 @@ __all__ = ["worker_bundles_request"]
 def worker_bundles_request(
     *,
     num_workers: int,
-    num_cpus_per_worker: float,
-    num_gpus_per_worker: float,
+    group: GroupOptions,
     head_bundle: dict[str, float] | None,
     workers_per_bundle: int = 1,
     strategy: str = "PACK",
-    local_rank0: bool = False,
-    spare_workers: int = 0,
 ) -> PlacementGroupFactory:
     """One bundle for the trial process (`head_bundle`; empty or None: it needs nothing) and one per
-    `workers_per_bundle` workers, plus one per spare worker (`spare_workers`: always a remote actor
-    of its own, which a trial must reserve too or its spares would wait forever).
+    `workers_per_bundle` workers, plus one per spare worker (`group.spare_workers`: always a remote
+    actor of its own, which a trial must reserve too or its spares would wait forever).
 
-    An empty head bundle is dropped by Tune, which shifts the worker bundles' indexes down by one;
-    raysgd's workers never name a bundle index (they ask for "any bundle with room"), so that shift
-    does not matter to them. With `local_rank0`, rank 0 lives in the trial process: the first worker
-    bundle becomes the trial's own and `head_bundle` is ignored.
+    A worker's share is `group`'s `num_cpus_per_worker` and `num_gpus_per_worker`, already checked
+    by `GroupOptions`. An empty head bundle is dropped by Tune, which shifts the worker bundles'
+    indexes down by one; raysgd's workers never name a bundle index (they ask for "any bundle with
+    room"), so that shift does not matter to them. With `group.use_local`, rank 0 lives in the
+    trial process: the first worker bundle becomes the trial's own and `head_bundle` is ignored.
     """
     check_int("num_workers", num_workers)
-    check_number("num_cpus_per_worker", num_cpus_per_worker, above=0)
-    check_number("num_gpus_per_worker", num_gpus_per_worker)
-    check_int("spare_workers", spare_workers, minimum=0)
+    # GroupOptions allows 0 CPUs (a worker pool may run on other resources alone); a trial's
+    # workers run its training, which needs a CPU share to be placed at all.
+    check_number("num_cpus_per_worker", group.num_cpus_per_worker, above=0)
     bundle = {
-        "CPU": num_cpus_per_worker * workers_per_bundle,
-        "GPU": num_gpus_per_worker * workers_per_bundle,
+        "CPU": group.num_cpus_per_worker * workers_per_bundle,
+        "GPU": group.num_gpus_per_worker * workers_per_bundle,
     }
     worker_bundles = [dict(bundle) for _ in range(num_workers // workers_per_bundle)]
     one_worker = {key: amount / workers_per_bundle for key, amount in bundle.items()}
-    worker_bundles += [dict(one_worker) for _ in range(spare_workers)]
-    if local_rank0:
+    worker_bundles += [dict(one_worker) for _ in range(group.spare_workers)]
+    if group.use_local:
         return PlacementGroupFactory(worker_bundles, strategy=strategy)
     return PlacementGroupFactory([dict(head_bundle or {}), *worker_bundles], strategy=strategy)
