@@ -111,15 +111,11 @@ class OperatorBase:
         by default) when distributed. Returns ``(models, optimizers[, criterion][, schedulers])``,
         each in the shape given (one object, tuple or list), the models being the wrapped ones.
         """
+        # The keywords are named in the signature above because it is the user's typed API; they
+        # are forwarded whole, so that `Components.register` alone says what each one does.
+        keywords = {name: value for name, value in locals().items() if name != "self"}
+        returned = self._components.register(**keywords)
         given = [models, optimizers, criterion]
-        returned = self._components.register(
-            models=models,
-            optimizers=optimizers,
-            criterion=criterion,
-            schedulers=schedulers,
-            ddp_args=ddp_args,
-            apex_args=apex_args,
-        )
         # ``self.model = Net()`` before register must not hide the registered model afterwards.
         # (Precision backends such as Apex may have replaced the objects: those count too.)
         registered = (self._components.models, self._components.optimizers)
