@@ -19,6 +19,7 @@ from raysgd_operator.parallel_strategies import (
     NoStrategy,
     resolve_strategy,
 )
+from raysgd_operator.parallel_strategies import registry as strategy_registry
 
 
 def test_names_instances_and_classes() -> None:
@@ -74,6 +75,24 @@ def test_a_registered_third_party_strategy_is_found_by_name() -> None:
     assert get_strategy("tagged-test", {"tag": "x"}).tag == "x"
     with pytest.raises(ValueError, match="already registered"):
         register_strategy("tagged-test", Tagged)
+
+
+def test_the_former_replace_keyword_still_overwrites_with_a_deprecation_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A copy of the registry, so that the test's names do not outlive it.
+    monkeypatch.setattr(strategy_registry, "_registry", strategy_registry._registry.copy())
+
+    class First(NoStrategy):
+        name = "first"
+
+    class Second(NoStrategy):
+        name = "second"
+
+    register_strategy("replaced-test", First)
+    with pytest.warns(DeprecationWarning, match=r"register_strategy\(replace=\.\.\.\)"):
+        register_strategy("replaced-test", Second, replace=True)
+    assert isinstance(get_strategy("replaced-test"), Second)
 
 
 def test_fsdp_mixed_precision_follows_the_precision_backend() -> None:
