@@ -94,8 +94,8 @@ class TorchTrainer:
     the step in flight is done again, and the rest of the epoch is re-split over the new group so
     that every row is trained once. Only when every worker is lost at once does the state come
     from elsewhere: the last checkpoint written or loaded, or the driver's copy, which it keeps of
-    states up to `state_copy_limit_mb` (refreshed after `train()` calls, asynchronously, taking at
-    most 2% of the training time; 0 turns it off).
+    states up to `state_copy_limit_mb` (refreshed after `train()` calls, asynchronously, within a
+    small bounded share of the training time, which the raysgd README gives; 0 turns it off).
 
     User errors have one form. An exception raised by user code on a worker (an operator's hook,
     a creator, a function given to `apply_all_workers`) is not retried, and every method (`train`,

@@ -6,7 +6,7 @@
   all-reduces once; the whole process time.
 - ray_train: Ray Train `TorchTrainer.fit()` on the same trivial job, to its first reported step.
 
-Issue 2: torchrun about 3.6 s here, Ray Train about 14 s; goal for raysgd under 2 s warm.
+The figures, with the machine they were taken on, are in the root README's Benchmarks table.
 `--steps` is accepted for uniformity and ignored (one all-reduce).
 
     hatch run bench:core [--quick] [--repeats N]
