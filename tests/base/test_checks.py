@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from raysgd_base import check_int, check_number
+from raysgd_base import check_int, check_number, check_option_names
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -74,3 +74,22 @@ def test_check_number_refuses_with_one_message_form(
 def test_check_number_returns_accepted_values() -> None:
     assert check_number("x", 0) == 0
     assert check_number("x", 2.5, above=0) == 2.5
+
+
+def test_unknown_option_names_are_one_type_error_in_every_options_object() -> None:
+    check_option_names("training", ["use_fp16"], ["use_fp16", "use_gpu"])
+    with pytest.raises(TypeError) as info:
+        check_option_names("training", ["b", "use_gpu", "a"], ["use_fp16", "use_gpu"])
+    assert str(info.value) == (
+        "unknown training option(s) a, b; the options are ['use_fp16', 'use_gpu']"
+    )
+
+    from raysgd_core import GroupOptions
+    from raysgd_operator import TrainingOptions
+
+    with pytest.raises(
+        TypeError, match=r"^unknown worker-group option\(s\) bogus; the options are \["
+    ):
+        GroupOptions.build(bogus=1)
+    with pytest.raises(TypeError, match=r"^unknown training option\(s\) bogus; the options are \["):
+        TrainingOptions.build(bogus=1)

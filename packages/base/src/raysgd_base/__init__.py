@@ -4,7 +4,7 @@ No dependencies: it imports neither Ray nor torch nor any sibling package, so ev
 import it.
 """
 
-from raysgd_base.checks import check_int, check_number
+from raysgd_base.checks import check_int, check_number, check_option_names
 from raysgd_base.registry import (
     Registry,
     accepted_keywords,
@@ -21,6 +21,7 @@ __all__ = [
     "call_with_accepted",
     "check_int",
     "check_number",
+    "check_option_names",
     "entry_points",
     "normalize_name",
     "overwrite_flag",

@@ -1,17 +1,21 @@
-"""The checks of numeric arguments, with one message form for every raysgd package.
+"""The checks of numeric arguments and of option names, with one message form for every raysgd
+package.
 
 check_int("num_workers", 0)           # ValueError: num_workers must be an int >= 1, got 0
 check_int("num_workers", "2")         # TypeError:  num_workers must be an int >= 1, got '2'
 check_int("spare_workers", 0, minimum=0)  # 0
 check_number("timeout_s", 0, above=0)     # ValueError: timeout_s must be a number > 0, got 0
 check_number("num_gpus_per_worker", 0.5)  # 0.5 (the default bound is >= 0)
+check_option_names("training", ["use_fp32"], ["use_fp16"])
+# TypeError: unknown training option(s) use_fp32; the options are ['use_fp16']
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Optional
 
-__all__ = ["check_int", "check_number"]
+__all__ = ["check_int", "check_number", "check_option_names"]
 
 
 def check_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -50,3 +54,16 @@ def check_number(
     if not ((value >= minimum) if above is None else (value > above)):
         raise ValueError(f"{name} must be a number {bound}, got {value!r}")
     return value
+
+
+def check_option_names(kind: str, given: Iterable[str], known: Iterable[str]) -> None:
+    """Refuse option names that are not options, the rule of every options object's `build`.
+
+    Raises:
+        TypeError: some of `given` are not in `known` (an unknown keyword, as Python's own calls
+            refuse one), saying "unknown <kind> option(s) <names>; the options are [<known>]".
+    """
+    options = list(known)
+    unknown = sorted(set(given) - set(options))
+    if unknown:
+        raise TypeError(f"unknown {kind} option(s) {', '.join(unknown)}; the options are {options}")

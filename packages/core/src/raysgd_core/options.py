@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional, Union
 
-from raysgd_base import check_int, check_number
+from raysgd_base import check_int, check_number, check_option_names
 
 __all__ = [
     "BACKENDS",
@@ -193,12 +193,7 @@ class GroupOptions:
         that lists the options."""
         if options is not None and not isinstance(options, GroupOptions):
             raise TypeError(f"options must be a GroupOptions, got {type(options).__name__}")
-        unknown = sorted(set(fields) - set(cls.field_names()))
-        if unknown:
-            raise TypeError(
-                f"unknown worker-group option(s) {', '.join(unknown)}; "
-                f"the options are {list(cls.field_names())}"
-            )
+        check_option_names("worker-group", fields, cls.field_names())
         if options is None:
             return cls(**fields)
         return options.replace(**fields) if fields else options

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from raysgd_base import check_int, check_number
+from raysgd_base import check_int, check_number, check_option_names
 from raysgd_operator._internal.precision import check_precision
 from raysgd_operator.dataset_options import DatasetOptions
 from raysgd_operator.parallel_strategies.registry import resolve_strategy
@@ -157,12 +157,9 @@ class TrainingOptions:
             raise TypeError(f"options must be a TrainingOptions, got {type(options).__name__}")
         if not overrides:
             return options if options is not None else cls()
-        known = {f.name for f in dataclasses.fields(cls) if f.init}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise TypeError(
-                f"unknown training option(s) {', '.join(unknown)}; the options are {sorted(known)}"
-            )
+        check_option_names(
+            "training", overrides, (f.name for f in dataclasses.fields(cls) if f.init)
+        )
         if options is None:
             return cls(**overrides)
         return dataclasses.replace(options, **overrides)
