@@ -299,13 +299,7 @@ class OperatorRunner:
         """The part of the state that is the same on every worker and is not a model tensor."""
         op, parts = self.operator, self.components
         return {
-            "epoch": self.epoch,
-            "position": self._train.consumed(),
-            "epoch_rows": self._train.consumed_rows(),
-            "in_epoch": self._train.is_open(),
-            "step": self.step,
-            # As it was when the last step finished (a custom loop may count a batch at its start).
-            "global_step": self._global_step_at_step,
+            **self.position_state(),
             "operator": cpu_copy(op.state_dict()),
             "schedulers": [cpu_copy(s.state_dict()) for s in parts.schedulers],
             "precision": cpu_copy(self.precision.state_dict()),
@@ -353,6 +347,7 @@ class OperatorRunner:
             "epoch_rows": self._train.consumed_rows(),
             "in_epoch": self._train.is_open(),
             "step": self.step,
+            # As it was when the last step finished (a custom loop may count a batch at its start).
             "global_step": self._global_step_at_step,
         }
 
