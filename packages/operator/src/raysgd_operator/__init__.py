@@ -3,7 +3,7 @@
 from typing import Any
 
 from raysgd_operator.batch import BATCH_SIZE, check_batch_size, split_batch_size
-from raysgd_operator.components import Components, Placement
+from raysgd_operator.components import Components, Placement, RankInfo
 from raysgd_operator.dataset_options import DatasetOptions
 from raysgd_operator.metrics import (
     BATCH_COUNT,
@@ -63,6 +63,7 @@ __all__ = [
     "ParallelStrategy",
     "Placement",
     "Progress",
+    "RankInfo",
     "Strategy",
     "TimerCollection",
     "TrainingOperator",

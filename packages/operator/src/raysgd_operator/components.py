@@ -28,7 +28,7 @@ from raysgd_operator.dataset_options import DatasetOptions
 from raysgd_operator.options import SCHEDULER_STEP_FREQS, TrainingOptions
 from raysgd_operator.parallel_strategy import ParallelStrategy, WrapContext
 
-__all__ = ["LOADER_KINDS", "Components", "Placement"]
+__all__ = ["LOADER_KINDS", "Components", "Placement", "RankInfo"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +37,9 @@ LOADER_KINDS = ("train", "validation")
 
 
 @dataclass(frozen=True)
-class Placement:
-    """Where one worker sits in its process group."""
+class RankInfo:
+    """One worker's rank, local rank, group size and device in its process group (where its
+    actor runs, its Ray placement group, is raysgd_core's business)."""
 
     world_rank: int = 0
     local_rank: int = 0
@@ -49,6 +50,10 @@ class Placement:
     def device_ids(self) -> list[int] | None:
         """``[device.index]`` on a GPU (what DistributedDataParallel wants), else None."""
         return [self.device.index or 0] if self.device.type == "cuda" else None
+
+
+#: The former name of `RankInfo`, kept so that code importing it keeps working.
+Placement = RankInfo
 
 
 class Components:
@@ -62,7 +67,7 @@ class Components:
         criterion: the registered loss (None when none was given).
         precision: the precision backend (autocast, loss scaling, optimizer steps).
         strategy: how the models are spread over the workers (`ddp`, `fsdp`, `none`, ...).
-        placement: this worker's rank, size and device.
+        rank_info: this worker's rank, size and device.
         config: this worker's config (``BATCH_SIZE`` already split).
         dataset_iterators: this worker's shards of the trainer's `datasets=`, by name.
     """
@@ -71,7 +76,7 @@ class Components:
         self,
         *,
         options: TrainingOptions,
-        placement: Placement,
+        rank_info: RankInfo,
         precision: Precision,
         config: dict[str, Any],
         datasets: Mapping[str, Any] | None = None,
@@ -81,7 +86,7 @@ class Components:
         the models must not sync them from rank 0 (see `WrapContext.sync_initial_state`)."""
         self.options = options
         self._restoring = restoring
-        self.placement = placement
+        self.rank_info = rank_info
         self.precision = precision
         self.strategy: ParallelStrategy = options.parallel_strategy
         self.config = config
@@ -141,7 +146,7 @@ class Components:
                 raise TypeError(
                     f"optimizers must be torch.optim.Optimizer objects, got {type(o).__name__}"
                 )
-        device = self.placement.device
+        device = self.rank_info.device
         model_list = [m.to(device) for m in model_list]
         if isinstance(criterion, nn.Module):
             criterion = criterion.to(device)
@@ -181,7 +186,7 @@ class Components:
             kind: self._prepare_loader(kind, source) for kind, source in self.loader_sources.items()
         }
         for kind in self.dataset_loaders:
-            if self.loader_sources.get(kind) is not None and self.placement.world_rank == 0:
+            if self.loader_sources.get(kind) is not None and self.rank_info.world_rank == 0:
                 logger.warning(
                     "the %s loader registered in setup() is not used: datasets[%r] feeds %s",
                     kind,
@@ -207,7 +212,7 @@ class Components:
     # -- resize ------------------------------------------------------------------------------
     def rebind(
         self,
-        placement: Placement,
+        rank_info: RankInfo,
         config: dict[str, Any],
         datasets: Mapping[str, Any] | None = None,
     ) -> bool:
@@ -222,9 +227,9 @@ class Components:
         if self.registered and not self.strategy.rewrappable:
             return False  # e.g. sharded modules: the caller builds the worker again
         new_batch = config.get(BATCH_SIZE)
-        moved = (placement.world_rank, placement.world_size) != (
-            self.placement.world_rank,
-            self.placement.world_size,
+        moved = (rank_info.world_rank, rank_info.world_size) != (
+            self.rank_info.world_rank,
+            self.rank_info.world_size,
         )
         shards = dict(datasets or {})
         rebuilds: dict[str, int | None] = {}
@@ -249,7 +254,7 @@ class Components:
                 # again with the new rank and size.
                 return False
             rebuilds[kind] = batch
-        self.placement, self.config = placement, config
+        self.rank_info, self.config = rank_info, config
         self.dataset_iterators = shards
         self._bind_datasets()
         for kind, batch_size in rebuilds.items():
@@ -257,8 +262,8 @@ class Components:
         for kind, batch_size in resplits.items():
             _loaders.resplit(
                 self.loaders[kind],
-                world_size=placement.world_size,
-                rank=placement.world_rank,
+                world_size=rank_info.world_size,
+                rank=rank_info.world_rank,
                 batch_size=batch_size,
             )
         if self.registered:
@@ -272,10 +277,10 @@ class Components:
         wrapped = list(models)
         if dist.is_available() and dist.is_initialized():
             context = WrapContext(
-                device=self.placement.device,
-                world_size=self.placement.world_size,
+                device=self.rank_info.device,
+                world_size=self.rank_info.world_size,
                 precision=self.precision,
-                device_ids=self.placement.device_ids,
+                device_ids=self.rank_info.device_ids,
                 ddp_args=dict(self.ddp_args),
                 sync_initial_state=sync,
             )
@@ -296,16 +301,16 @@ class Components:
         sampler, an iterable data set, any other iterable) is used as it is."""
         if loader is None:
             return None
-        loader = _loaders.pin_for_device(loader, self.placement.device)
+        loader = _loaders.pin_for_device(loader, self.rank_info.device)
         split = self.options.add_dist_sampler and (
-            self.placement.world_size > 1 or self.options.distributed
+            self.rank_info.world_size > 1 or self.options.distributed
         )
         if not (split or batch_size is not None) or not _loaders.can_rebuild(loader):
             return loader
         return _loaders.rebuild_loader(
             loader,
-            world_size=self.placement.world_size,
-            rank=self.placement.world_rank,
+            world_size=self.rank_info.world_size,
+            rank=self.rank_info.world_rank,
             batch_size=batch_size,
             split=split,
             # A training step is taken by every worker together; validation has no such need.
@@ -319,9 +324,9 @@ class Components:
                 shard,
                 name=kind,
                 batch_size=int(self.config[BATCH_SIZE]),
-                device=self.placement.device,
+                device=self.rank_info.device,
                 options=self.options.dataset_options or DatasetOptions(),
-                group_size=self.placement.world_size,
+                group_size=self.rank_info.world_size,
             )
             for kind in LOADER_KINDS
             if (shard := self.dataset_iterators.get(kind)) is not None

@@ -96,27 +96,27 @@ class TrainingOperator(OperatorBase):
     @property
     def world_rank(self) -> int:
         """Rank of this worker among all workers."""
-        return self._components.placement.world_rank
+        return self._components.rank_info.world_rank
 
     @property
     def local_rank(self) -> int:
         """Rank of this worker among the workers on its node."""
-        return self._components.placement.local_rank
+        return self._components.rank_info.local_rank
 
     @property
     def world_size(self) -> int:
         """Number of workers."""
-        return self._components.placement.world_size
+        return self._components.rank_info.world_size
 
     @property
     def device(self) -> torch.device:
         """The device models and batches are put on."""
-        return self._components.placement.device
+        return self._components.rank_info.device
 
     @property
     def device_ids(self) -> list[int] | None:
         """``[device.index]`` on a GPU (what DDP wants), else None."""
-        return self._components.placement.device_ids
+        return self._components.rank_info.device_ids
 
     @property
     def options(self) -> TrainingOptions:

@@ -17,7 +17,7 @@ from raysgd_operator._internal.step_journal import StepJournal
 from raysgd_operator._internal.stream import BatchStream, CallBatches
 from raysgd_operator._internal.tensors import cpu_copy, on_device
 from raysgd_operator.batch import BATCH_SIZE
-from raysgd_operator.components import Components, Placement
+from raysgd_operator.components import Components, RankInfo
 from raysgd_operator.metrics import BATCH_COUNT, AverageMeterCollection
 from raysgd_operator.operator import TrainingOperator
 from raysgd_operator.options import TrainingOptions
@@ -113,7 +113,7 @@ class OperatorRunner:
         self.options = options
         self.components = Components(
             options=options,
-            placement=Placement(world_rank, local_rank, world_size, device),
+            rank_info=RankInfo(world_rank, local_rank, world_size, device),
             precision=get_precision(options.use_fp16, device=device, apex_args=options.apex_args),
             config=config,
             datasets=datasets,
@@ -138,7 +138,7 @@ class OperatorRunner:
     @property
     def device(self) -> torch.device:
         """This worker's device."""
-        return self.components.placement.device
+        return self.components.rank_info.device
 
     @property
     def precision(self) -> Any:
@@ -280,7 +280,7 @@ class OperatorRunner:
 
     def _check_validation_split(self) -> None:
         sampler = planned_sampler(self._loader("validation"))
-        size = self.components.placement.world_size
+        size = self.components.rank_info.world_size
         if sampler is not None and size > 1 and sampler.num_rows < size:
             # Each row is validated once, so some worker would have none; its peers could then
             # wait for it in a forward pass that gathers parameters (fsdp) or syncs buffers (ddp).
@@ -533,8 +533,8 @@ class OperatorRunner:
         follow (the user's own sampler or an IterableDataset whose batch size or sharding would have
         to change); the caller should then build a new runner.
         """
-        placement = Placement(world_rank, local_rank, world_size, self.device)
-        if not self.components.rebind(placement, dict(config), datasets):
+        rank_info = RankInfo(world_rank, local_rank, world_size, self.device)
+        if not self.components.rebind(rank_info, dict(config), datasets):
             return False
         # The pass in progress was split for the old group: the next one re-splits from the same
         # place (the caller then adopts the position the restore chose).
