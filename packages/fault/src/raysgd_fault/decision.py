@@ -115,9 +115,8 @@ class Decision:
     def __post_init__(self) -> None:
         if not isinstance(self.action, Action):
             raise TypeError(f"action must be an Action, got {self.action!r}")
-        check_int("num_workers", self.num_workers, minimum=0)
-        if self.action is Action.RETRY and self.num_workers < 1:
-            raise ValueError("num_workers must be >= 1 for a RETRY decision")
+        # A RETRY (re)starts the group, which needs a worker; WAIT and GIVE_UP carry 0.
+        check_int("num_workers", self.num_workers, minimum=1 if self.action is Action.RETRY else 0)
         check_number("wait_s", self.wait_s)
         if not isinstance(self.reason, str) or not self.reason.strip():
             raise ValueError("reason must be a non-empty str: every decision is logged")
