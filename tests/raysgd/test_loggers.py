@@ -4,8 +4,10 @@ One small trainer (2 workers, rank 0 in this process) runs once for the whole mo
 logger at once: train, validate, a train in which rank 1 really dies and is replaced, validate, a
 train with profiling (new metrics: the CSV header widens), shutdown. Each test then reads one
 logger's output: MLflow's file store through `MlflowClient`, W&B's offline run file with W&B's own
-protobuf schema (the `read_wandb_run` fixture), TensorBoard's event file, the CSV files; plus a logger that raises (dropped after
-one warning, training unharmed) and one that records the calls in memory (steps, epochs, order).
+protobuf schema (the `read_wandb_run` fixture), TensorBoard's event file, the CSV files; plus a
+logger that raises (dropped after one warning, training unharmed) and one that records the calls
+in memory (steps, epochs, order). Every logger must carry the recovery's numbers (the resize's
+`steps_redone`, its source) as the trainer recorded them.
 """
 
 from __future__ import annotations
@@ -158,6 +160,13 @@ def run(ray_local_module: None, tmp_path_factory: pytest.TempPathFactory) -> Sim
     )
 
 
+def _resize(run: SimpleNamespace) -> Any:
+    """The recovery's resize event (rank 1's replacement joined), as the trainer recorded it."""
+    resize = next(e for e in run.events if e.kind == "resize")
+    assert isinstance(resize.steps_redone, int) and resize.source, resize
+    return resize
+
+
 def _expected(kind: str, result: dict[str, Any]) -> dict[str, float]:
     """The numbers of a result as the loggers get them: flattened, with num_workers."""
     flat: dict[str, float] = {}
@@ -210,6 +219,8 @@ def test_a_logger_that_raises_is_dropped_after_one_warning(run: SimpleNamespace)
     about_it = [m for m in run.warnings if "FailingLogger" in m]
     assert len(about_it) == 1
     assert "dropped" in about_it[0] and "ConnectionError: tracker unreachable" in about_it[0]
+    # No other logger failed: each kept recording to the end.
+    assert [m for m in run.warnings if "experiment logger" in m] == about_it
     # Training went on, and the other loggers saw every call.
     assert len(run.results) == 5
     assert [c[0] for c in run.recording.calls].count("metrics") == 5
@@ -238,10 +249,17 @@ def test_mlflow_file_store_holds_metrics_params_and_events(run: SimpleNamespace)
     assert params["config/lr"] == "0.05" and params["config/nested/depth"] == "2"
     assert params["config/_batch_size"] == "16"  # "*batch_size": MLflow allows no "*"
     assert params["trainer/num_workers"] == "2" and params["trainer/use_local"] == "True"
+    resize = _resize(run)
+    redone = client.get_metric_history(run.mlflow.run_id, "recovery/resize_steps_redone")
+    assert [(m.step, m.value) for m in redone] == [(2, float(resize.steps_redone))]
     local = client.download_artifacts(run.mlflow.run_id, "recovery_events.jsonl", str(run.tmp))
     lines = [json.loads(line) for line in Path(local).read_text().splitlines()]
     assert [e["kind"] for e in lines] == [e.kind for e in run.events]
     assert {e["step"] for e in lines} == {2}
+    logged = next(e for e in lines if e["kind"] == "resize")
+    assert (logged["steps_redone"], logged["source"]) == (resize.steps_redone, resize.source)
+    assert json.loads(logged["phases"]) == pytest.approx(resize.phases)
+    assert next(e for e in lines if e["kind"] == "failure")["preempted"] is False
 
 
 def test_wandb_offline_run_holds_history_config_and_events(
@@ -268,8 +286,21 @@ def test_wandb_offline_run_holds_history_config_and_events(
     for step, result in enumerate(validates, start=1):
         assert history[step]["validate/val_loss"] == pytest.approx(result["val_loss"])
     assert history[2]["recovery/failure"] == 1 and history[2]["recovery/num_workers"] == 2
+    resize = _resize(run)
+    assert history[2]["recovery/resize_steps_redone"] == resize.steps_redone
+    assert history[2]["recovery/resize_num_workers_after"] == 2
+    # Every event whole, message included, in the table logged with the last of them.
+    table_file = run_file.parent / "files" / history[2]["recovery/events/path"]
+    table = json.loads(table_file.read_text())
+    rows = [dict(zip(table["columns"], row)) for row in table["data"]]
+    assert [(r["step"], r["kind"], r["message"]) for r in rows] == [
+        (2, e.kind, e.message) for e in run.events
+    ]
+    logged = next(r for r in rows if r["kind"] == "resize")
+    assert (logged["steps_redone"], logged["source"]) == (resize.steps_redone, resize.source)
     assert history[3]["train/num_workers"] == 2
-    assert any(r.WhichOneof("record_type") == "exit" for r in records)  # finished
+    (exit_record,) = [r.exit for r in records if r.WhichOneof("record_type") == "exit"]
+    assert exit_record.exit_code == 0  # finished, not failed
 
 
 def read_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -302,6 +333,7 @@ def test_logdir_is_a_tensorboard_logger(run: SimpleNamespace) -> None:
     # The worker count through the recovery: 1 survivor after the loss, 2 again after it.
     sizes = [(2, float(e.num_workers_after)) for e in run.events if e.num_workers_after is not None]
     assert scalars["recovery/num_workers"] == sizes and sizes[0] == (2, 1.0)
+    assert scalars["recovery/resize_steps_redone"] == [(2, float(_resize(run).steps_redone))]
 
 
 def test_csv_files_one_per_kind_with_a_widening_header(run: SimpleNamespace) -> None:
@@ -326,6 +358,12 @@ def test_csv_files_one_per_kind_with_a_widening_header(run: SimpleNamespace) -> 
     assert [e["kind"] for e in events] == [e.kind for e in run.events]
     resize = next(e for e in events if e["kind"] == "resize")
     assert (resize["step"], resize["num_workers_after"]) == ("2", "2")
+    recorded = _resize(run)
+    assert (resize["steps_redone"], resize["source"]) == (
+        str(recorded.steps_redone),
+        recorded.source,
+    )
+    assert [e["preempted"] for e in events if e["kind"] == "failure"] == ["False"]
     params = {r["name"]: r["value"] for r in rows("params")}
     assert params["config/lr"] == "0.05" and params["trainer/num_workers"] == "2"
 

@@ -20,6 +20,7 @@ from raysgd.loggers.logger import (
     TuneTrial,
     current_trial,
     event_fields,
+    event_metrics,
     flatten_metrics,
     flatten_params,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "available_loggers",
     "current_trial",
     "event_fields",
+    "event_metrics",
     "flatten_metrics",
     "flatten_params",
     "get_logger",

@@ -16,9 +16,11 @@ runs on the workers. The trainer calls, in this order:
    last ``train()`` result reported.
 3. ``log_event(event, step=...)`` for every new recovery event (`TorchTrainer.recovery_events`:
    objects with ``.kind`` -- "failure", "decision", "resize", "restart_failed", "user_error",
-   "recovered" --, ``.message``, ``.timestamp``, ``.num_workers_before``, ``.num_workers_after``,
-   ``.duration_s``, ``.ranks``, ``.nodes``, ``.path``, ``.action``, ``.error``), before the metrics
-   of the call they happened in.
+   "recovered", "preemption" -- and the other `EVENT_FIELDS`: ``.message``, ``.timestamp``,
+   ``.duration_s``, ``.num_workers_before``, ``.num_workers_after``, ``.ranks``, ``.nodes``,
+   ``.path``, ``.action``, ``.source``, ``.steps_redone``, ``.preempted``, ``.error``,
+   ``.phases``), before the metrics of the call they happened in. `event_fields` gives them as
+   plain values, `event_metrics` the numbers among them as metrics.
 4. ``finish()`` once, from `TorchTrainer.shutdown()` (also when building the trainer failed after
    ``start``).
 
@@ -38,6 +40,7 @@ A logger instance records one run: give each trainer its own.
 from __future__ import annotations
 
 import abc
+import json
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -50,6 +53,7 @@ __all__ = [
     "TuneTrial",
     "current_trial",
     "event_fields",
+    "event_metrics",
     "flatten_metrics",
     "flatten_params",
 ]
@@ -190,18 +194,46 @@ def flatten_params(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any
 
 
 def event_fields(event: Any) -> dict[str, Any]:
-    """The `EVENT_FIELDS` of a recovery event as plain values (ranks and nodes joined by spaces;
-    a field the event lacks is None)."""
+    """The `EVENT_FIELDS` of a recovery event as plain values (ranks and nodes joined by spaces,
+    `phases` as JSON text; a field the event lacks is None)."""
     fields = {}
     for field in EVENT_FIELDS:
         value = getattr(event, field, None)
         if isinstance(value, (tuple, list)):
             value = " ".join(str(v) for v in value)
+        elif isinstance(value, Mapping):
+            # One cell of a CSV row or one value of a JSON line: the mapping as JSON text.
+            value = json.dumps(dict(value), sort_keys=True, default=str)
         fields[field] = value
     return fields
 
 
-#: The recovery-event fields the built-in loggers record (`event_fields`).
+def event_metrics(event: Any) -> dict[str, float]:
+    """The numbers a recovery event carries, as metrics named after its kind:
+    ``recovery/<kind>_<field>`` for `duration_s`, `num_workers_before`, `num_workers_after` and
+    `steps_redone` when set, and ``recovery/<kind>_phase_<phase>`` for each phase's seconds
+    (``recovery/resize_steps_redone``, ``recovery/resize_phase_start_s``). Text, flags and the
+    timestamp are not metrics: `event_fields` has them."""
+    # Never "recovery/<kind>/...": MLflow's file store keeps a metric as a file at its name's
+    # path, and "recovery/<kind>" (the count of that kind) is one.
+    kind = str(getattr(event, "kind", "event"))
+    values = {field: getattr(event, field, None) for field in _EVENT_NUMBERS}
+    phases = getattr(event, "phases", None)
+    if isinstance(phases, Mapping):
+        values.update({f"phase_{name}": value for name, value in phases.items()})
+    metrics = {}
+    for name, value in values.items():
+        number = _number(value)
+        if number is not None:
+            metrics[f"recovery/{kind}_{name}"] = number
+    return metrics
+
+
+#: The numeric recovery-event fields `event_metrics` records.
+_EVENT_NUMBERS = ("duration_s", "num_workers_before", "num_workers_after", "steps_redone")
+
+#: The recovery-event fields the built-in loggers record (`event_fields`): the plain fields of
+#: the trainer's events, in their order.
 EVENT_FIELDS = (
     "kind",
     "message",
@@ -213,5 +245,9 @@ EVENT_FIELDS = (
     "nodes",
     "path",
     "action",
+    "source",
+    "steps_redone",
+    "preempted",
     "error",
+    "phases",
 )

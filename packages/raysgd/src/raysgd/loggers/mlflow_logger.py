@@ -10,7 +10,13 @@ import time
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from raysgd.loggers.logger import Logger, current_trial, event_fields, flatten_params
+from raysgd.loggers.logger import (
+    Logger,
+    current_trial,
+    event_fields,
+    event_metrics,
+    flatten_params,
+)
 
 __all__ = ["MLflowLogger"]
 
@@ -36,7 +42,9 @@ class MLflowLogger(Logger):
     """Metrics ``train/<metric>`` and ``validate/<metric>`` at each call's step, the config
     (``config/<key>``) and the trainer's options (``trainer/<option>``) as parameters, recovery
     events as metrics (``recovery/<kind>``: how many of that kind so far; ``recovery/num_workers``
-    when the group's size changed) and as the artifact ``recovery_events.jsonl``.
+    when the group's size changed; the event's numbers, `event_metrics`:
+    ``recovery/resize_steps_redone``, ...) and whole, every field, as the artifact
+    ``recovery_events.jsonl``.
 
     Args:
         tracking_uri: Where runs go: an MLflow server (``http://host:5000``), a database
@@ -180,7 +188,7 @@ class MLflowLogger(Logger):
     def log_event(self, event: Any, *, step: int) -> None:
         kind = str(event.kind)
         self._event_counts[kind] = self._event_counts.get(kind, 0) + 1
-        values = {f"recovery/{kind}": float(self._event_counts[kind])}
+        values = {f"recovery/{kind}": float(self._event_counts[kind]), **event_metrics(event)}
         after = getattr(event, "num_workers_after", None)
         if after is not None:
             values["recovery/num_workers"] = float(after)

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from raysgd.loggers._paths import run_directory
-from raysgd.loggers.logger import Logger, flatten_params
+from raysgd.loggers.logger import Logger, event_metrics, flatten_params
 
 __all__ = ["TensorBoardLogger"]
 
@@ -17,7 +17,8 @@ INSTALL_HINT = "pip install 'raysgd[tensorboard]'"
 class TensorBoardLogger(Logger):
     """Scalars ``train/<metric>`` and ``validate/<metric>`` at each call's step, the config and
     options as one text summary, and recovery events as text under ``recovery/<kind>`` (with a
-    ``recovery/num_workers`` scalar when an event changes the group's size).
+    ``recovery/num_workers`` scalar when an event changes the group's size, and the event's
+    numbers as scalars, `event_metrics`: ``recovery/resize_steps_redone``, ...).
 
     Args:
         logdir: Directory of the event files (created); in a Tune trial, its subdirectory named
@@ -66,6 +67,8 @@ class TensorBoardLogger(Logger):
         after = getattr(event, "num_workers_after", None)
         if after is not None:
             self._writer.add_scalar("recovery/num_workers", after, global_step=step)
+        for key, value in event_metrics(event).items():
+            self._writer.add_scalar(key, value, global_step=step)
         self._writer.flush()
 
     def finish(self) -> None:

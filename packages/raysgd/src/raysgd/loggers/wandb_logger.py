@@ -6,20 +6,31 @@ import os
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from raysgd.loggers.logger import Logger, current_trial, flatten_params
+from raysgd.loggers.logger import (
+    EVENT_FIELDS,
+    Logger,
+    current_trial,
+    event_fields,
+    event_metrics,
+    flatten_params,
+)
 
 __all__ = ["WandbLogger"]
 
 INSTALL_HINT = "pip install 'raysgd[wandb]'"
 MODES = ("offline", "online", "disabled")
+#: The history key of the table of recovery events.
+EVENTS_KEY = "recovery/events"
 
 
 class WandbLogger(Logger):
     """Metrics ``train/<metric>`` and ``validate/<metric>`` (and ``epoch``) at each call's step,
     the config and the trainer's options as the run's config (``config/<key>``,
-    ``trainer/<option>``), recovery
-    events as metrics (``recovery/<kind>``: how many of that kind so far; ``recovery/num_workers``
-    when the group's size changed).
+    ``trainer/<option>``), recovery events as metrics (``recovery/<kind>``: how many of that kind
+    so far; ``recovery/num_workers`` when the group's size changed; the event's numbers,
+    `event_metrics`: ``recovery/resize_steps_redone``, ...) and whole, every field and the
+    message, as the table ``recovery/events`` (one row an event, ``step`` first; logged again
+    with each event, so the latest holds them all).
 
     Args:
         project: The W&B project.
@@ -68,6 +79,7 @@ class WandbLogger(Logger):
         self.init_kwargs = dict(init_kwargs)
         self.run: Any = None
         self._event_counts: dict[str, int] = {}
+        self._events: list[list[Any]] = []
 
     def start(self, config: Mapping[str, Any], options: Mapping[str, Any]) -> None:
         import wandb
@@ -90,7 +102,7 @@ class WandbLogger(Logger):
             config=flatten_params({"config": dict(config), "trainer": dict(options)}),
             **kwargs,
         )
-        self._event_counts = {}
+        self._event_counts, self._events = {}, []
 
     def log_metrics(
         self, kind: str, metrics: Mapping[str, float], *, epoch: int, step: int
@@ -99,12 +111,24 @@ class WandbLogger(Logger):
         self.run.log({**values, "epoch": epoch}, step=step)
 
     def log_event(self, event: Any, *, step: int) -> None:
+        import wandb
+
         kind = str(event.kind)
         self._event_counts[kind] = self._event_counts.get(kind, 0) + 1
         values: dict[str, Any] = {f"recovery/{kind}": self._event_counts[kind]}
+        values.update(event_metrics(event))
         after = getattr(event, "num_workers_after", None)
         if after is not None:
             values["recovery/num_workers"] = after
+        fields = event_fields(event)
+        self._events.append([step, *(fields[name] for name in EVENT_FIELDS)])
+        # A W&B table cannot grow once logged: the whole list each time (the events are few).
+        values[EVENTS_KEY] = wandb.Table(
+            columns=["step", *EVENT_FIELDS],
+            data=[list(row) for row in self._events],
+            # A column's cells are None for the kinds that lack the field: never a type error.
+            allow_mixed_types=True,
+        )
         self.run.log(values, step=step)
 
     def finish(self) -> None:
