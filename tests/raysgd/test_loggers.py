@@ -19,6 +19,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -412,6 +413,38 @@ def test_a_logger_failing_to_start_fails_the_trainer_before_any_worker(
         TorchTrainer(training_operator_cls=LinearOperator, config=CONFIG, loggers="csv")
     with pytest.raises(ValueError, match="unknown experiment logger"):
         TorchTrainer(training_operator_cls=LinearOperator, config=CONFIG, loggers=["nope"])
+
+
+def test_a_construction_failure_after_the_loggers_started_marks_their_runs_failed(
+    ray_local: None, tmp_path: Path
+) -> None:
+    """A model creator that cannot be shipped to the workers (it holds a lock) fails the
+    trainer's construction after the loggers started: their runs end, marked failed."""
+    from mlflow import MlflowClient
+
+    lock = threading.Lock()
+
+    def model_creator(config: dict[str, Any]) -> nn.Module:
+        with lock:
+            return nn.Linear(4, 1)
+
+    recording = RecordingLogger()
+    mlflow_logger = MLflowLogger(tracking_uri=str(tmp_path / "mlruns"))
+    with pytest.raises(TypeError, match="lock"):
+        TorchTrainer(
+            model_creator=model_creator,
+            data_creator=lambda config: None,
+            optimizer_creator=lambda model, config: torch.optim.SGD(model.parameters(), lr=0.1),
+            loss_creator=nn.MSELoss,
+            config=CONFIG,
+            use_gpu=False,
+            loggers=[recording, mlflow_logger],
+        )
+    assert [c[0] for c in recording.calls] == ["start", "finish"]
+    run = MlflowClient(tracking_uri=mlflow_logger.resolved_tracking_uri()).get_run(
+        mlflow_logger.run_id
+    )
+    assert run.info.status == "FAILED" and run.info.end_time is not None
 
 
 @pytest.mark.timeout(90)

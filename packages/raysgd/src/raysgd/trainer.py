@@ -242,37 +242,48 @@ class TorchTrainer:
         if dataset_options is not None:
             # Travels inside the options: registering its module ships it by value too.
             creators += (dataset_options.collate_fn,)
-        recipe = RunnerRecipe(
-            operator_ref=group.put(
-                self._operator_cls, by_value=tuple(fn for fn in creators if fn is not None)
-            ),
-            options=self._options,
-            user_config=dict(config or {}),
-            config=dict(config or {}),
-            datasets=DatasetSplitter(given_datasets),
-        )
-        # The parts. The state knows how it is kept and restored; the recovery loop owns every
-        # resize (after a loss, to grow, to move off a draining node, to repair after a failed
-        # call) and restores through the state; the worker calls go through the loop.
-        self._state: TrainingState = training_state(
-            self._options.sharded,
-            copy_limit_bytes=int(state_copy_limit_mb * 2**20),
-            use_local=group.use_local,
-        )
-        self._recovery = Recovery(
-            group=group,
-            num_workers=self._num_workers,
-            restore=self._restore_after_resize,
-            policy=policy,
-        )
-        self._workers = WorkerCalls(group, recipe, self._recovery)
-        self._start_workers()
-        self._preemption = Preemption(
-            group=lambda: group,
-            recovery=self._recovery,
-            before_retire=lambda leaving: self._state.prepare_leaving(self._workers, leaving),
-            local_checkpoint=self._checkpoint_at_notice,
-        )
+        try:
+            recipe = RunnerRecipe(
+                operator_ref=group.put(
+                    self._operator_cls, by_value=tuple(fn for fn in creators if fn is not None)
+                ),
+                options=self._options,
+                user_config=dict(config or {}),
+                config=dict(config or {}),
+                datasets=DatasetSplitter(given_datasets),
+            )
+            # The parts. The state knows how it is kept and restored; the recovery loop owns
+            # every resize (after a loss, to grow, to move off a draining node, to repair after a
+            # failed call) and restores through the state; the worker calls go through the loop.
+            self._state: TrainingState = training_state(
+                self._options.sharded,
+                copy_limit_bytes=int(state_copy_limit_mb * 2**20),
+                use_local=group.use_local,
+            )
+            self._recovery = Recovery(
+                group=group,
+                num_workers=self._num_workers,
+                restore=self._restore_after_resize,
+                policy=policy,
+            )
+            self._workers = WorkerCalls(group, recipe, self._recovery)
+            self._start_workers()
+            self._preemption = Preemption(
+                group=lambda: group,
+                recovery=self._recovery,
+                before_retire=lambda leaving: self._state.prepare_leaving(self._workers, leaving),
+                local_checkpoint=self._checkpoint_at_notice,
+            )
+        except BaseException:
+            # Whatever fails once the loggers have started (pickling the user's creators,
+            # starting the workers, ...) leaves no worker running and no run open in a tracker:
+            # finished while the error propagates, the runs are marked failed.
+            self._shut_down = True
+            try:
+                group.shutdown()
+            finally:
+                self._loggers.finish()
+            raise
 
     # --------------------------------------------------------------------------------- public
     def train(
@@ -468,22 +479,17 @@ class TorchTrainer:
 
     # ------------------------------------------------------------------------------- internals
     def _start_workers(self) -> None:
-        """Start the workers and their runners; on any error release everything."""
+        """Start the workers and their runners (on an error the constructor stops them)."""
         try:
             first = self._workers.start(self._state.copy_limit_bytes)
             self._state.started(self._workers, first)
-        except BaseException as exc:
-            self._workers.group.shutdown()
-            self._shut_down = True
-            self._loggers.finish()
-            if isinstance(exc, WorkerError):
-                if isinstance(exc.__cause__, (ValueError, TypeError)):
-                    # A bad creator or operator set-up is the user's input error: raise it as its
-                    # own type, chained to the WorkerError that holds the worker's traceback (the
-                    # cause's own frames do not survive the trip back from the worker).
-                    raise exc.__cause__ from exc
-                raise in_one_form(exc)  # noqa: B904 (its cause is the user's exception)
-            raise
+        except WorkerError as exc:
+            if isinstance(exc.__cause__, (ValueError, TypeError)):
+                # A bad creator or operator set-up is the user's input error: raise it as its
+                # own type, chained to the WorkerError that holds the worker's traceback (the
+                # cause's own frames do not survive the trip back from the worker).
+                raise exc.__cause__ from exc
+            raise in_one_form(exc)  # noqa: B904 (its cause is the user's exception)
 
     def _restore_after_resize(self, report: Any = None) -> RestoreOutcome:
         """The recovery loop's restore seam: the state brings every worker of the re-formed

@@ -21,8 +21,10 @@ runs on the workers. The trainer calls, in this order:
    ``.path``, ``.action``, ``.source``, ``.steps_redone``, ``.preempted``, ``.error``,
    ``.phases``), before the metrics of the call they happened in. `event_fields` gives them as
    plain values, `event_metrics` the numbers among them as metrics.
-4. ``finish()`` once, from `TorchTrainer.shutdown()` (also when building the trainer failed after
-   ``start``).
+4. ``finish()`` once, from `TorchTrainer.shutdown()`, and also when building the trainer failed
+   at any point after ``start``. `ending_in_error()` tells, inside ``finish``, whether the run
+   ends by a failure (the built-in loggers then mark it failed: MLflow's status FAILED, W&B's
+   exit code 1).
 
 A logger that raises in any of these while training is reported once (a WARNING on the
 ``raysgd`` logger with the error) and dropped: training goes on without it. One that raises in
@@ -52,6 +54,7 @@ __all__ = [
     "Logger",
     "TuneTrial",
     "current_trial",
+    "ending_in_error",
     "event_fields",
     "event_metrics",
     "flatten_metrics",
@@ -91,7 +94,9 @@ class Logger(abc.ABC):
         happened at `step`. The default ignores it."""
 
     def finish(self) -> None:  # noqa: B027
-        """End the run: flush and close. Called once, from `TorchTrainer.shutdown()`."""
+        """End the run: flush and close. Called once, from `TorchTrainer.shutdown()` or when the
+        trainer's construction failed after `start`; `ending_in_error()` says whether the run
+        ends by an error."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -227,6 +232,22 @@ def event_metrics(event: Any) -> dict[str, float]:
         if number is not None:
             metrics[f"recovery/{kind}_{name}"] = number
     return metrics
+
+
+def ending_in_error() -> bool:
+    """True when `Logger.finish` is called because something failed in raysgd: the trainer's
+    construction after `start` (a creator that cannot be pickled, a worker that fails to start),
+    another logger's `start`, or this logger itself (dropped after it raised). The built-in
+    loggers then mark their run failed. A `TorchTrainer.shutdown()` the user calls, also from an
+    ``except`` or ``finally`` of their own, ends the run normally."""
+    _, error, trace = sys.exc_info()
+    if error is None or trace is None:
+        return False
+    # The first frame of the error's traceback is the one handling it now. raysgd's own handlers
+    # finish loggers only on a failure; an error a caller up the stack is handling (a retry
+    # loop, a test runner) says nothing about this run.
+    module = str(trace.tb_frame.f_globals.get("__name__", ""))
+    return module == "raysgd" or module.startswith("raysgd.")
 
 
 #: The numeric recovery-event fields `event_metrics` records.

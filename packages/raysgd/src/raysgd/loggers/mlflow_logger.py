@@ -13,6 +13,7 @@ from typing import Any, Optional
 from raysgd.loggers.logger import (
     Logger,
     current_trial,
+    ending_in_error,
     event_fields,
     event_metrics,
     flatten_params,
@@ -44,7 +45,8 @@ class MLflowLogger(Logger):
     events as metrics (``recovery/<kind>``: how many of that kind so far; ``recovery/num_workers``
     when the group's size changed; the event's numbers, `event_metrics`:
     ``recovery/resize_steps_redone``, ...) and whole, every field, as the artifact
-    ``recovery_events.jsonl``.
+    ``recovery_events.jsonl``. `finish` marks the run FINISHED, or FAILED when it ends by a
+    failure (`ending_in_error`: the trainer's construction failed after the run started, ...).
 
     Args:
         tracking_uri: Where runs go: an MLflow server (``http://host:5000``), a database
@@ -201,7 +203,7 @@ class MLflowLogger(Logger):
     def finish(self) -> None:
         if self._client is not None and self.run_id is not None:
             client, self._client = self._client, None
-            client.set_terminated(self.run_id, "FINISHED")
+            client.set_terminated(self.run_id, "FAILED" if ending_in_error() else "FINISHED")
 
     def __repr__(self) -> str:
         return (

@@ -10,6 +10,7 @@ from raysgd.loggers.logger import (
     EVENT_FIELDS,
     Logger,
     current_trial,
+    ending_in_error,
     event_fields,
     event_metrics,
     flatten_params,
@@ -30,7 +31,8 @@ class WandbLogger(Logger):
     so far; ``recovery/num_workers`` when the group's size changed; the event's numbers,
     `event_metrics`: ``recovery/resize_steps_redone``, ...) and whole, every field and the
     message, as the table ``recovery/events`` (one row an event, ``step`` first; logged again
-    with each event, so the latest holds them all).
+    with each event, so the latest holds them all). `finish` ends the run with exit code 0, or 1
+    (W&B: failed) when it ends by a failure (`ending_in_error`).
 
     Args:
         project: The W&B project.
@@ -134,7 +136,7 @@ class WandbLogger(Logger):
     def finish(self) -> None:
         if self.run is not None:
             run, self.run = self.run, None
-            run.finish()
+            run.finish(exit_code=1 if ending_in_error() else 0)
 
     def __repr__(self) -> str:
         return f"WandbLogger(project={self.project!r}, mode={self.mode!r}, dir={self.dir!r})"
