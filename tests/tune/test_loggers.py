@@ -1,6 +1,7 @@
 """Experiment loggers under Ray Tune: each trial of `TorchTrainer.as_trainable(...)` records its own
-run, and the trials of one Tune run are grouped together (MLflow: one experiment; W&B: one group;
-CSV: one subdirectory per trial)."""
+run, and the trials of one Tune run are grouped together under the Tune experiment's name (MLflow:
+one experiment, the trials' runs nested under one parent run; W&B: one group; CSV: one
+subdirectory per trial)."""
 
 from __future__ import annotations
 
@@ -84,22 +85,29 @@ def test_each_trial_is_its_own_run_grouped_by_the_experiment(
     for directory in trial_dirs:
         with open(directory / "train.csv", newline="") as f:
             assert [row["step"] for row in csv.DictReader(f)] == ["1"]
-    group = trial_dirs[0].name.rsplit("_", 1)[0]  # what the trials of this run share
-    assert trial_dirs[1].name.rsplit("_", 1)[0] == group
+    group = Path(results.experiment_path).name  # the Tune experiment's name
 
-    # MLflow: one experiment named after the group, one finished run per trial. (The trials set
-    # MLflow 3's file-store opt-in in their own processes; reading it here needs it too.)
+    # MLflow: one experiment named after the Tune experiment, one finished run per trial, both
+    # nested under the one parent run of the Tune experiment (created once though the two trials
+    # started together). (The trials set MLflow 3's file-store opt-in in their own processes;
+    # reading it here needs it too.)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     client = MlflowClient(tracking_uri=mlflow_logger.resolved_tracking_uri())
     experiment = client.get_experiment_by_name(group)
     assert experiment is not None
-    runs = client.search_runs([experiment.experiment_id])
+    found = client.search_runs([experiment.experiment_id])
+    (parent,) = [r for r in found if "raysgd.tune.experiment_run" in r.data.tags]
+    assert parent.data.tags["raysgd.tune.experiment_run"] == group
+    assert parent.info.run_name == group and parent.info.status == "FINISHED"
+    runs = [r for r in found if r is not parent]
+    assert {r.data.tags["mlflow.parentRunId"] for r in runs} == {parent.info.run_id}
     assert sorted(r.data.tags["raysgd.tune.trial_id"] for r in runs) == trial_ids
+    assert {r.data.tags["raysgd.tune.group"] for r in runs} == {group}
     assert sorted(r.info.run_name for r in runs) == [p.name for p in trial_dirs]
     assert {r.info.status for r in runs} == {"FINISHED"}
     assert sorted(r.data.params["config/lr"] for r in runs) == ["0.01", "0.1"]
 
-    # W&B: one offline run per trial, in the same group, named after its trial.
+    # W&B: one offline run per trial, grouped under the Tune experiment, named after its trial.
     run_files = (tmp_path / "wandb" / "wandb").glob("offline-run-*/run-*.wandb")
     infos = [
         record.run

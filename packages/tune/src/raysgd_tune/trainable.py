@@ -84,6 +84,22 @@ def _merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]
 _current_trial: Optional[TrialInfo] = None
 
 
+def _experiment_name_of(trial_dir: Optional[str]) -> Optional[str]:
+    """The Tune experiment a trial directory belongs to: the experiment directory's name (Tune's
+    ``RunConfig(name=...)``, else its generated one), None when `trial_dir` is not given.
+
+    Ray 2.x has no public call that tells a class trainable its experiment's name, but its public
+    `Trainable.logdir` sits in the experiment's directory: ``<experiment>/<trial>`` in a storage
+    path, ``<experiment>/working_dirs/<trial>`` in the trial's local working directory.
+    """
+    if not trial_dir:
+        return None
+    parent = os.path.dirname(os.path.normpath(trial_dir))
+    if os.path.basename(parent) == "working_dirs":
+        parent = os.path.dirname(parent)
+    return os.path.basename(parent) or None
+
+
 def _context_trial() -> TrialInfo:
     """What `ray.tune.get_context()` says: filled in function trainables, empty elsewhere."""
     context = tune.get_context()
@@ -103,8 +119,8 @@ def current_trial() -> Optional[TrialInfo]:
 
     In a `BaseTorchTrainable` (`TorchTrainer.as_trainable`) it is the trainable's own trial, set
     from `setup` to `cleanup`; in a function trainable, what `ray.tune.get_context()` tells. Ray
-    2.x gives a class trainable no public way to learn its experiment's name, so
-    `experiment_name` is None there unless `ray.tune.get_context()` has it.
+    2.x tells a class trainable its experiment's name only through its `logdir` (see
+    `_experiment_name_of`).
     """
     if _current_trial is not None:
         return _current_trial
@@ -129,7 +145,7 @@ class BaseTorchTrainable(tune.Trainable):
         global _current_trial
         # So that the trainer's experiment loggers know which trial's run they record.
         _current_trial = TrialInfo(
-            experiment_name=_context_trial().experiment_name,
+            experiment_name=_context_trial().experiment_name or _experiment_name_of(self.logdir),
             trial_name=self.trial_name,
             trial_id=self.trial_id,
             trial_dir=self.logdir,

@@ -109,8 +109,10 @@ class TuneTrial:
     Attributes:
         trial_name: Tune's name of the trial (e.g. ``TorchTrainerTrainable_65f41_00000``).
         trial_id: Tune's id of the trial.
-        group: What the trials of one Tune experiment share: the experiment's name where Ray
-            tells it, else the trials' common name prefix (Tune's name without the trial's index).
+        group: What the trials of one Tune experiment share: the experiment's name (Tune's
+            ``RunConfig(name=...)`` or the name it generated; the name of the experiment's
+            directory), else, where neither Ray nor the trial's directory tells it, the trials'
+            common name prefix (Tune's name without the trial's index).
         trial_dir: The trial's own directory, when known.
     """
 

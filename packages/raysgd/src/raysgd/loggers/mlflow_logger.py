@@ -3,15 +3,17 @@ several trainers, or Tune trials, in one process never write into each other's r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Optional
 
 from raysgd.loggers.logger import (
     Logger,
+    TuneTrial,
     current_trial,
     ending_in_error,
     event_fields,
@@ -26,6 +28,10 @@ INSTALL_HINT = "pip install 'raysgd[mlflow]'"
 DEFAULT_EXPERIMENT = "raysgd"
 #: The artifact holding the run's recovery events, one JSON object a line.
 EVENTS_ARTIFACT = "recovery_events.jsonl"
+#: The tag that marks the parent run of a Tune experiment's trials; its value is the experiment.
+PARENT_TAG = "raysgd.tune.experiment_run"
+#: MLflow's tag that nests a run under another.
+PARENT_RUN_TAG = "mlflow.parentRunId"
 
 # MLflow's own limits on one `log_batch` call and on a parameter's value.
 _PARAMS_PER_BATCH = 100
@@ -48,6 +54,15 @@ class MLflowLogger(Logger):
     ``recovery_events.jsonl``. `finish` marks the run FINISHED, or FAILED when it ends by a
     failure (`ending_in_error`: the trainer's construction failed after the run started, ...).
 
+    In a Ray Tune trial the run is nested (MLflow's ``mlflow.parentRunId``) under one parent run
+    per Tune experiment, named after it and tagged ``raysgd.tune.experiment_run``: the first trial
+    to start creates it, the others find it by that tag. In a local store (a directory or
+    ``sqlite:///`` file) a lock file makes that safe between trials starting at once; with a
+    tracking server no lock is shared, so two trials starting at the same moment may each create
+    one: each then keeps the earliest created and deletes its own, and only trials whose start
+    overlaps to the millisecond can still end up under two parents. Each trial marks the parent
+    FINISHED when it finishes, so it ends with the last trial.
+
     Args:
         tracking_uri: Where runs go: an MLflow server (``http://host:5000``), a database
             (``sqlite:///mlflow.db``, needs the full ``mlflow`` package) or a directory. Default:
@@ -56,8 +71,8 @@ class MLflowLogger(Logger):
             store in maintenance mode and refuses it unless ``MLFLOW_ALLOW_FILE_STORE=true``: for a
             file store this logger sets that variable in this process (when it is unset).
         experiment_name: The MLflow experiment (created when missing). Default: ``"raysgd"``; in a
-            Ray Tune trial, the Tune experiment (`TuneTrial.group`), so that the trials of one Tune
-            run are the runs of one MLflow experiment.
+            Ray Tune trial, the Tune experiment's name (`TuneTrial.group`), so that the trials of
+            one Tune run are the runs of one MLflow experiment.
         run_name: The run's name. Default: MLflow's; in a Tune trial, the trial's name. Each
             Tune trial's run is also tagged ``raysgd.tune.trial_id``, ``raysgd.tune.trial_name``
             and ``raysgd.tune.group``.
@@ -95,6 +110,8 @@ class MLflowLogger(Logger):
         self.run_name = run_name
         self.tags = dict(tags or {})
         self.run_id: Optional[str] = None
+        #: In a Tune trial, the run of the Tune experiment this run is nested under.
+        self.parent_run_id: Optional[str] = None
         self._client: Any = None
         self._event_counts: dict[str, int] = {}
         self._events: list[dict[str, Any]] = []
@@ -129,26 +146,72 @@ class MLflowLogger(Logger):
             )
             run_name = run_name or trial.trial_name
             experiment = experiment or trial.group
-        run = self._client.create_run(
-            self._experiment_id(experiment or DEFAULT_EXPERIMENT), run_name=run_name, tags=tags
-        )
+        experiment_id = self._experiment_id(experiment or DEFAULT_EXPERIMENT)
+        self.parent_run_id = None
+        if trial is not None:
+            self.parent_run_id = self._parent_run(experiment_id, trial)
+            tags[PARENT_RUN_TAG] = self.parent_run_id
+        run = self._client.create_run(experiment_id, run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
         self._event_counts, self._events = {}, []
         self._log_params(flatten_params({"config": dict(config), "trainer": dict(options)}))
 
-    def _experiment_id(self, name: str) -> str:
-        uri = self.resolved_tracking_uri()
-        if not uri.startswith("file:"):
-            return self._get_or_create(name)
-        # A local file store checks a new experiment's name and then creates its folder, so two
-        # processes (two Tune trials) starting at once can both create one of the same name; a
-        # lock file in the store lets one create it and the other find it.
+    @contextlib.contextmanager
+    def _store_lock(self) -> Iterator[bool]:
+        """Held while finding or creating what concurrent Tune trials share (the experiment, the
+        parent run); yields whether it locks anything. A store checks that a name is free and
+        then creates it, so two processes starting at once could both create one: for a local
+        store (a directory or an SQLite file) a lock file beside it lets one create it and the
+        other find it. A tracking server is reached from many machines: nothing to lock."""
         from filelock import FileLock
 
-        root = uri[len("file:") :]
+        uri = self.resolved_tracking_uri()
+        if uri.startswith("file:"):
+            root = uri[len("file:") :]
+        elif uri.startswith("sqlite:///") and uri != "sqlite:///:memory:":
+            root = os.path.dirname(os.path.abspath(uri[len("sqlite:///") :]))
+        else:
+            yield False
+            return
         os.makedirs(root, exist_ok=True)
         with FileLock(os.path.join(root, ".raysgd-experiments.lock")):
+            yield True
+
+    def _experiment_id(self, name: str) -> str:
+        with self._store_lock():
             return self._get_or_create(name)
+
+    def _parent_run(self, experiment_id: str, trial: TuneTrial) -> str:
+        """The id of the Tune experiment's parent run in `experiment_id`, created when missing."""
+        with self._store_lock() as locked:
+            found = self._parent_runs(experiment_id, trial.group)
+            if found:
+                return found[0]
+            created = self._client.create_run(
+                experiment_id,
+                run_name=trial.group,
+                tags={PARENT_TAG: trial.group, "raysgd.tune.group": trial.group},
+            ).info.run_id
+        if locked:
+            return str(created)
+        # Unlocked (a server), another trial may have created one meanwhile: every trial keeps
+        # the earliest created, and a later one of its own is deleted.
+        earliest = self._parent_runs(experiment_id, trial.group)[0]
+        if earliest != created:
+            self._client.delete_run(created)
+        return earliest
+
+    def _parent_runs(self, experiment_id: str, group: str) -> list[str]:
+        # Filtered by the marker tag's presence here, by its value below: a Tune experiment's
+        # name may hold quotes, which MLflow's filter grammar cannot escape.
+        runs = self._client.search_runs(
+            [experiment_id],
+            filter_string=f"tags.`{PARENT_TAG}` != ''",
+            order_by=["attributes.start_time ASC"],
+        )
+        found = [r for r in runs if r.data.tags.get(PARENT_TAG) == group]
+        found.sort(key=lambda r: (r.info.start_time, r.info.run_id))
+        return [str(r.info.run_id) for r in found]
 
     def _get_or_create(self, name: str) -> str:
         from mlflow.exceptions import MlflowException
@@ -204,6 +267,9 @@ class MLflowLogger(Logger):
         if self._client is not None and self.run_id is not None:
             client, self._client = self._client, None
             client.set_terminated(self.run_id, "FAILED" if ending_in_error() else "FINISHED")
+            if self.parent_run_id is not None:
+                # The parent has no end of its own: it ends with the last of its trials.
+                client.set_terminated(self.parent_run_id, "FINISHED")
 
     def __repr__(self) -> str:
         return (

@@ -40,7 +40,7 @@ class WandbLogger(Logger):
             ``wandb sync``), "online" (needs ``wandb login`` or ``WANDB_API_KEY``) or "disabled".
         dir: Where W&B writes the run (its ``wandb/`` folder); default: W&B's (the working
             directory).
-        group: The run's group. Default: none; in a Ray Tune trial, the Tune experiment
+        group: The run's group. Default: none; in a Ray Tune trial, the Tune experiment's name
             (`TuneTrial.group`), so that the trials of one Tune run are grouped together.
         name: The run's name. Default: W&B's; in a Tune trial, the trial's name.
         **init_kwargs: Anything else `wandb.init` takes (``entity``, ``tags``, ``notes``,
