@@ -447,6 +447,42 @@ def test_a_construction_failure_after_the_loggers_started_marks_their_runs_faile
     assert run.info.status == "FAILED" and run.info.end_time is not None
 
 
+def test_a_logger_published_under_the_entry_point_group_is_found_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A distribution laid out as pip installs one (a module and its dist-info declaring
+    ``[raysgd.logger]``) on sys.path: its logger is listed without being imported, and a name
+    builds it with keyword arguments, as ``loggers=["neptune"]`` does."""
+    (tmp_path / "raysgd_logger_plugin.py").write_text(
+        textwrap.dedent(
+            """
+            from raysgd.loggers import Logger
+
+            class NeptuneLogger(Logger):
+                def __init__(self, project="default"):
+                    self.project = project
+
+                def log_metrics(self, kind, metrics, *, epoch, step):
+                    pass
+            """
+        )
+    )
+    info = tmp_path / "raysgd_logger_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: raysgd_logger_plugin\nVersion: 1.0\n"
+    )
+    (info / "entry_points.txt").write_text(
+        "[raysgd.logger]\nNeptune = raysgd_logger_plugin:NeptuneLogger\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "raysgd_logger_plugin", raising=False)
+    assert "neptune" in available_loggers()
+    assert "raysgd_logger_plugin" not in sys.modules  # listing names imports nothing
+    built = get_logger("NEPTUNE", project="demo")
+    assert type(built).__name__ == "NeptuneLogger" and built.project == "demo"
+
+
 @pytest.mark.timeout(90)
 def test_a_missing_library_fails_at_construction_with_the_install_hint() -> None:
     """In a fresh process where mlflow, wandb and tensorboardX cannot be imported: `import
