@@ -1,9 +1,11 @@
 """`raysgd_core.draining_nodes()` reads Ray's drains through the one private call raysgd makes
-for it (Ray 2.60 has no public one); this drains a real node and fails loudly when Ray moves or
-changes that call. `preempted_nodes()` reads the public `ray.nodes()` once the node is gone."""
+for it (Ray 2.60 has no public one), isolated in `raysgd_core._internal.ray_drains`; this drains a
+real node and fails loudly when Ray moves or changes that call. `preempted_nodes()` reads the
+public `ray.nodes()` once the node is gone."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import time
@@ -12,7 +14,8 @@ from typing import Any
 import pytest
 import ray
 
-from raysgd_core import draining_nodes, preempted_nodes
+from raysgd_core import draining_nodes, drains, preempted_nodes
+from raysgd_core._internal import ray_drains
 
 
 @ray.remote(num_cpus=1)
@@ -43,8 +46,12 @@ def test_a_preemption_drain_is_seen_with_its_deadline_and_the_reclaimed_node_as_
         check=True,
         capture_output=True,
     )  # fmt: skip
+    # The private call itself, so that a change in Ray fails here and not behind the fallback.
+    assert set(ray_drains.read_draining_nodes()) == {node.node_id}, (
+        "Ray's private get_draining_nodes() moved or changed"
+    )
     draining = draining_nodes()
-    assert set(draining) == {node.node_id}, "Ray's private get_draining_nodes() moved or changed"
+    assert set(draining) == {node.node_id}
     deadline = draining[node.node_id]
     assert deadline is not None and asked + 2 <= deadline <= time.time() + 3.5
     time.sleep(max(0.0, deadline - time.time()) + 1.0)
@@ -53,3 +60,19 @@ def test_a_preemption_drain_is_seen_with_its_deadline_and_the_reclaimed_node_as_
     while not preempted_nodes([node.node_id]) and time.monotonic() < until:
         time.sleep(0.2)
     assert preempted_nodes([node.node_id]) == {node.node_id}
+
+
+def test_without_rays_private_call_no_drain_is_seen_and_it_is_said_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A Ray without the call (as a future release may be): stood in for by a reader that raises
+    # what a missing attribute raises. Training then goes on as if no notice came.
+    def gone() -> dict:
+        raise AttributeError("'GlobalState' object has no attribute 'get_draining_nodes'")
+
+    monkeypatch.setattr(ray_drains, "read_draining_nodes", gone)
+    monkeypatch.setattr(drains, "_warned", [])
+    with caplog.at_level(logging.WARNING, logger="raysgd_core"):
+        assert draining_nodes() == {} and draining_nodes() == {}
+    said = [r for r in caplog.records if "cannot read which Ray nodes are draining" in r.message]
+    assert len(said) == 1

@@ -1,14 +1,13 @@
 """Which Ray nodes are being drained: the warning a preemptible machine gives before it goes away.
 
-A cloud's preemption warning (AWS spot: 120 s; GKE: about 30 s) reaches a Ray cluster as a drain of
+A cloud's preemption warning (a minute or two before the machine goes) reaches a Ray cluster as a drain of
 the node (the autoscaler, KubeRay's SIGTERM handling, or ``ray drain-node`` by hand), with a reason
 and a deadline after which the node is killed. Ray stops placing new work on a draining node.
 
-Ray 2.60 answers "which nodes are draining, and until when" only through a private call; this module
-is the one place raysgd makes it (`tests/core/test_drains.py` drains a real node and fails loudly
-when Ray moves or changes that call). Where the call is missing, `draining_nodes()` returns nothing
-and logs once: preemption notices are then not seen, and a preempted worker is recovered like any
-lost one.
+Ray 2.60 answers "which nodes are draining, and until when" only through a private call, made in
+one place (`raysgd_core._internal.ray_drains`, which `tests/core/test_drains.py` checks against a
+real drain). Where the call is missing, `draining_nodes()` returns nothing and logs once:
+preemption notices are then not seen, and a preempted worker is recovered like any lost one.
 
 Only drains of nodes that hold a worker matter, and Ray accepts an idle-termination drain only for a
 node that runs nothing, so a drain of a node with a worker on it is a preemption (or a drain by
@@ -35,10 +34,10 @@ PREEMPTED_DEATH_REASON = 3
 def draining_nodes() -> dict[str, Optional[float]]:
     """Nodes being drained: node id (hex) -> the deadline as a `time.time()` timestamp, or None
     when the drain has no deadline. Empty when none is, or when this Ray cannot say."""
-    try:
-        from ray._private import state
+    from raysgd_core._internal import ray_drains
 
-        raw = state.state.get_draining_nodes()
+    try:
+        return ray_drains.read_draining_nodes()
     except Exception as exc:  # Ray moved or changed the call: degrade to no notices
         if not _warned:
             _warned.append(True)
@@ -48,7 +47,6 @@ def draining_nodes() -> dict[str, Optional[float]]:
                 exc,
             )
         return {}
-    return {str(node): (ms / 1000.0 if ms else None) for node, ms in dict(raw).items()}
 
 
 def preempted_nodes(nodes: Iterable[str]) -> set[str]:
