@@ -98,11 +98,16 @@ def ready(state: GroupState) -> list[Worker]:
 
 def take(state: GroupState, up: list[Worker], alive: list[Worker], count: int) -> list[Worker]:
     """Promote up to `count` spares: those of `up` (from `ready`) that are in `alive` (answered a
-    ping). They leave `state.spares` and are joined like newly spawned workers. Spares of `up` that
-    did not answer are dropped (their slot is freed); those still starting stay spares."""
-    taken = [w for w in up if w in alive][: max(0, count)]
+    ping) and not on a node Ray is draining. They leave `state.spares` and are joined like newly
+    spawned workers. Spares of `up` that did not answer or sit on a draining node are dropped
+    (their slot is freed; `replenish` starts others elsewhere); those still starting stay spares."""
+    from raysgd_core.drains import draining_nodes
+
+    draining = draining_nodes() if up else {}
+    usable = [w for w in up if w in alive and w.node_id not in draining]
+    taken = usable[: max(0, count)]
     for w in up:
-        if w not in alive and w in state.spares:
+        if w not in usable and w in state.spares:
             state.drop(w)
             state.spares.remove(w)
     for w in taken:
