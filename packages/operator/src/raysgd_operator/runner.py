@@ -133,7 +133,7 @@ class OperatorRunner:
         self._val = BatchStream(lambda: self._loader("validation"), lambda resuming: None)
         self.operator = operator_cls(config, components=self.components)
         self._global_step_at_step = self.operator.global_step
-        self.journal = StepJournal(self.components.optimizers)
+        self.journal = StepJournal(self.components.optimizers, self.components.models)
 
     @property
     def device(self) -> torch.device:

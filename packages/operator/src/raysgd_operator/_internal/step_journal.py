@@ -12,7 +12,13 @@ registered optimizer (`Optimizer.register_step_pre_hook` / `register_step_post_h
   step is the last thing a batch does that a peer can interrupt, so a dirty worker is rare, and it
   is then simply not used as a source.
 
-Buffers that a forward pass updates (BatchNorm's running statistics) are not journaled.
+A forward pass in training mode also changes state: the running statistics of normalisation
+layers (BatchNorm's mean, variance and batch count). A survivor interrupted after its forward pass
+would otherwise go on from step k with statistics that already saw batch k + 1, and count that
+batch twice when it is redone. The journal keeps a copy of those buffers as they were when the
+last batch finished (a few numbers per channel, copied in place at every `commit`), and `rollback`
+puts them back. Other buffers are left alone: a model that changes them in its forward pass is
+restored with them as they are.
 """
 
 from __future__ import annotations
@@ -38,8 +44,14 @@ def _copy_state(state: Any) -> Any:
 class StepJournal:
     """Tracks optimizer steps between batch boundaries (see the module docstring)."""
 
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    def __init__(
+        self,
+        optimizers: Sequence[torch.optim.Optimizer],
+        models: Sequence[torch.nn.Module] = (),
+    ) -> None:
         self.optimizers = list(optimizers)
+        #: (buffer, its copy at the last finished batch) of every running statistic.
+        self._statistics = [(buffer, buffer.detach().clone()) for buffer in _running_stats(models)]
         #: Copies are kept only when a batch may step several optimizers.
         self.keeps_copies = len(self.optimizers) > 1
         self.dirty = False
@@ -71,14 +83,22 @@ class StepJournal:
         self.dirty = True
 
     def commit(self) -> None:
-        """The batch is finished: forget its copies."""
+        """The batch is finished: forget its copies and remember the running statistics."""
         self.dirty = False
         if self._saved:
             self._saved = {}
+        if self._statistics:
+            with torch.no_grad():
+                for buffer, copy in self._statistics:
+                    copy.copy_(buffer)
 
     def rollback(self) -> bool:
-        """Undo the unfinished batch's optimizer steps where copies exist; True if the worker is
-        now at its last finished step."""
+        """Undo the unfinished batch's optimizer steps where copies exist, and its forward
+        passes' running statistics; True if the worker is now at its last finished step."""
+        if self._statistics:
+            with torch.no_grad():
+                for buffer, copy in self._statistics:
+                    buffer.copy_(copy)
         if not self.dirty:
             return True
         if not self.keeps_copies:
@@ -100,3 +120,17 @@ class StepJournal:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _running_stats(models: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
+    """The running-statistics buffers of the normalisation layers in `models` that keep them."""
+    found: dict[int, torch.Tensor] = {}
+    for model in models:
+        for module in model.modules():
+            if not getattr(module, "track_running_stats", False):
+                continue
+            for name in ("running_mean", "running_var", "num_batches_tracked"):
+                buffer = getattr(module, name, None)
+                if isinstance(buffer, torch.Tensor):
+                    found.setdefault(id(buffer), buffer)
+    return list(found.values())
