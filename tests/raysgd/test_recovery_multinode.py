@@ -8,6 +8,7 @@ once the cluster has room again.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -95,7 +96,7 @@ def _wait_until_placed(timeout_s: float = 60.0) -> None:
 
 @pytest.mark.timeout(180)
 def test_node_loss_keeps_the_global_batch_and_grows_back(
-    ray_multinode: Any, tmp_path: Path
+    ray_multinode: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     cluster = ray_multinode
     nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
@@ -149,5 +150,15 @@ def test_node_loss_keeps_the_global_batch_and_grows_back(
         grow = [e for e in trainer.recovery_events if e.kind == "resize"][-1]
         assert (grow.num_workers_before, grow.num_workers_after) == (1, 2)
         assert sorted(rows_by_epoch(tmp_path)[2]) == list(range(NUM_SAMPLES))
+
+        # No worker shares this process's node, but they share its disk (one machine): a
+        # checkpoint is written by a worker, the state does not pass through the driver.
+        weights = [p.detach().clone() for p in trainer.get_model().parameters()]
+        with caplog.at_level(logging.DEBUG, logger="raysgd"):
+            path = trainer.save(tmp_path / "ckpt.pt")
+        assert any("written by rank 0" in r.getMessage() for r in caplog.records)
+        trainer.train(num_steps=1)
+        trainer.load(path)
+        assert all(map(torch.equal, weights, trainer.get_model().parameters()))
     finally:
         trainer.shutdown(force=True)

@@ -27,9 +27,9 @@ from raysgd_core import WorkerDiedError, WorkerError, get_context
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
-NUM_SAMPLES = 64
-GLOBAL_BATCH = 16  # 8 per worker with 2 workers: 4 steps per epoch
-DIE_AT_STEP = 2  # mid-epoch of the first epoch
+NUM_SAMPLES = 256
+GLOBAL_BATCH = 4  # 2 per worker with 2 workers: 64 steps per epoch
+DIE_AT_STEP = 40  # well into the first epoch: at most the step in flight may be redone
 
 
 class LinearOperator(TrainingOperator):
@@ -109,6 +109,25 @@ class AllExitOnceOperator(LinearOperator):
         ):
             os._exit(1)
         return super().train_batch(batch, batch_info)
+
+
+class TornOnceOperator(LinearOperator):
+    """After each step, a collective of the user's own; at DIE_AT_STEP rank 1 exits between its
+    step and that collective (first attempt only), leaving rank 0 stepped inside an unfinished
+    batch: no worker holds the state of a finished step."""
+
+    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        metrics = super().train_batch(batch, batch_info)
+        if (
+            self.world_rank == 1
+            and batch_info["global_step"] == DIE_AT_STEP
+            and _first_time(self.config, "exited")
+        ):
+            os._exit(1)
+        dist.all_reduce(torch.ones(1))
+        return metrics
 
 
 class AlwaysExitOperator(LinearOperator):
@@ -202,10 +221,11 @@ def test_worker_exit_mid_epoch_recovers_to_the_clean_result(tmp_path: Path) -> N
         resize = next(e for e in trainer.recovery_events if e.kind == "resize")
         assert resize.path == "keep-healthy"
         assert resize.num_workers_after == 2
-        # The survivor had finished step 2 (of 4) and gave its state to the replacement: only the
-        # step in flight was redone, and each epoch trained every row once, the lost worker's
-        # first two batches included.
-        assert (resize.source, resize.steps_redone) == ("rank 0 at step 2", 1)
+        # The survivor had finished step 40 (of 64) and gave its state to the replacement: only
+        # the step in flight was redone, and each epoch trained every row once, the lost
+        # worker's first 40 batches included.
+        assert (resize.source, resize.steps_redone) == ("rank 0 at step 40", 1)
+        assert resize.report is not None and resize.report.steps_redone == 1
         rows = rows_by_epoch(tmp_path)
         assert sorted(rows[1]) == sorted(rows[2]) == list(range(NUM_SAMPLES))
         _assert_same_run(stats, _weights(trainer), tmp_path)
@@ -347,6 +367,29 @@ def test_every_worker_lost_at_once_restores_a_checkpoint_or_says_what_was_lost(
 
 
 @pytest.mark.timeout(150)
+def test_without_a_clean_survivor_the_call_starts_again_from_the_drivers_copy(
+    tmp_path: Path,
+) -> None:
+    _clean_run(tmp_path)
+    trainer = _make(TornOnceOperator, tmp_path)
+    try:
+        # A call of a given length: every worker, the kept one too, must start it again from the
+        # copy's step, or they would run different numbers of steps and wait on each other.
+        first = trainer.train(num_steps=48, max_retries=2)
+        assert (tmp_path / "exited").exists() and trainer.failures == 1
+        resize = next(e for e in trainer.recovery_events if e.kind == "resize")
+        assert resize.source == "the driver's copy at step 0"
+        assert resize.steps_redone is not None and resize.steps_redone >= 1
+        assert (first["batch_count"], first["num_samples"]) == (48, 48 * GLOBAL_BATCH)
+        trainer.train(), trainer.train()  # the rest of epoch 1, then epoch 2
+        _, clean_weights = _clean_run(tmp_path)
+        for name, value in _weights(trainer).items():
+            torch.testing.assert_close(value, clean_weights[name])
+    finally:
+        trainer.shutdown()
+
+
+@pytest.mark.timeout(150)
 def test_exhausted_retry_budget_raises_naming_the_failures(tmp_path: Path) -> None:
     trainer = _make(AlwaysExitOperator, tmp_path)
     try:
@@ -375,7 +418,7 @@ def test_user_error_once_with_traceback_then_a_loss_elsewhere_is_recovered(tmp_p
         assert trainer.failures == 0
         assert [e.kind for e in trainer.recovery_events].count("user_error") == 1
         # The group was left usable, every worker at the last step finished before the error: the
-        # next call goes on with the epoch from there (step 0 of its 4 was finished).
+        # next call goes on with the epoch from there (step 0 of its 64 was finished).
         stats = trainer.train(max_retries=3)
         assert (stats["epoch"], stats["num_samples"]) == (1, NUM_SAMPLES - GLOBAL_BATCH)
         assert trainer.num_workers == 2

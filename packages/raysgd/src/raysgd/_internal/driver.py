@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -197,10 +198,20 @@ class WorkerCalls:
         except WorkerDiedError:
             return self.call(fn, *args, rank=rank)
 
-    def writer_rank(self) -> Optional[int]:
-        """A rank on this process's node, which can write a file the driver sees (rank 0 first)."""
+    def writer_rank(self, directory: str) -> Optional[int]:
+        """A rank that can write a file into `directory` which this process sees: one on this
+        process's node (rank 0 first), else rank 0 when `directory` is on a file system both
+        share (it writes a probe file there that this process then looks for); None if none can."""
         here = ray.get_runtime_context().get_node_id()
         for info in self.group.workers:
             if info.node_id == here:
                 return info.rank
-        return None
+        probe = self.read(worker.write_probe, directory)
+        if probe is None:
+            return None
+        try:
+            os.remove(probe)
+            return 0
+        except FileNotFoundError:  # written on the worker's own disk: not seen from here
+            self.call(worker.remove_file, probe, rank=0)
+            return None

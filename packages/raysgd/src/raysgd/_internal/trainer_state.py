@@ -128,7 +128,9 @@ class TrainingState(abc.ABC):
     @abc.abstractmethod
     def prepare_leaving(self, workers: WorkerCalls, leaving: Sequence[int]) -> None:
         """Before the workers of `leaving` leave on purpose (a preemption notice), with every
-        worker at the same step boundary. The workers that stay must then hold every part."""
+        worker at the same step boundary: the state of this boundary must then be restorable
+        without them (by the workers that stay, or, when all leave, by replacements that join
+        before they go)."""
 
     def after_train(self, workers: WorkerCalls, step: int) -> None:
         """A `train()` call finished with the workers at `step`."""
@@ -199,10 +201,12 @@ class ReplicatedState(TrainingState):
         if plan.source is None:
             data, step, what = self._fallback(self.step)
             fallback = ray.put(data)
+            # A lower bound: the steps the driver knows were finished since, plus the one in
+            # flight; how far the interrupted call got died with its workers.
             outcome = RestoreOutcome(what, step, max(0, self.step - step) + 1)
             logger.warning(
-                "no worker holds the training state any more: restoring %s; the steps since "
-                "(about %d) are done again",
+                "no worker holds the training state any more: restoring %s; the interrupted "
+                "call starts again from there (at least %d step(s) are done again)",
                 what,
                 outcome.steps_redone,
             )
@@ -230,7 +234,8 @@ class ReplicatedState(TrainingState):
         if not options:
             limit_mb = self.copy.limit_bytes / 2**20
             raise StateLostError(
-                f"every worker holding the training state (at step {lost_at}) was lost at once, "
+                f"every worker holding the training state (at step {lost_at} or later) was "
+                "lost at once, "
                 "and there is nothing to restore it from: the driver keeps a copy only of states "
                 f"up to state_copy_limit_mb={limit_mb:g} MB (and not with use_local=True or a "
                 "sharded strategy), and no checkpoint was written. Write one regularly "
@@ -240,14 +245,19 @@ class ReplicatedState(TrainingState):
         return read(), step, what
 
     def save(self, workers: WorkerCalls, path: PathLike) -> str:
-        """One file, written by a worker on this node (the state does not pass through the
-        driver), else through the driver."""
+        """One file, written by a worker that shares the file system of `path` with this process
+        (on its node, or on a shared disk: the state does not pass through the driver), else
+        through the driver."""
         path = os.path.abspath(os.fspath(path))
-        rank = workers.writer_rank()
+        rank = workers.writer_rank(os.path.dirname(path))
         if rank is not None:
             written = workers.read(worker.write_checkpoint, path, rank=rank)
+            logger.debug("checkpoint %s written by rank %d", written, rank)
         else:
             written = write_file(path, workers.read(worker.state_bytes))
+            logger.debug(
+                "checkpoint %s written through the driver (no worker shares its disk)", written
+            )
         self.last_checkpoint = (written, self.step)
         return written
 

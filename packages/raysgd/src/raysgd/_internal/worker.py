@@ -33,6 +33,7 @@ __all__ = [
     "get_models",
     "get_operator",
     "load_state",
+    "remove_file",
     "report_progress",
     "restore_runner",
     "state_bytes",
@@ -41,6 +42,7 @@ __all__ = [
     "update_scheduler",
     "validate",
     "write_checkpoint",
+    "write_probe",
 ]
 
 #: Key of the runner in the worker's `store` (namespaced: the store is shared with other libraries).
@@ -155,6 +157,10 @@ def restore_runner(
         if fallback is None:
             raise RuntimeError("no worker holds the training state and there is no copy of it")
         runner.load_state_dict(state_from_bytes(fallback))
+        # The copy or checkpoint predates the interrupted call: every worker, kept or new,
+        # starts that call again from the loaded step (a survivor's own record of it would have
+        # it run fewer steps than the new workers, and the group would wait in a collective).
+        runner.adopt(runner.position_state(), None)
         return
     live = runner.state_dict(live=True) if rank == plan.source else None
     received = broadcast_state(
@@ -223,6 +229,32 @@ def state_copy(limit_bytes: int) -> tuple[Optional[bytes], int, int, float]:
 def write_checkpoint(path: str) -> str:
     """Write this worker's full state to `path` (on its own disk), atomically."""
     return write_file(path, state_to_bytes(_runner().state_dict()))
+
+
+def write_probe(directory: str) -> Optional[str]:
+    """Create an empty, uniquely named file in `directory` (made if missing) and return its path,
+    so that the driver can tell whether it sees this worker's files there; None if it cannot."""
+    import os
+    import uuid
+
+    try:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f".raysgd-probe-{uuid.uuid4().hex}")
+        with open(path, "x"):
+            pass
+    except OSError:
+        return None
+    return path
+
+
+def remove_file(path: str) -> None:
+    """Remove `path` on this worker's node (missing: nothing to do)."""
+    import os
+
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 def load_state(state: bytes) -> None:
