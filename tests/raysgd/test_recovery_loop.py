@@ -15,6 +15,7 @@ import pytest
 
 from raysgd._internal.elastic import LoopState
 from raysgd._internal.recovery import Recovery
+from raysgd._internal.restore_plan import RestoreOutcome
 from raysgd_core import RecoveryReport, WorkerDiedError, WorkerError
 from raysgd_fault import Action, Decision, DefaultPolicy, FailurePolicy, FailureStatus
 
@@ -49,6 +50,10 @@ class FakeGroup:
 
     def estimate_fitting(self) -> int:
         return max(0, self.room - (self.world_size - self.dead))
+
+    def retire(self, ranks: Sequence[int]) -> None:
+        self.needs_recovery = True
+        self.dead += len(ranks)
 
 
 def died(group: FakeGroup, ranks: Sequence[int]) -> WorkerDiedError:
@@ -276,3 +281,53 @@ def test_grow_that_starts_nobody_backs_off() -> None:
     assert loop.maybe_grow(max_retries=3) is False  # within the backoff: not even tried
     assert group.recover_calls == [2]
     assert "not trying again" in loop.events[-1].message
+
+
+def test_a_move_off_a_draining_node_is_no_failure_and_reports_what_was_redone() -> None:
+    group = FakeGroup(size=2, room=3)
+    steps = iter([0, 2, 0])  # what the restores find: nothing redone, then two steps
+    loop = Recovery(
+        group=group,
+        num_workers=2,
+        restore=lambda report: RestoreOutcome("rank 0 at step 7", 7, next(steps)),
+        policy=DefaultPolicy(base_wait_s=0.5),
+        sleep=lambda s: None,
+        reclaimable=lambda nodes: 0,
+    )
+    handed: list[str] = []
+    assert loop.move_off(
+        [1], {"drained": None}, max_retries=0, before_retire=lambda: handed.append("x")
+    )
+    assert handed == ["x"] and group.recover_calls == [2] and group.world_size == 2
+    assert loop.failures == 0
+    (move,) = [e for e in loop.events if e.kind == "preemption"]
+    assert move.steps_redone == 0 and "no deadline" in move.message
+    resize = next(e for e in loop.events if e.kind == "resize")
+    assert resize.report is not None and resize.report.steps_redone == 0
+
+    # Every worker on the draining node: replacements join first, and the state is made
+    # restorable before they do (and again before the leaving workers go).
+    handed.clear()
+    assert loop.move_off(
+        [0, 1], {"drained": None}, max_retries=0, before_retire=lambda: handed.append("x")
+    )
+    assert handed == ["x", "x"] and group.recover_calls == [2, 4, 2]
+    move = [e for e in loop.events if e.kind == "preemption"][-1]
+    assert move.steps_redone == 2 and "2 step(s) redone" in move.message
+
+
+def test_a_node_lost_during_a_move_is_a_preemption_recovered_by_the_next_run() -> None:
+    group = FakeGroup(size=2, room=3)
+    loop, restored, _ = make_loop(group, 2)
+
+    def hand_over() -> None:  # the node went before the deadline, while the parts moved
+        raise died(group, [1])
+
+    moved = loop.move_off([1], {"node": 1e12}, max_retries=3, before_retire=hand_over)
+    assert moved is False and group.needs_recovery
+    assert loop.failures == 1
+    (lost,) = [e for e in loop.events if e.kind == "restart_failed"]
+    assert lost.preempted and lost.ranks == (1,)
+    assert "failed: a worker was lost meanwhile" in loop.events[-1].message
+    assert loop.run(Script(), max_retries=3) == "done"
+    assert group.world_size == 2 and len(restored) == 1

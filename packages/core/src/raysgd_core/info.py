@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 __all__ = ["RecoveryReport", "WorkerInfo"]
 
@@ -36,6 +37,10 @@ class RecoveryReport:
             leaving the old process group, while the replacements start), "start_s" (from asking
             for the replacements until they are up and their init hook ran), "form_s" (the new
             process group). A phase that did not happen is absent.
+        steps_redone: training steps started before the loss that are done again once the state
+            is restored. The group knows nothing of steps, so `WorkerGroup.recover` leaves it
+            None; the layer that restores the training state fills it in (`TorchTrainer`'s
+            resize events carry the completed report).
     """
 
     path: str
@@ -45,3 +50,4 @@ class RecoveryReport:
     duration_s: float
     lost: list[int]
     timings: dict[str, float] = field(default_factory=dict)
+    steps_redone: Optional[int] = None

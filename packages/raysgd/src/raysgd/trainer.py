@@ -23,7 +23,7 @@ from raysgd._internal.driver import RunnerRecipe, WorkerCalls, in_one_form
 from raysgd._internal.driver_copy import DEFAULT_LIMIT_MB
 from raysgd._internal.preemption import Preemption
 from raysgd._internal.recovery import Recovery
-from raysgd._internal.restore_plan import RestoreOutcome, StateLostError
+from raysgd._internal.restore_plan import RestoreOutcome
 from raysgd._internal.run_loggers import RunLoggers, trainer_options
 from raysgd._internal.trainer_keywords import route_keywords
 from raysgd._internal.trainer_state import TrainingState, training_state
@@ -39,7 +39,6 @@ from raysgd_core import (
     GroupOptions,
     WorkerError,
     WorkerGroup,
-    draining_nodes,
     ensure_ray,
     require_cluster_gpus,
     resolve_timeout,
@@ -498,18 +497,8 @@ class TorchTrainer:
 
     def _move_off_draining(self, max_retries: int) -> None:
         """Act on preemption notices for the group's nodes (see `Preemption`). A move that fails
-        (the node went first) leaves the group to the recovery loop, as after any loss."""
-        try:
-            self._preemption.handle(max_retries=max_retries)
-        except StateLostError:
-            raise
-        except Exception:
-            logger.warning(
-                "moving off a draining node failed; its loss is recovered like any other",
-                exc_info=True,
-            )
-            # Not again for these nodes in this run: the next attempt must not stop for them.
-            self._preemption.unmovable |= set(draining_nodes())
+        (the node went first) is counted as a loss and leaves the group to the recovery loop."""
+        self._preemption.handle(max_retries=max_retries)
 
     def _checkpoint_at_notice(self) -> Optional[str]:
         """A checkpoint written now, when rank 0 cannot leave a draining node (use_local)."""

@@ -93,6 +93,7 @@ class Preemption:
             before_retire=lambda: self._before_retire(leaving),
         )
         if not moved:
+            # Not again for these nodes: their loss, when it comes, is recovered like any other.
             self.unmovable |= set(notices)
         return moved
 

@@ -38,6 +38,7 @@ and survivors are re-joined instead of killed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -123,6 +124,8 @@ class Recovery:
         self._last_error: Optional[BaseException] = None  # chained to the give-up RuntimeError
         self._grow_backoff_s = 0.0
         self._next_grow_at = 0.0
+        #: The nodes being moved off (during `move_off`): a loss there is a preemption.
+        self._draining: frozenset[str] = frozenset()
         self.state = LoopState.SUCCEEDED
 
     @property
@@ -302,14 +305,18 @@ class Recovery:
         """Move the workers of `ranks` off `nodes` (draining: node -> deadline, None for none)
         before the deadline; every worker has stopped at the same step boundary.
 
-        When no worker would be left, replacements join first (and take the state from the
-        leaving workers). `before_retire` runs once the group holds every worker it will keep
-        (a sharded strategy hands the leaving workers' parts over there). The policy then decides
-        how many to run (phase "preemption"): RETRY n starts replacements elsewhere up to n;
-        otherwise the group goes on with the workers that stay. Not a failure: neither counted nor
-        charged to `max_retries`. Returns False when nothing could be moved (the workers stay; if
-        the node goes, that is an ordinary loss). Errors (a node dying meanwhile) propagate: the
-        caller then recovers as after any loss.
+        `before_retire` makes the state restorable at this boundary without the leaving workers
+        (a sharded strategy snapshots and hands their parts to workers that stay). When no worker
+        would be left, it runs first, replacements join (taking the state of this boundary) and
+        it runs again. The policy then decides how many to run (phase "preemption"): RETRY n
+        starts replacements elsewhere up to n; otherwise the group goes on with the workers that
+        stay. Not a failure: neither counted nor charged to `max_retries`, and recorded as a
+        "preemption" event with the steps redone (0 unless a worker was lost meanwhile).
+
+        Returns False when the workers could not be moved: nothing started in their place (they
+        stay, and the node's loss will be an ordinary one), or a worker was lost during the move
+        (the node went before the deadline). Such a loss is counted and logged as a preemption,
+        and the group is left for the next `run()` to recover, as after any loss.
         """
         started = time.monotonic()
         deadlines = [d for d in nodes.values() if d is not None]
@@ -318,46 +325,86 @@ class Recovery:
         left = f"{deadline - time.time():.1f} s before the deadline" if deadline else "no deadline"
         before = self._world_size()
         leaving = sorted(ranks)
-        if len(leaving) >= before:
-            # Everyone is on a draining node: the replacements come in first, while the state is
-            # still there to give them.
-            grown = self._resize(
-                before + len(leaving), why="preemption", timeout_s=self._left(deadline)
-            )
-            if not grown or self._world_size() <= before:
-                self._log.record(
-                    EventKind.PREEMPTION,
-                    f"every worker is on draining node(s) {where} ({left}) and no replacement "
-                    "started: they stay, and their loss will be recovered from a checkpoint",
-                    level=logging.WARNING,
-                    nodes=tuple(nodes),
-                    ranks=tuple(leaving),
-                    num_workers_before=before,
-                    num_workers_after=self._world_size(),
+        first_event = len(self._log.events)
+        self._draining = frozenset(nodes)
+        try:
+            if len(leaving) >= before:
+                # Everyone is on a draining node: the replacements come in first, while the
+                # state is still there to give them.
+                before_retire()
+                grown = self._resize(
+                    before + len(leaving), why="preemption", timeout_s=self._left(deadline)
                 )
-                return False
-        before_retire()
-        self._group.retire(leaving)
-        alive = self._world_size() - len(leaving)
-        decision = self._decide(
-            max_retries, alive=alive, fitting=self._fitting(), phase="preemption"
-        )
-        target = decision.num_workers if decision.action is Action.RETRY else alive
-        if not self._resize(max(1, target), why="preemption", timeout_s=self._left(deadline)):
-            raise RuntimeError(f"moving off the draining node(s) {where} failed")
+                if not grown or self._world_size() <= before:
+                    return self._not_moved(
+                        leaving,
+                        nodes,
+                        before,
+                        f"every worker is on draining node(s) {where} "
+                        f"({left}) and no replacement started: they stay",
+                    )
+            before_retire()
+            self._group.retire(leaving)
+            alive = self._world_size() - len(leaving)
+            decision = self._decide(
+                max_retries, alive=alive, fitting=self._fitting(), phase="preemption"
+            )
+            target = decision.num_workers if decision.action is Action.RETRY else alive
+            resized = self._resize(max(1, target), why="preemption", timeout_s=self._left(deadline))
+        except StateLostError:
+            raise
+        except Exception as err:  # a worker lost while handing over: the node went early
+            lost_ranks, lost_nodes = where_lost(err)
+            self._note_loss(lost_ranks, lost_nodes, err, during_restart=True, alive=None)
+            resized = False
+        finally:
+            self._draining = frozenset()
+        if not resized:
+            return self._not_moved(
+                leaving,
+                nodes,
+                before,
+                f"moving rank(s) {leaving} off draining node(s) {where} "
+                f"({left}) failed: a worker was lost meanwhile",
+            )
         took = time.monotonic() - started
+        redone = sum(
+            e.steps_redone or 0
+            for e in self._log.events[first_event:]
+            if e.kind == EventKind.RESIZE
+        )
         self._log.record(
             EventKind.PREEMPTION,
             f"moved rank(s) {leaving} off draining node(s) {where} ({left}) in {took:.2f} s: "
-            f"{before} -> {self._world_size()} worker(s), no step redone",
+            f"{before} -> {self._world_size()} worker(s), {redone} step(s) redone",
             ranks=tuple(leaving),
             nodes=tuple(nodes),
             duration_s=took,
             num_workers_before=before,
             num_workers_after=self._world_size(),
-            steps_redone=0,
+            steps_redone=redone,
         )
         return True
+
+    def _not_moved(
+        self, leaving: Sequence[int], nodes: dict[str, Optional[float]], before: int, what: str
+    ) -> bool:
+        """Record a move that did not happen (a warning event of the preemption kind)."""
+        recovered = (
+            "the next call recovers the group"
+            if self._group.needs_recovery
+            else "their loss will be recovered from a checkpoint"
+        )
+        self._log.record(
+            EventKind.PREEMPTION,
+            f"{what}; {recovered}",
+            level=logging.WARNING,
+            nodes=tuple(nodes),
+            ranks=tuple(leaving),
+            num_workers_before=before,
+            num_workers_after=self._world_size(),
+        )
+        return False
 
     def _left(self, deadline: Optional[float]) -> float:
         """How long a restart for a move may take: up to the deadline, less a margin."""
@@ -398,6 +445,7 @@ class Recovery:
         restored = ""
         if isinstance(outcome, RestoreOutcome):
             restored = f"; state from {outcome.source}, {outcome.steps_redone} step(s) redone"
+            report = dataclasses.replace(report, steps_redone=outcome.steps_redone)
         self._log.record(
             EventKind.RESIZE,
             f"resized ({why}) {before} -> {report.world_size} worker(s) via {report.path} in "
@@ -409,7 +457,8 @@ class Recovery:
             path=report.path,
             phases={**getattr(report, "timings", {}), "restore_s": done - formed},
             source=outcome.source if isinstance(outcome, RestoreOutcome) else None,
-            steps_redone=outcome.steps_redone if isinstance(outcome, RestoreOutcome) else None,
+            steps_redone=report.steps_redone,
+            report=report,
         )
         return True
 
@@ -448,6 +497,8 @@ class Recovery:
         alive: Optional[int],
         preempted: bool = False,
     ) -> None:
+        # A loss on a node being moved off for a preemption notice is that preemption.
+        preempted = preempted or bool(self._draining & set(nodes))
         record = FailureRecord(
             tuple(ranks), tuple(nodes), short_error(err), during_restart, preempted
         )

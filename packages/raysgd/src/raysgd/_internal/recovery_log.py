@@ -101,6 +101,8 @@ class RecoveryEvent:
             again: the one in flight when the worker was lost (0 when it was lost between steps),
             plus those since the snapshot or copy the state came from. When no worker survived
             to say how far it got, a lower bound (the steps the driver knows of).
+        report: For a resize, the worker group's `RecoveryReport`, with its `steps_redone`
+            filled in.
     """
 
     kind: str
@@ -118,6 +120,7 @@ class RecoveryEvent:
     preempted: bool = False
     error: Optional[str] = None
     phases: dict[str, float] = field(default_factory=dict)
+    report: Optional[RecoveryReport] = None
 
 
 class RecoveryLog:

@@ -172,11 +172,12 @@ class ShardedSnapshots:
     def hand_over(self, group: WorkerGroup, leaving: Sequence[int]) -> None:
         """Before the workers of `leaving` leave on purpose: snapshot now (every worker is at the
         same step boundary) and give each leaving worker's part to a worker that stays, so that
-        the group rebuilt without them restores every part (no step is redone)."""
+        the group rebuilt without them restores every part (no step is redone). When every
+        worker leaves, the snapshot is all: the replacements that join first restore from it."""
         self.capture(group)
         staying = [r for r in range(group.world_size) if r not in set(leaving)]
         if not staying:
-            raise RuntimeError("no worker stays to take the leaving workers' parts")
+            return
         offers = group.execute(ws.offer)
         wanted = set(leaving)
         given: list[dict[int, Any]] = [{} for _ in range(group.world_size)]
