@@ -281,7 +281,7 @@ class TorchTrainer:
             try:
                 group.shutdown()
             finally:
-                self._loggers.finish()
+                self._loggers.finish(status="failed")
             raise
 
     # --------------------------------------------------------------------------------- public

@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 
 from raysgd.loggers.logger import Logger, flatten_metrics, flatten_params
 from raysgd.loggers.registry import resolve_loggers
+from raysgd_base import call_with_accepted
 
 __all__ = ["RunLoggers", "trainer_options"]
 
@@ -63,7 +64,7 @@ class RunLoggers:
                 tried.append(item)
                 item.start(dict(config), dict(options))
         except BaseException:
-            RunLoggers(tried).finish()  # the failed one too: it may hold half a run
+            RunLoggers(tried).finish(status="failed")  # the failed one too: it may hold half a run
             raise
         return run
 
@@ -97,14 +98,15 @@ class RunLoggers:
         metrics.setdefault("num_workers", float(num_workers))
         self._each("log_metrics", kind, metrics, epoch=self._epoch, step=self._step)
 
-    def finish(self, events: Sequence[Any] = ()) -> None:
-        """Pass on the events not yet passed on, then finish every logger (each one's error is
-        reported and the others are still finished)."""
+    def finish(self, events: Sequence[Any] = (), *, status: str = "success") -> None:
+        """Pass on the events not yet passed on, then finish every logger with `status`
+        ("success", or "failed" when the trainer could not be built): each one's error is
+        reported and the others are still finished."""
         self._pass_events(events)
         loggers, self._active = self._active, []
         for item in loggers:
             try:
-                item.finish()
+                _finish(item, status)
             except Exception as exc:
                 logger.warning("experiment logger %r failed to finish: %s", item, _describe(exc))
 
@@ -128,9 +130,14 @@ class RunLoggers:
                     _describe(exc),
                 )
                 try:
-                    item.finish()  # release what it holds (files, its run); it is gone anyway
+                    _finish(item, "failed")  # release what it holds (files, its run)
                 except Exception:
                     logger.debug("finishing the dropped logger %r failed too", item, exc_info=True)
+
+
+def _finish(item: Logger, status: str) -> None:
+    """`item.finish(status)`, or `item.finish()` for a logger whose `finish` takes no status."""
+    call_with_accepted(item.finish, {"status": status})
 
 
 def _describe(exc: BaseException) -> str:

@@ -21,10 +21,10 @@ runs on the workers. The trainer calls, in this order:
    ``.path``, ``.action``, ``.source``, ``.steps_redone``, ``.preempted``, ``.error``,
    ``.phases``), before the metrics of the call they happened in. `event_fields` gives them as
    plain values, `event_metrics` the numbers among them as metrics.
-4. ``finish()`` once, from `TorchTrainer.shutdown()`, and also when building the trainer failed
-   at any point after ``start``. `ending_in_error()` tells, inside ``finish``, whether the run
-   ends by a failure (the built-in loggers then mark it failed: MLflow's status FAILED, W&B's
-   exit code 1).
+4. ``finish(status)`` once: ``"success"`` from `TorchTrainer.shutdown()`, ``"failed"`` when
+   building the trainer failed at any point after ``start`` or when the logger itself is dropped
+   after it raised (the built-in loggers then mark the run failed: MLflow's status FAILED, W&B's
+   exit code 1). A logger whose ``finish`` takes no argument is called without it.
 
 A logger that raises in any of these while training is reported once (a WARNING on the
 ``raysgd`` logger with the error) and dropped: training goes on without it. One that raises in
@@ -54,7 +54,6 @@ __all__ = [
     "Logger",
     "TuneTrial",
     "current_trial",
-    "ending_in_error",
     "event_fields",
     "event_metrics",
     "flatten_metrics",
@@ -93,10 +92,10 @@ class Logger(abc.ABC):
         """Record one recovery event (a lost worker, a policy decision, a resize, ...) that
         happened at `step`. The default ignores it."""
 
-    def finish(self) -> None:  # noqa: B027
-        """End the run: flush and close. Called once, from `TorchTrainer.shutdown()` or when the
-        trainer's construction failed after `start`; `ending_in_error()` says whether the run
-        ends by an error."""
+    def finish(self, status: str = "success") -> None:  # noqa: B027
+        """End the run: flush and close. Called once: with status "success" from
+        `TorchTrainer.shutdown()`, with "failed" when the trainer's construction failed after
+        `start` or when this logger is dropped after it raised."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -234,22 +233,6 @@ def event_metrics(event: Any) -> dict[str, float]:
         if number is not None:
             metrics[f"recovery/{kind}_{name}"] = number
     return metrics
-
-
-def ending_in_error() -> bool:
-    """True when `Logger.finish` is called because something failed in raysgd: the trainer's
-    construction after `start` (a creator that cannot be pickled, a worker that fails to start),
-    another logger's `start`, or this logger itself (dropped after it raised). The built-in
-    loggers then mark their run failed. A `TorchTrainer.shutdown()` the user calls, also from an
-    ``except`` or ``finally`` of their own, ends the run normally."""
-    _, error, trace = sys.exc_info()
-    if error is None or trace is None:
-        return False
-    # The first frame of the error's traceback is the one handling it now. raysgd's own handlers
-    # finish loggers only on a failure; an error a caller up the stack is handling (a retry
-    # loop, a test runner) says nothing about this run.
-    module = str(trace.tb_frame.f_globals.get("__name__", ""))
-    return module == "raysgd" or module.startswith("raysgd.")
 
 
 #: The numeric recovery-event fields `event_metrics` records.

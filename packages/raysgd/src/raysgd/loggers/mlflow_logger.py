@@ -15,7 +15,6 @@ from raysgd.loggers.logger import (
     Logger,
     TuneTrial,
     current_trial,
-    ending_in_error,
     event_fields,
     event_metrics,
     flatten_params,
@@ -52,7 +51,7 @@ class MLflowLogger(Logger):
     when the group's size changed; the event's numbers, `event_metrics`:
     ``recovery/resize_steps_redone``, ...) and whole, every field, as the artifact
     ``recovery_events.jsonl``. `finish` marks the run FINISHED, or FAILED when it ends by a
-    failure (`ending_in_error`: the trainer's construction failed after the run started, ...).
+    failure (`finish` with status "failed": the trainer's construction failed after the run started, ...).
 
     In a Ray Tune trial the run is nested (MLflow's ``mlflow.parentRunId``) under one parent run
     per Tune experiment, named after it and tagged ``raysgd.tune.experiment_run``: the first trial
@@ -263,10 +262,10 @@ class MLflowLogger(Logger):
         text = "\n".join(json.dumps(e, default=str) for e in self._events) + "\n"
         self._client.log_text(self.run_id, text, EVENTS_ARTIFACT)
 
-    def finish(self) -> None:
+    def finish(self, status: str = "success") -> None:
         if self._client is not None and self.run_id is not None:
             client, self._client = self._client, None
-            client.set_terminated(self.run_id, "FAILED" if ending_in_error() else "FINISHED")
+            client.set_terminated(self.run_id, "FAILED" if status == "failed" else "FINISHED")
             if self.parent_run_id is not None:
                 # The parent has no end of its own: it ends with the last of its trials.
                 client.set_terminated(self.parent_run_id, "FINISHED")

@@ -71,7 +71,7 @@ class TensorBoardLogger(Logger):
             self._writer.add_scalar(key, value, global_step=step)
         self._writer.flush()
 
-    def finish(self) -> None:
+    def finish(self, status: str = "success") -> None:
         if self._writer is not None:
             writer, self._writer = self._writer, None
             writer.close()

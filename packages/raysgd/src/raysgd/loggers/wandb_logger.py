@@ -10,7 +10,6 @@ from raysgd.loggers.logger import (
     EVENT_FIELDS,
     Logger,
     current_trial,
-    ending_in_error,
     event_fields,
     event_metrics,
     flatten_params,
@@ -32,7 +31,7 @@ class WandbLogger(Logger):
     `event_metrics`: ``recovery/resize_steps_redone``, ...) and whole, every field and the
     message, as the table ``recovery/events`` (one row an event, ``step`` first; logged again
     with each event, so the latest holds them all). `finish` ends the run with exit code 0, or 1
-    (W&B: failed) when it ends by a failure (`ending_in_error`).
+    (W&B: failed) when it ends by a failure (`finish` with status "failed").
 
     Args:
         project: The W&B project.
@@ -133,10 +132,10 @@ class WandbLogger(Logger):
         )
         self.run.log(values, step=step)
 
-    def finish(self) -> None:
+    def finish(self, status: str = "success") -> None:
         if self.run is not None:
             run, self.run = self.run, None
-            run.finish(exit_code=1 if ending_in_error() else 0)
+            run.finish(exit_code=1 if status == "failed" else 0)
 
     def __repr__(self) -> str:
         return f"WandbLogger(project={self.project!r}, mode={self.mode!r}, dir={self.dir!r})"
