@@ -123,7 +123,7 @@ def _preemptible_train_fn(config: dict[str, Any]) -> None:
         train_step(model, optimizer, criterion, batch)
         if rank == 0:
             timeline.mark("step", step=step)
-        if ray.train.get_preemption_info() is not None and not saved_once:
+        if not saved_once and _preemption_notice():
             saved_once = True
             folder = tempfile.mkdtemp(prefix="raysgd_bench_jit_")
             if rank == 0:
@@ -136,10 +136,32 @@ def _preemptible_train_fn(config: dict[str, Any]) -> None:
             )
 
 
+def _preemption_notice() -> bool:
+    """Whether Ray Train says this worker's node is being preempted; always False on a Ray whose
+    Train has no `get_preemption_info` (the run then restarts from scratch when the node goes)."""
+    import ray.train
+
+    get_info = getattr(ray.train, "get_preemption_info", None)
+    return get_info is not None and get_info() is not None
+
+
+def _preemption_failure_config() -> Any:
+    """Ray Train's answer to a preemption where it has one (restarts that a preemption caused are
+    not counted), else a plain restart after the node's loss."""
+    import inspect
+
+    from ray.train import FailureConfig
+
+    if "max_preemption_failures" in inspect.signature(FailureConfig).parameters:
+        return FailureConfig(max_failures=0, max_preemption_failures=-1)
+    return FailureConfig(max_failures=1)
+
+
 def fit_preemptible(cfg: LoopConfig, *, num_workers: int = 2) -> None:
     """Run `cfg` under Ray Train with its just-in-time checkpoint on a preemption notice, and
-    restarts from that checkpoint once the node is gone."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    restarts from that checkpoint once the node is gone (on a Ray without preemption notices in
+    Train: a plain restart from the start)."""
+    from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     storage = tempfile.mkdtemp(prefix="raysgd_bench_raytrain_")
@@ -153,7 +175,7 @@ def fit_preemptible(cfg: LoopConfig, *, num_workers: int = 2) -> None:
             run_config=RunConfig(
                 name=f"bench-{uuid.uuid4().hex[:8]}",
                 storage_path=storage,
-                failure_config=FailureConfig(max_failures=0, max_preemption_failures=-1),
+                failure_config=_preemption_failure_config(),
             ),
         ).fit()
     finally:

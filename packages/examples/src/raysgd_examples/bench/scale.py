@@ -1,6 +1,6 @@
 """Scale: what fault tolerance costs per call as the model grows (it should cost nothing).
 
-For MLPs of about 0.1M, 25M and 100M parameters trained with Adam on 2 workers (gloo, CPU), each
+For MLPs of 0.1M, 25M and 100M parameters trained with Adam on 2 workers (gloo, CPU), each
 size in a fresh process:
 
 - ``train(num_steps=1, max_retries=0)`` ("bare": no fault tolerance asked for) against
@@ -25,14 +25,16 @@ import argparse
 import resource
 import statistics
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 from raysgd_examples.bench import _common
 
 __all__ = ["SIZES", "main", "measure"]
 
-#: Model sizes (parameters) by name: an MLP of `depth` square layers of `width`.
-SIZES = {"0.1M": (128, 6), "25M": (2048, 6), "100M": (4096, 6)}
+#: Model sizes (parameters) by name: an MLP of `depth` layers, the first `depth - 1` square of
+#: `width` (width * width + width parameters each) and a last one to 10 classes.
+SIZES = {"0.1M": (128, 7), "25M": (2048, 7), "100M": (4096, 7)}
 _MODULE = "raysgd_examples.bench.scale"
 _ROWS = 64  # rows of the synthetic data set: enough for a few steps of 8 rows per worker
 
@@ -154,8 +156,46 @@ def _print(rows: list[dict[str, Any]], strategy: str) -> None:
         )
 
 
+def chart(rows: list[dict[str, Any]], path: Path) -> Optional[Path]:
+    """Three panels over the model size: guarded / bare `train()` (with the 1.05 goal),
+    `validate()` after `train()` against after `validate()`, and the driver's peak memory."""
+    good = [r for r in rows if "error" not in r]
+    if not good:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a benchmark machine
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['parameters'] / 1e6:.1f}M" for r in good]
+    fig, (ratio, validate, memory) = plt.subplots(1, 3, figsize=(12, 3.4))
+    ratio.bar(labels, [r["guarded_over_bare"] for r in good], color="tab:blue")
+    ratio.axhline(1.05, color="tab:red", linestyle="--", linewidth=1, label="goal <= 1.05")
+    ratio.axhline(1.0, color="black", linewidth=1)
+    ratio.set_title("guarded / bare train(num_steps=1)", fontsize=9)
+    ratio.legend(fontsize=8)
+    x = range(len(good))
+    validate.bar([i - 0.2 for i in x], [r["validate_after_train_s"] for r in good], 0.4,
+                 label="after train()")  # fmt: skip
+    validate.bar([i + 0.2 for i in x], [r["validate_after_validate_s"] for r in good], 0.4,
+                 label="after validate()")  # fmt: skip
+    validate.set_xticks(list(x), labels)
+    validate.set_title("validate(num_steps=1), seconds", fontsize=9)
+    validate.legend(fontsize=8)
+    memory.bar(labels, [r["driver_peak_mb"] for r in good], color="tab:green")
+    memory.set_ylim(0, 1.3 * max(r["driver_peak_mb"] for r in good))
+    memory.set_title("driver peak memory, MB", fontsize=9)
+    for ax in (ratio, validate, memory):
+        ax.set_xlabel("parameters", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark; print the table; write ``<out>/scale.json``."""
+    """Run the benchmark; print the table; write ``<out>/scale.json`` and ``<out>/scale.png``."""
     parser = _common.bench_parser(__doc__.splitlines()[0], sides=tuple(SIZES), repeats=1)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp"))
@@ -173,6 +213,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = _table(runs)
     _print(rows, args.strategy)
     _common.write_results(args.out, "scale", [], args, rows=rows)
+    drawn = chart(rows, Path(args.out) / f"scale_{args.strategy}.png")
+    if drawn is not None:
+        print(f"wrote {drawn}")
     return {"rows": rows}
 
 
