@@ -130,6 +130,49 @@ class TornOnceOperator(LinearOperator):
         return metrics
 
 
+class TornGANOperator(TrainingOperator):
+    """A two-optimizer GAN on seeded data and noise (the same in every run). At DIE_AT_STEP of
+    the first attempt rank 1 exits after the generator's step and before the discriminator's:
+    rank 0, blocked in the discriminator's all-reduce, has stepped one optimizer of two."""
+
+    def setup(self, config: dict[str, Any]) -> None:
+        torch.manual_seed(0)
+        disc = nn.Sequential(nn.Linear(1, 8), nn.ReLU(), nn.Linear(8, 1), nn.Sigmoid())
+        gen = nn.Linear(2, 1)
+        self.register(
+            models=(disc, gen),
+            optimizers=tuple(torch.optim.Adam(m.parameters(), lr=0.01) for m in (disc, gen)),
+            criterion=nn.BCELoss(),
+        )
+        real = torch.randn(NUM_SAMPLES, 1, generator=torch.Generator().manual_seed(1)) + 3
+        self.register_data(
+            train_loader=DataLoader(TensorDataset(real), batch_size=config[BATCH_SIZE])
+        )
+
+    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        disc, gen = self.models
+        opt_d, opt_g = self.optimizers
+        real = batch[0]
+        ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+        seed = 1000 * batch_info["global_step"] + self.world_rank
+        noise = torch.randn(len(real), 2, generator=torch.Generator().manual_seed(seed))
+        opt_g.zero_grad()
+        self.criterion(disc(gen(noise)), ones).backward()
+        opt_g.step()
+        if (
+            self.world_rank == 1
+            and batch_info["global_step"] == DIE_AT_STEP
+            and _first_time(self.config, "exited")
+        ):
+            os._exit(1)
+        opt_d.zero_grad()
+        fake = gen(noise).detach()
+        loss_d = (self.criterion(disc(real), ones) + self.criterion(disc(fake), zeros)) / 2
+        loss_d.backward()
+        opt_d.step()
+        return {"loss_d": loss_d.item(), "num_samples": len(real)}
+
+
 class AlwaysExitOperator(LinearOperator):
     """Rank 1 exits at step 1 of every attempt: no retry budget is enough."""
 
@@ -387,6 +430,35 @@ def test_without_a_clean_survivor_the_call_starts_again_from_the_drivers_copy(
             torch.testing.assert_close(value, clean_weights[name])
     finally:
         trainer.shutdown()
+
+
+def _gan_weights(trainer: TorchTrainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for m in trainer.get_model(to_cpu=True) for p in m.parameters()]
+
+
+@pytest.mark.timeout(150)
+def test_a_worker_torn_between_a_gans_two_steps_goes_back_before_it_gives_its_state(
+    tmp_path: Path,
+) -> None:
+    runs, events = {}, {}
+    for name in ("clean", "torn"):
+        folder = tmp_path / name
+        folder.mkdir()
+        if name == "clean":
+            (folder / "exited").touch()  # its marker is there from the start: it cannot fail
+        trainer = _make(TornGANOperator, folder)
+        try:
+            trainer.train(max_retries=2)
+            runs[name], events[name] = _gan_weights(trainer), trainer.recovery_events
+        finally:
+            trainer.shutdown()
+    # The survivor had stepped the generator of step 41, not its discriminator: it went back to
+    # step 40 and gave that state, so the run equals the one without a failure.
+    assert events["clean"] == [] and (tmp_path / "torn" / "exited").exists()
+    resize = next(e for e in events["torn"] if e.kind == "resize")
+    assert (resize.source, resize.steps_redone) == (f"rank 0 at step {DIE_AT_STEP}", 1)
+    for got, want in zip(runs["torn"], runs["clean"]):
+        torch.testing.assert_close(got, want)
 
 
 @pytest.mark.timeout(150)
