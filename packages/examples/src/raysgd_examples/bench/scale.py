@@ -4,7 +4,8 @@ For MLPs of 0.1M, 25M and 100M parameters trained with Adam on 2 workers (gloo, 
 size in a fresh process:
 
 - ``train(num_steps=1, max_retries=0)`` ("bare": no fault tolerance asked for) against
-  ``train(num_steps=1)`` ("guarded": the default ``max_retries=3``), the two alternating, medians;
+  ``train(num_steps=1)`` ("guarded": the default ``max_retries=3``), in pairs of a random order,
+  medians;
 - ``validate(num_steps=1)`` right after a ``train()`` call, against the same right after another
   ``validate()``;
 - the driver process's peak resident memory (``ru_maxrss``), and its growth over the driver before
@@ -22,6 +23,7 @@ so that guarded / bare shows what one snapshot costs the loop; 0: only at start-
 from __future__ import annotations
 
 import argparse
+import random
 import resource
 import statistics
 import time
@@ -96,13 +98,17 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
         try:
             trainer.train(num_steps=2, max_retries=0)  # warm-up: Adam's state exists from here on
             bare, guarded = [], []
-            for i in range(args.steps):
-                # Alternate the order so that neither always runs right after the other.
+            # Each pair in an order drawn at random: neither side always runs right after the
+            # other, and a cost that comes every k steps (an fsdp snapshot every 20) does not
+            # always land on the same side, as it did with strict alternation.
+            order = random.Random()
+            for _ in range(args.steps):
                 pair = [
                     lambda: bare.append(_timed(lambda: trainer.train(num_steps=1, max_retries=0))),
                     lambda: guarded.append(_timed(lambda: trainer.train(num_steps=1))),
                 ]
-                for run in pair[:: -1 if i % 2 else 1]:
+                order.shuffle(pair)
+                for run in pair:
                     run()
             after_train, after_validate = [], []
             for _ in range(max(1, args.steps // 2)):
