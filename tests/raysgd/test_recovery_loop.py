@@ -328,6 +328,6 @@ def test_a_node_lost_during_a_move_is_a_preemption_recovered_by_the_next_run() -
     assert loop.failures == 1
     (lost,) = [e for e in loop.events if e.kind == "restart_failed"]
     assert lost.preempted and lost.ranks == (1,)
-    assert "failed: a worker was lost meanwhile" in loop.events[-1].message
+    assert "failed: a worker was lost" in loop.events[-1].message
     assert loop.run(Script(), max_retries=3) == "done"
     assert group.world_size == 2 and len(restored) == 1

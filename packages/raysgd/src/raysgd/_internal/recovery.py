@@ -365,7 +365,7 @@ class Recovery:
                 nodes,
                 before,
                 f"moving rank(s) {leaving} off draining node(s) {where} "
-                f"({left}) failed: a worker was lost meanwhile",
+                f"({left}) failed: a worker was lost, or none could start",
             )
         took = time.monotonic() - started
         redone = sum(
