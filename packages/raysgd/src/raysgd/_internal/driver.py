@@ -206,6 +206,9 @@ class WorkerCalls:
         for info in self.group.workers:
             if info.node_id == here:
                 return info.rank
+        # The directory is made here (where the file goes in any case), so that a worker that
+        # shares this disk finds it, and one that does not creates nothing on its own node.
+        os.makedirs(directory, exist_ok=True)
         probe = self.read(worker.write_probe, directory)
         if probe is None:
             return None

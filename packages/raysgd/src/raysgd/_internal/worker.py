@@ -11,7 +11,9 @@ reference.
 
 from __future__ import annotations
 
+import os
 import time
+import uuid
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Optional
 
@@ -232,13 +234,10 @@ def write_checkpoint(path: str) -> str:
 
 
 def write_probe(directory: str) -> Optional[str]:
-    """Create an empty, uniquely named file in `directory` (made if missing) and return its path,
-    so that the driver can tell whether it sees this worker's files there; None if it cannot."""
-    import os
-    import uuid
-
+    """Create an empty, uniquely named file in `directory` and return its path, so that the driver
+    can tell whether it sees this worker's files there; None when it cannot (the directory does
+    not exist here: nothing is created on this node)."""
     try:
-        os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f".raysgd-probe-{uuid.uuid4().hex}")
         with open(path, "x"):
             pass
@@ -249,8 +248,6 @@ def write_probe(directory: str) -> Optional[str]:
 
 def remove_file(path: str) -> None:
     """Remove `path` on this worker's node (missing: nothing to do)."""
-    import os
-
     try:
         os.remove(path)
     except FileNotFoundError:
