@@ -45,6 +45,8 @@ def test_a_keyword_named_like_a_field_has_its_default() -> None:
             continue
         field = TRAINING.get(RENAMED.get(name, name)) or GROUP[RENAMED.get(name, name)]
         assert param.default == field.default, (name, param.default, field.default)
+    # Derived, since it also sets the workers' threads, but it reaches its field as given.
+    assert _keywords()["num_cpus_per_worker"].default == GROUP["num_cpus_per_worker"].default
 
 
 def test_every_training_option_is_reachable_from_the_trainer() -> None:

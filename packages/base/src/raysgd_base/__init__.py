@@ -4,7 +4,7 @@ No dependencies: it imports neither Ray nor torch nor any sibling package, so ev
 import it.
 """
 
-from raysgd_base.checks import check_int, check_number, check_option_names
+from raysgd_base.checks import WrongTypeError, check_int, check_number, check_option_names
 from raysgd_base.registry import (
     Registry,
     accepted_keywords,
@@ -17,6 +17,7 @@ from raysgd_base.registry import (
 __version__ = "0.1.0"
 __all__ = [
     "Registry",
+    "WrongTypeError",
     "accepted_keywords",
     "call_with_accepted",
     "check_int",

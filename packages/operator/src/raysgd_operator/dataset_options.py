@@ -90,9 +90,7 @@ class DatasetOptions:
             raise TypeError(f"DatasetOptions.drop_last must be a bool, got {self.drop_last!r}")
         _check_optional_int("local_shuffle_buffer_size", self.local_shuffle_buffer_size, 1)
         _check_optional_int("local_shuffle_seed", self.local_shuffle_seed, 0)
-        _check_optional_int("prefetch_batches", self.prefetch_batches, 0)
-        if self.prefetch_batches is None:
-            raise ValueError("DatasetOptions.prefetch_batches must be an int >= 0, got None")
+        check_int("DatasetOptions.prefetch_batches", self.prefetch_batches, minimum=0)
 
     def iter_kwargs(self, batch_size: int, device: torch.device) -> dict[str, Any]:
         """Keyword arguments of ``shard.iter_torch_batches`` for one worker."""

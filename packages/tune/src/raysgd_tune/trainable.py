@@ -201,7 +201,7 @@ def trainer_resource_request(
     num_cpus_per_worker: float,
     use_gpu: Any,
     use_local: bool,
-    spare_workers: int = 0,
+    spare_workers: int = GroupOptions.spare_workers,
 ) -> PlacementGroupFactory:
     """The placement group a trial running one `TorchTrainer` needs: PACK, one bundle of one CPU
     for the trial process plus one per worker and per spare worker (`{"CPU": num_cpus_per_worker,
