@@ -198,7 +198,7 @@ def DistributedTrainableCreator(  # RaySGD's public name
         group=group,
         head_bundle=None,  # the trial process only relays reports: it needs no CPU of its own
         workers_per_bundle=num_workers_per_host or 1,
-        strategy="SPREAD" if num_workers_per_host else "PACK",
+        placement_strategy="SPREAD" if num_workers_per_host else "PACK",
     )
     ship_by_value(func)
     spec = _Spec(func, num_workers, group)

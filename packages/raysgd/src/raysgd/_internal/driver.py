@@ -54,7 +54,7 @@ class RunnerArgs(NamedTuple):
     operator_ref: Any  # the operator class in the object store (a top-level ref, resolved there)
     config: dict[str, Any]  # each worker's config (its share of the global batch)
     options: TrainingOptions
-    shards: Sequence[Mapping[str, Any]]  # every rank's dataset shards, in rank order
+    dataset_splits: Sequence[Mapping[str, Any]]  # every rank's split of the datasets, rank order
 
 
 @dataclass
@@ -123,9 +123,9 @@ class WorkerCalls:
         started = time.monotonic()
         self.group.start()
         group_ready = time.monotonic()
-        operator_ref, config, options, shards = self.runner_args()
+        operator_ref, config, options, dataset_splits = self.runner_args()
         first = self.group.execute(
-            worker.create_runner, operator_ref, config, options, copy_limit_bytes, shards
+            worker.create_runner, operator_ref, config, options, copy_limit_bytes, dataset_splits
         )[0]
         done = time.monotonic()
         logger.debug(

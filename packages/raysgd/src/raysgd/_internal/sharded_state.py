@@ -196,12 +196,12 @@ class ShardedSnapshots:
         operator_ref: Any,
         config: dict[str, Any],
         options: TrainingOptions,
-        shards: Sequence[Mapping[str, Any]] = (),
+        dataset_splits: Sequence[Mapping[str, Any]] = (),
     ) -> tuple[int, int, str]:
         """After a resize: rebuild every runner from the newest snapshot whose every part survived
         (each worker's own or its peer's copy), resharded to the new size, and go on with the call
         the survivors were in; when some part is lost with its copy, from the last checkpoint.
-        `shards`: the datasets split over the new group (every rank's, in rank order).
+        `dataset_splits`: the datasets split over the new group (every rank's, in rank order).
 
         Returns (the step training goes on from, the furthest step a survivor had started, where
         the state came from).
@@ -244,7 +244,16 @@ class ShardedSnapshots:
             )
         # `operator_ref`: the operator class in the object store (a top-level ref, resolved there)
         group.execute(
-            ws.restore, operator_ref, config, options, metadata, state, source, shards, call, meters
+            ws.restore,
+            operator_ref,
+            config,
+            options,
+            metadata,
+            state,
+            source,
+            dataset_splits,
+            call,
+            meters,
         )
         group.execute(ws.start_snapshots)
         self.capture(group)  # every part has a copy again, in the new group's layout

@@ -214,8 +214,10 @@ class ReplicatedState(TrainingState):
             outcome = RestoreOutcome(
                 f"rank {plan.source} at step {plan.step}", plan.step, plan.steps_redone
             )
-        operator_ref, config, options, shards = workers.runner_args()
-        group.execute(worker.restore_runner, operator_ref, config, options, plan, fallback, shards)
+        operator_ref, config, options, dataset_splits = workers.runner_args()
+        group.execute(
+            worker.restore_runner, operator_ref, config, options, plan, fallback, dataset_splits
+        )
         self.step = outcome.step
         return outcome
 
@@ -308,9 +310,9 @@ class ShardedState(TrainingState):
         """Every runner is rebuilt from the newest snapshot whose parts survived (the survivors'
         own and their peers' copies), resharded to the new size, else from the last checkpoint
         directory; the steps since are done again."""
-        operator_ref, config, options, shards = workers.runner_args()
+        operator_ref, config, options, dataset_splits = workers.runner_args()
         step, reached, what = self.snapshots.restore(
-            workers.group, operator_ref, config, options, shards
+            workers.group, operator_ref, config, options, dataset_splits
         )
         self.step = step
         return RestoreOutcome(what, step, reached - step)

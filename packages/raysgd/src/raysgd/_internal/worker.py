@@ -58,18 +58,18 @@ def _runner() -> OperatorRunner:
     return runner
 
 
-def _my_shards(shards: Sequence[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
-    """This worker's dataset shards out of every rank's (None without datasets)."""
-    if not shards:
+def _my_dataset_splits(dataset_splits: Sequence[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
+    """This worker's dataset splits out of every rank's (None without datasets)."""
+    if not dataset_splits:
         return None
-    return dict(shards[get_context().world_rank])
+    return dict(dataset_splits[get_context().world_rank])
 
 
 def _build(
     operator_cls: type,
     config: Mapping[str, Any],
     options: TrainingOptions,
-    shards: Sequence[Mapping[str, Any]] = (),
+    dataset_splits: Sequence[Mapping[str, Any]] = (),
     *,
     restoring: bool = False,
 ) -> OperatorRunner:
@@ -85,7 +85,7 @@ def _build(
         local_rank=ctx.local_rank,
         world_size=ctx.world_size,
         device=ctx.device,
-        datasets=_my_shards(shards),
+        datasets=_my_dataset_splits(dataset_splits),
         options=options,
         restoring=restoring,
     )
@@ -102,16 +102,16 @@ def create_runner(
     config: Mapping[str, Any],
     options: TrainingOptions,
     copy_limit_bytes: int = 0,
-    shards: Sequence[Mapping[str, Any]] = (),
+    dataset_splits: Sequence[Mapping[str, Any]] = (),
 ) -> Optional[tuple[Optional[bytes], int]]:
     """Build this worker's runner (which runs the user's `setup`).
 
     Rank 0 of a replicated run also returns ``(state bytes, state size)``: the bytes only when the
-    state is at most `copy_limit_bytes`, so that the driver's bounded copy starts current. `shards`
-    holds every rank's dataset shards (`{name: DataIterator}` in rank order); each worker takes its
-    own.
+    state is at most `copy_limit_bytes`, so that the driver's bounded copy starts current.
+    `dataset_splits` holds every rank's split of the datasets (`{name: DataIterator}` in rank
+    order); each worker takes its own.
     """
-    runner = _build(operator_cls, config, options, shards)
+    runner = _build(operator_cls, config, options, dataset_splits)
     if get_context().world_rank != 0 or runner.sharded:
         return None
     size = _state_nbytes(runner)
@@ -131,7 +131,7 @@ def restore_runner(
     options: TrainingOptions,
     plan: RestorePlan,
     fallback: Optional[bytes],
-    shards: Sequence[Mapping[str, Any]] = (),
+    dataset_splits: Sequence[Mapping[str, Any]] = (),
 ) -> None:
     """After a resize: make this worker ready to go on training where `plan` says.
 
@@ -139,22 +139,22 @@ def restore_runner(
     its state); a new worker builds one. Then the source sends its state to the receivers over the
     new process group, or, when no worker held a usable state, everyone loads `fallback` (the
     driver's copy or a checkpoint). Last, everyone takes the source's place in the epoch and the
-    call it was in. `shards`: the datasets split over the new group, as for `create_runner`.
+    call it was in. `dataset_splits`: the datasets split over the new group, as for `create_runner`.
     """
     ctx = get_context()
     rank = ctx.world_rank
     placement = dict(world_rank=rank, local_rank=ctx.local_rank, world_size=ctx.world_size)
     runner: Optional[OperatorRunner] = ctx.store.get(RUNNER_KEY)
     if runner is not None and not runner.rebind(
-        **placement, config=dict(config), datasets=_my_shards(shards)
+        **placement, config=dict(config), datasets=_my_dataset_splits(dataset_splits)
     ):
         # The loaders cannot follow (the user's own sampler): set up again, keeping the state.
         old = runner
-        runner = _build(operator_cls, config, options, shards, restoring=True)
+        runner = _build(operator_cls, config, options, dataset_splits, restoring=True)
         runner.take_over(old)
         old.shutdown()
     if runner is None:
-        runner = _build(operator_cls, config, options, shards, restoring=True)
+        runner = _build(operator_cls, config, options, dataset_splits, restoring=True)
     if plan.source is None:
         if fallback is None:
             raise RuntimeError("no worker holds the training state and there is no copy of it")

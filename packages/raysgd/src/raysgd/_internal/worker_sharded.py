@@ -396,20 +396,20 @@ def restore(
     metadata: bytes,
     state: dict,
     source: Source,
-    shards: Sequence[Mapping[str, Any]] = (),
+    dataset_splits: Sequence[Mapping[str, Any]] = (),
     call: Optional[CallRecord] = None,
     meters: Sequence[Optional[AverageMeterCollection]] = (),
 ) -> None:
     """After a resize: build a new runner (sharded modules cannot change their group), load the
     snapshot into it, resharded for the new group, and go on with `call` from the snapshot's step
-    (`meters[rank]`: this rank's share of the call's metrics up to there). `shards`: every rank's
-    dataset shards of a split over the new group (each worker takes its own)."""
+    (`meters[rank]`: this rank's share of the call's metrics up to there). `dataset_splits`: every
+    rank's split of the datasets over the new group (each worker takes its own)."""
     ctx = get_context()
     old: Optional[OperatorRunner] = ctx.store.pop(RUNNER_KEY, None)
     ctx.store.pop(SNAPSHOTS_KEY, None)  # its parts belong to the old group's layout
     if old is not None:
         old.shutdown()
-    runner = _build(operator_cls, config, options, shards, restoring=True)
+    runner = _build(operator_cls, config, options, dataset_splits, restoring=True)
     _load_into(runner, metadata, state, source)
     mine = meters[ctx.world_rank] if ctx.world_rank < len(meters) else None
     runner.adopt_snapshot(call, mine)

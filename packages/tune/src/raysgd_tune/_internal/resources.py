@@ -21,7 +21,7 @@ def worker_bundles_request(
     group: GroupOptions,
     head_bundle: dict[str, float] | None,
     workers_per_bundle: int = 1,
-    strategy: str = "PACK",
+    placement_strategy: str = "PACK",
 ) -> PlacementGroupFactory:
     """One bundle for the trial process (`head_bundle`; empty or None: it needs nothing) and one per
     `workers_per_bundle` workers, plus one per spare worker (`group.spare_workers`: always a remote
@@ -45,5 +45,7 @@ def worker_bundles_request(
     one_worker = {key: amount / workers_per_bundle for key, amount in bundle.items()}
     worker_bundles += [dict(one_worker) for _ in range(group.spare_workers)]
     if group.use_local:
-        return PlacementGroupFactory(worker_bundles, strategy=strategy)
-    return PlacementGroupFactory([dict(head_bundle or {}), *worker_bundles], strategy=strategy)
+        return PlacementGroupFactory(worker_bundles, strategy=placement_strategy)
+    return PlacementGroupFactory(
+        [dict(head_bundle or {}), *worker_bundles], strategy=placement_strategy
+    )
