@@ -18,6 +18,9 @@ def test_timeout_is_the_argument_else_nccl_timeout_s_else_the_default(
     monkeypatch.setenv("NCCL_TIMEOUT_S", "60")
     assert resolve_timeout(None) == 60.0
     assert resolve_timeout(5) == 5
+    # A WorkerGroup's options follow the same rule as the trainer's and Tune's.
+    assert GroupOptions().timeout_s == 60.0
+    assert GroupOptions(timeout_s=5).timeout_s == 5.0
 
 
 @pytest.mark.parametrize("raw", ["soon", "", "0", "-1", "nan"])

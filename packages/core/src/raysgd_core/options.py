@@ -83,7 +83,9 @@ class GroupOptions:
         backend: "gloo", "nccl" or "auto" (nccl when GPUs are requested, else gloo: the one
             rule, `resolve_backend`; `process_group_backend` is the result).
         timeout_s: timeout of the process group's collectives, in seconds (a `timedelta`, as
-            `torch.distributed` takes it, is turned into seconds).
+            `torch.distributed` takes it, is turned into seconds). None, the default, is
+            `resolve_timeout`'s rule: `NCCL_TIMEOUT_S` when set, else `DEFAULT_TIMEOUT_S`. Built
+            options always hold seconds.
         placement_strategy: placement-group strategy, one of `PLACEMENT_STRATEGIES`.
         init_hook: called with no arguments on every worker before the process group is formed
             (also on workers started by `recover`).
@@ -116,7 +118,7 @@ class GroupOptions:
     num_gpus_per_worker: float = 0
     resources_per_worker: Optional[Mapping[str, float]] = None
     backend: str = "auto"
-    timeout_s: Union[float, timedelta] = DEFAULT_TIMEOUT_S
+    timeout_s: Union[float, timedelta, None] = None
     placement_strategy: str = "SPREAD"
     init_hook: Optional[Callable[[], Any]] = None
     env_vars: Optional[Mapping[str, str]] = None
@@ -139,7 +141,7 @@ class GroupOptions:
             )
         for resource, amount in (self.resources_per_worker or {}).items():
             check_number(f"resources_per_worker[{resource!r}]", amount)
-        timeout = self.timeout_s
+        timeout = resolve_timeout(self.timeout_s)
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
         check_number("timeout_s", timeout, above=0)

@@ -41,7 +41,6 @@ from raysgd_core import (
     WorkerGroup,
     ensure_ray,
     require_cluster_gpus,
-    resolve_timeout,
     resolve_use_gpu,
 )
 from raysgd_fault import FailurePolicy, get_policy
@@ -205,7 +204,6 @@ class TorchTrainer:
                 **group_fields,
                 num_cpus_per_worker=num_cpus_per_worker,
                 num_gpus_per_worker=1 if self._options.use_gpu else 0,
-                timeout_s=resolve_timeout(timeout_s),
                 spare_imports=SHARDED_STATE_IMPORTS if self._options.sharded else (),
                 **start_timeout(),
             ),

@@ -28,7 +28,7 @@ import ray
 from ray import tune
 
 from raysgd_base import check_int
-from raysgd_core import GroupOptions, resolve_timeout, resolve_use_gpu, ship_by_value
+from raysgd_core import GroupOptions, resolve_use_gpu, ship_by_value
 from raysgd_tune._internal import worker_run
 from raysgd_tune._internal.ray_session import trial_info as current_trial_info
 from raysgd_tune._internal.resources import worker_bundles_request
@@ -189,7 +189,7 @@ def DistributedTrainableCreator(  # RaySGD's public name
         num_cpus_per_worker=num_cpus_per_worker,
         num_gpus_per_worker=num_gpus_per_worker,
         backend=backend,
-        timeout_s=resolve_timeout(timeout_s),
+        timeout_s=timeout_s,
         # Tune's placement group captures child actors: the workers take the trial's bundles.
         placement_group="auto",
     )

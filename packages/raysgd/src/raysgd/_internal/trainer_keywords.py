@@ -30,7 +30,6 @@ DERIVED: dict[str, str] = {
     "use_gpu": 'TrainingOptions.use_gpu ("auto" resolved on the driver) and '
     "GroupOptions.num_gpus_per_worker (1 or 0)",
     "num_cpus_per_worker": "GroupOptions.num_cpus_per_worker and TrainingOptions.num_threads",
-    "timeout_s": "GroupOptions.timeout_s (None: NCCL_TIMEOUT_S, else 1800 s)",
     "dataset_options": "TrainingOptions.dataset_options (a dict becomes a DatasetOptions)",
     "num_workers": "the group's size, and TrainingOptions.distributed (more than one worker)",
 }
