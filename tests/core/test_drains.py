@@ -24,6 +24,15 @@ class _Busy:
         return ray.get_runtime_context().get_node_id()
 
 
+def _drain(
+    address: str, node_id: str, reason: str, *extra: str, check: bool = True
+) -> subprocess.CompletedProcess:
+    """`ray drain-node` as an operator or a cloud's hook runs it."""
+    command = [sys.executable, "-m", "ray.scripts.scripts", "drain-node", "--address", address]
+    command += ["--node-id", node_id, "--reason", reason, *extra]
+    return subprocess.run(command, check=check, capture_output=True, text=True)
+
+
 @pytest.mark.timeout(120)
 def test_a_preemption_drain_is_seen_with_its_deadline_and_the_reclaimed_node_as_preempted(
     ray_multinode: Any,
@@ -35,16 +44,18 @@ def test_a_preemption_drain_is_seen_with_its_deadline_and_the_reclaimed_node_as_
     busy = _Busy.remote()  # a drain of an idle node ends at once; a worker keeps it draining
     assert ray.get(busy.node.remote()) == node.node_id
     assert node.node_id not in draining_nodes()
+    # An autoscaler's idle-termination drain is refused on a node that runs a worker, so it
+    # never reads as a notice to the workers there.
+    idle = _drain(
+        cluster.address, node.node_id, "DRAIN_NODE_REASON_IDLE_TERMINATION",
+        "--reason-message", "idle", check=False,
+    )  # fmt: skip
+    assert idle.returncode != 0 and "not accepted" in idle.stderr, idle.stderr
+    assert node.node_id not in draining_nodes()
     asked = time.time()
-    subprocess.run(
-        [
-            sys.executable, "-m", "ray.scripts.scripts", "drain-node",
-            "--address", cluster.address, "--node-id", node.node_id,
-            "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",
-            "--deadline-remaining-seconds", "3",
-        ],
-        check=True,
-        capture_output=True,
+    _drain(
+        cluster.address, node.node_id, "DRAIN_NODE_REASON_PREEMPTION", "--reason-message",
+        "spot reclaim", "--deadline-remaining-seconds", "3",
     )  # fmt: skip
     # The private call itself, so that a change in Ray fails here and not behind the fallback.
     assert set(ray_drains.read_draining_nodes()) == {node.node_id}, (

@@ -10,8 +10,8 @@ real drain). Where the call is missing, `draining_nodes()` returns nothing and l
 preemption notices are then not seen, and a preempted worker is recovered like any lost one.
 
 Only drains of nodes that hold a worker matter, and Ray accepts an idle-termination drain only for a
-node that runs nothing, so a drain of a node with a worker on it is a preemption (or a drain by
-hand, which is treated the same).
+node that runs nothing (it answers "not accepted" otherwise, which the same test checks), so a
+drain of a node with a worker on it is a preemption (or a drain by hand, treated the same).
 """
 
 from __future__ import annotations
