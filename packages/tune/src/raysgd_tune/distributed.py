@@ -163,6 +163,9 @@ def DistributedTrainableCreator(  # RaySGD's public name
     which are then kept together on one node), so `resources_per_trial` is not needed.
     `timeout_s` is the process group's timeout (default: `NCCL_TIMEOUT_S` or 1800).
     `use_gpu` is RaySGD 1.0's spelling of one GPU per worker; prefer `num_gpus_per_worker`.
+    The keywords and their defaults are RaySGD's own for this function (`backend="gloo"` where a
+    `GroupOptions` would say "auto"), kept so that its callers run unchanged; `GroupOptions`
+    checks them.
 
     Raises `ValueError` when `func` cannot be called as `func(config, checkpoint_dir=None)` or when
     `num_workers` is not a multiple of `num_workers_per_host`.
