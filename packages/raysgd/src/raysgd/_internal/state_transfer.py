@@ -5,8 +5,8 @@ replacements, survivors a step behind). The state never leaves the workers: its 
 pickle in which every tensor is replaced by its shape and dtype) goes first, then the tensors
 themselves with ``broadcast``, straight from the source's live tensors on its device, batched into
 buckets so that a model of many small tensors does not pay one collective per tensor. Only the
-source and the receivers take part (a subgroup); the other workers just create and drop it, as
-`torch.distributed.new_group` asks of every rank.
+source and the receivers take part: the whole group when that is everyone, else a subgroup, which
+the other workers just create and drop, as `torch.distributed.new_group` asks of every rank.
 """
 
 from __future__ import annotations
@@ -109,7 +109,9 @@ def broadcast_state(
     `device` is where collectives run: the worker's GPU with NCCL, the CPU with gloo.
     """
     members = sorted({source, *receivers})
-    group = dist.new_group(ranks=members)
+    # A subgroup costs a rendezvous of its own (tens of milliseconds with gloo): only when some
+    # ranks stay out, so that they are not sent a state they already hold.
+    group = None if len(members) == dist.get_world_size() else dist.new_group(ranks=members)
     rank = dist.get_rank()
     try:
         if rank not in members or len(members) == 1:
@@ -141,7 +143,8 @@ def broadcast_state(
             return state
         return unflatten(skeleton, [received[i] for i in range(len(specs))])
     finally:
-        dist.destroy_process_group(group)
+        if group is not None:
+            dist.destroy_process_group(group)
 
 
 def _flat(bucket: list[_Spec], tensors: list[torch.Tensor], comm: torch.device) -> torch.Tensor:
