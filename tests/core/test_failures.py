@@ -195,3 +195,30 @@ def test_stuck_peer_is_killed_after_grace_and_replaced(ray_local):
         assert report.kept == {1: 0} and report.started == [1] and report.lost == [0]
         assert stuck_pid not in [w.pid for w in group.workers]
         assert group.execute(_all_reduce_sum) == [3.0, 3.0]
+
+
+def _bound_then_rank1_stops(bound_s: float) -> float:
+    from raysgd_core import set_collective_timeout
+
+    set_collective_timeout(bound_s)
+    if get_context().world_rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # silent: alive, connections open, never answers
+    return _all_reduce_sum()
+
+
+def test_a_silent_peer_is_lost_and_its_waiting_peer_kept(ray_local):
+    # peer_grace_s far above the bound: the waiting rank is never killed for waiting, and the
+    # silent one is found from the waiting rank's bounded collective, not from the grace.
+    with WorkerGroup(2, peer_grace_s=100) as group:
+        pids = [w.pid for w in group.workers]
+        with pytest.raises(WorkerDiedError) as info:
+            group.execute(_bound_then_rank1_stops, 2.0)
+        # Named silent (the grace would have called it stuck), and lost alone.
+        assert info.value.ranks == [1] and info.value.silent == [1]
+        assert "stopped answering" in str(info.value)
+        report = group.recover(2, timeout_s=60)
+        assert report.kept == {0: 0} and report.started == [1] and report.lost == [1]
+        assert group.workers[0].pid == pids[0]
+        assert pids[1] not in [w.pid for w in group.workers]
+        # The new group's collectives wait for the group's own timeout again.
+        assert group.execute(_all_reduce_sum) == [3.0, 3.0]

@@ -6,6 +6,7 @@
 Nothing here knows about models or training; this package imports no other raysgd package.
 """
 
+from raysgd_core.collectives import set_collective_timeout
 from raysgd_core.context import WorkerContext, get_context
 from raysgd_core.drains import draining_nodes, preempted_nodes
 from raysgd_core.errors import (
@@ -17,12 +18,18 @@ from raysgd_core.errors import (
 from raysgd_core.gpu import require_cluster_gpus, resolve_use_gpu
 from raysgd_core.group import WorkerGroup
 from raysgd_core.info import RecoveryReport, WorkerInfo
-from raysgd_core.options import GroupOptions, resolve_backend, resolve_timeout
+from raysgd_core.options import (
+    DEFAULT_PEER_GRACE_S,
+    GroupOptions,
+    resolve_backend,
+    resolve_timeout,
+)
 from raysgd_core.ray_options import WORKER_PRELOAD_MODULES, ensure_ray, local_ray_options
 from raysgd_core.shipping import ship_by_value, shipped_by_value
 
 __version__ = "0.1.0"
 __all__ = [
+    "DEFAULT_PEER_GRACE_S",
     "WORKER_PRELOAD_MODULES",
     "GroupOptions",
     "RecoveryReport",
@@ -43,6 +50,7 @@ __all__ = [
     "resolve_backend",
     "resolve_timeout",
     "resolve_use_gpu",
+    "set_collective_timeout",
     "ship_by_value",
     "shipped_by_value",
 ]

@@ -28,6 +28,8 @@ class WorkerContext:
         device: the `torch.device` this worker should compute on (`cuda:0` for a GPU actor, as Ray
             sets `CUDA_VISIBLE_DEVICES` per actor; `cpu` otherwise).
         backend: the `torch.distributed` backend ("gloo" or "nccl").
+        timeout_s: the process group's timeout: the longest one collective waits for a peer,
+            unless the caller bounds it tighter with `raysgd_core.set_collective_timeout`.
         store: a dict that lives as long as the worker process (kept across `WorkerGroup.recover`);
             frameworks keep their per-worker objects here.
     """
@@ -40,6 +42,7 @@ class WorkerContext:
     node_ip: str
     device: Any
     backend: str
+    timeout_s: float
     store: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 

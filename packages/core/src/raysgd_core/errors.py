@@ -33,6 +33,9 @@ class WorkerDiedError(WorkerGroupError):
         nodes: the Ray node ids they ran on, in the order of `ranks`.
         preempted: the ranks among them whose loss Ray marked as a preemption (their node was
             reclaimed after a preemption drain).
+        silent: the ranks among them that stopped answering without dying (a peer's collective
+            waited out its bound for them) and were killed: their node may be frozen, so its
+            room is not counted on.
     """
 
     def __init__(
@@ -41,14 +44,16 @@ class WorkerDiedError(WorkerGroupError):
         ranks: Sequence[int],
         nodes: Sequence[str],
         preempted: Sequence[int] = (),
+        silent: Sequence[int] = (),
     ) -> None:
         super().__init__(message)
         self.ranks: list[int] = list(ranks)
         self.nodes: list[str] = list(nodes)
         self.preempted: list[int] = list(preempted)
+        self.silent: list[int] = list(silent)
 
     def __reduce__(self):  # keep the attributes when the error crosses a process boundary
-        return (type(self), (str(self), self.ranks, self.nodes, self.preempted))
+        return (type(self), (str(self), self.ranks, self.nodes, self.preempted, self.silent))
 
 
 class WorkerError(WorkerGroupError):

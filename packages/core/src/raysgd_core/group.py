@@ -10,7 +10,7 @@ from raysgd_base import check_int
 from raysgd_core._internal import lifecycle, spares
 from raysgd_core._internal.failures import Outcome, collect, raise_for
 from raysgd_core._internal.placement import estimate_fitting
-from raysgd_core._internal.recovery import recover as _recover
+from raysgd_core._internal.regroup import recover as _recover
 from raysgd_core._internal.state import GroupSpec, GroupState
 from raysgd_core._internal.workers import kill_worker, record_local
 from raysgd_core.info import RecoveryReport, WorkerInfo
@@ -291,7 +291,12 @@ class WorkerGroup:
 
     def _finish(self, pending: dict, outcome: Outcome) -> None:
         by_rank = {w.rank: w for w in self._state.workers}
-        collect(pending, outcome, kill=lambda r: kill_worker(by_rank[r]))
+        collect(
+            pending,
+            outcome,
+            kill=lambda r, ref: kill_worker(by_rank[r], unanswered=ref),
+            grace_s=self._options.peer_grace_s,
+        )
         if not outcome.ok:
             self._state.broken = True
             for r in outcome.died:

@@ -20,6 +20,7 @@ from raysgd_base import check_int, check_number, check_option_names
 
 __all__ = [
     "BACKENDS",
+    "DEFAULT_PEER_GRACE_S",
     "DEFAULT_TIMEOUT_S",
     "PLACEMENT_STRATEGIES",
     "TIMEOUT_ENV_VAR",
@@ -71,12 +72,19 @@ def resolve_timeout(timeout_s: Union[float, timedelta, None]) -> Union[float, ti
     return seconds
 
 
+#: `GroupOptions.peer_grace_s` by default: gloo peers of a failing rank fail within milliseconds of
+#: it leaving the group, and Ray needs up to a few seconds to report an actor death on a loaded
+#: machine.
+DEFAULT_PEER_GRACE_S = 5.0
+
+
 @dataclass(frozen=True)
 class GroupOptions:
     """Resources, placement, start-up, spares and timeouts of a `WorkerGroup`'s workers.
 
     Attributes:
-        num_cpus_per_worker: CPUs reserved per worker.
+        num_cpus_per_worker: CPUs reserved per worker; more than 0 (a worker with none would
+            run torch with no thread of its own).
         num_gpus_per_worker: GPUs reserved per worker (each worker then computes on `cuda:0` of its
             own `CUDA_VISIBLE_DEVICES`).
         resources_per_worker: extra Ray resources per worker.
@@ -104,6 +112,12 @@ class GroupOptions:
             worker imports: those a promoted worker would otherwise import after the loss (e.g.
             `torch.distributed.checkpoint` for a run whose state is sharded). A missing one is
             logged, not raised.
+        peer_grace_s: after a rank fails in a call, how long the other ranks get to finish or fail
+            on their own before they are killed as stuck. A caller whose ranks may wait in one
+            collective for up to T seconds (see `raysgd_core.set_collective_timeout`) gives at
+            least T, so that a rank waiting for a lost peer raises, keeps its state and is never
+            killed for waiting. Once a rank reports a collective that waited out its bound, the
+            ranks still silent a few seconds later are killed without waiting longer.
         keep_freed_memory: raise each worker's malloc thresholds (glibc only) so the memory a
             step frees is reused by the next one instead of being returned to the OS and faulted
             back in (what that costs: the raysgd-core README). Applied to the calling process too
@@ -127,10 +141,11 @@ class GroupOptions:
     start_timeout_s: float = 30.0
     spare_workers: int = 0
     spare_imports: Sequence[str] = ()
+    peer_grace_s: float = DEFAULT_PEER_GRACE_S
     keep_freed_memory: bool = True
 
     def __post_init__(self) -> None:
-        check_number("num_cpus_per_worker", self.num_cpus_per_worker)
+        check_number("num_cpus_per_worker", self.num_cpus_per_worker, above=0)
         check_number("num_gpus_per_worker", self.num_gpus_per_worker)
         if self.resources_per_worker is not None and not isinstance(
             self.resources_per_worker, Mapping
@@ -146,6 +161,7 @@ class GroupOptions:
             timeout = timeout.total_seconds()
         check_number("timeout_s", timeout, above=0)
         check_number("start_timeout_s", self.start_timeout_s, above=0)
+        check_number("peer_grace_s", self.peer_grace_s, above=0)
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(
                 f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
@@ -175,6 +191,7 @@ class GroupOptions:
         normal = {
             "timeout_s": float(timeout),
             "start_timeout_s": float(self.start_timeout_s),
+            "peer_grace_s": float(self.peer_grace_s),
             "resources_per_worker": dict(self.resources_per_worker or {}),
             "env_vars": {str(k): str(v) for k, v in (self.env_vars or {}).items()},
             "spare_imports": tuple(self.spare_imports),

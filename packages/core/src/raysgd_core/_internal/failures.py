@@ -2,8 +2,13 @@
 
 The rule that keeps callers from hanging: results are awaited with `ray.wait`, so a dead actor is
 seen as soon as Ray knows (no collective timeout involved). Once any rank has failed, the others get
-a short grace to finish or fail on their own (a failing rank destroys its process group, which makes
-gloo peers fail at once); whoever is still running after the grace is killed and reported lost.
+a grace to finish or fail on their own: a failing rank destroys its process group, which makes gloo
+peers fail at once, and a rank waiting in a collective for a peer that went silent raises when the
+collective's bound runs out, so a caller that bounds its collectives gives a grace of that bound
+and no waiting rank is killed. Once a rank reports that a collective waited out its bound, the
+ranks that still have not answered a short while later are the silent ones: they are killed and
+reported lost, without waiting for Ray to notice (a frozen node stays "alive" for as long as its
+health checks take).
 """
 
 from __future__ import annotations
@@ -16,15 +21,16 @@ from typing import Any, Optional
 
 from raysgd_core._internal.runtime import Failure
 from raysgd_core.errors import WorkerDiedError, WorkerError
+from raysgd_core.options import DEFAULT_PEER_GRACE_S
 
 __all__ = ["GRACE_S", "Outcome", "collect", "failure_to_error", "raise_for"]
 
 logger = logging.getLogger("raysgd_core")
 
-# How long peers of a failed rank may take to come back before they are killed. Gloo peers fail
-# within milliseconds of the failing rank destroying its group; Ray needs up to a few seconds to
-# report an actor death on a loaded machine.
-GRACE_S = 5.0
+# How long peers of a failed rank may take to come back before they are killed, when nothing
+# longer is asked for; also the wait, after a rank timed out in a collective, for the other ranks
+# waiting in that collective to time out too.
+GRACE_S = DEFAULT_PEER_GRACE_S
 
 
 @dataclass
@@ -36,6 +42,8 @@ class Outcome:
     died: dict[int, str] = field(default_factory=dict)  # rank -> Ray's reason
     preempted: set[int] = field(default_factory=set)  # died ranks Ray marked as preempted
     killed: list[int] = field(default_factory=list)  # stuck after a failure, killed by us
+    #: The ranks in `killed` were silent: a peer's collective waited out its bound for them.
+    silent: bool = False
 
     @property
     def ok(self) -> bool:
@@ -49,26 +57,38 @@ def collect(
     pending: dict[Any, int],
     outcome: Outcome,
     *,
-    kill: Callable[[int], None],
+    kill: Callable[[int, Any], None],
     grace_s: float = GRACE_S,
 ) -> Outcome:
-    """Wait for every ref in `pending` (ref -> rank) and record results and failures in `outcome`."""
+    """Wait for every ref in `pending` (ref -> rank) and record results and failures in `outcome`.
+
+    After the first failure the ranks still running get `grace_s`; after a rank reports a peer
+    timeout, at most `GRACE_S` more (see the module docstring). Those left are killed:
+    `kill(rank, ref)`, with the call's ref they did not answer."""
     import ray
     from ray.exceptions import RayActorError
 
     pending = dict(pending)
-    grace_end: Optional[float] = None if outcome.ok else time.monotonic() + grace_s
+    deadline: Optional[float] = None if outcome.ok else time.monotonic() + grace_s
     while pending:
-        timeout = None if grace_end is None else max(0.0, grace_end - time.monotonic())
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
         if not ready:
-            for rank in pending.values():
-                logger.warning(
-                    "rank %d still running %.1fs after a failure: killing it", rank, grace_s
-                )
-                kill(rank)
+            for ref, rank in pending.items():
+                if outcome.silent:
+                    logger.warning(
+                        "rank %d did not answer: a peer's collective waited out its bound for "
+                        "it; killing it",
+                        rank,
+                    )
+                else:
+                    logger.warning(
+                        "rank %d still running %.1fs after a failure: killing it", rank, grace_s
+                    )
+                kill(rank, ref)
                 outcome.killed.append(rank)
             break
+        timed_out = False
         for ref in ready:
             rank = pending.pop(ref)
             try:
@@ -83,10 +103,20 @@ def collect(
                 if isinstance(value, Failure):
                     value.rank = rank
                     outcome.add_failure(value)
+                    timed_out = timed_out or value.peer_timeout
                 else:
                     outcome.results[rank] = value
-        if grace_end is None and not outcome.ok:
-            grace_end = time.monotonic() + grace_s
+        now = time.monotonic()
+        if deadline is None and not outcome.ok:
+            deadline = now + grace_s
+        if timed_out or outcome.silent:
+            # The peers waiting in the same collective time out within moments of this one;
+            # whoever is still running after that is the peer they were waiting for, and so is
+            # the last rank left when no other rank is known to be gone.
+            outcome.silent = True
+            assert deadline is not None
+            last = len(pending) == 1 and not outcome.died
+            deadline = now if last else min(deadline, now + min(grace_s, GRACE_S))
     return outcome
 
 
@@ -121,7 +151,12 @@ def raise_for(outcome: Outcome, node_of: Callable[[int], str]) -> None:
         parts = [
             f"rank {r} (node {node_of(r)}) died: {outcome.died[r]}" for r in sorted(outcome.died)
         ]
-        if outcome.killed:
+        if outcome.killed and outcome.silent:
+            parts.append(
+                f"ranks {sorted(outcome.killed)} stopped answering (their peers waited out a "
+                "collective's bound for them) and were killed"
+            )
+        elif outcome.killed:
             parts.append(
                 f"ranks {sorted(outcome.killed)} were stuck after the failure and were killed"
             )
@@ -130,6 +165,7 @@ def raise_for(outcome: Outcome, node_of: Callable[[int], str]) -> None:
             lost,
             [node_of(r) for r in lost],
             sorted(outcome.preempted),
+            sorted(outcome.killed) if outcome.silent else (),
         )
     first = min(outcome.failures, key=lambda f: f.time)
     raise failure_to_error(first)

@@ -11,6 +11,12 @@ than reused: a worker placed there would go down with the node. It is reused onc
 somewhere else (Ray places a lost node's bundles again when it has room) or the drain is over.
 Until then, and from then until a new worker takes it, it holds one worker's resources that no
 worker uses: Ray can remove a placement group but not one bundle of it.
+
+The slot of a worker killed because it stopped answering is held back until its process is known
+to be gone (the call it did not answer comes back failed): on a frozen or partitioned node that
+takes as long as Ray's health checks, and a worker placed in the slot meanwhile would never start;
+on a live node Ray kills a stopped process within seconds, and the slot is used again. New workers
+get new one-bundle groups in the meantime.
 """
 
 from __future__ import annotations
@@ -104,6 +110,9 @@ class SlotPool:
         self.free: list[Slot] = []
         #: Free bundles on draining nodes, not handed out until they are elsewhere.
         self.parked: list[Slot] = []
+        #: Slots of workers killed for not answering, each with a ref that resolves (to an
+        #: error) once the worker's process is gone; not handed out until then.
+        self.exiting: list[tuple[Slot, Any]] = []
         self.owned_pgs: list[Any] = []
 
     def create_main(self, bundles: list[dict]) -> list[Slot]:
@@ -130,19 +139,24 @@ class SlotPool:
         self.owned_pgs.append(pg)
         return Slot(pg, 0, owned=True, single=True)
 
-    def release(self, slot: Slot) -> None:
+    def release(self, slot: Slot, *, exit_ref: Any = None) -> None:
         """Give a slot back: a one-bundle group is removed (its resources go back to the cluster),
-        a bundle of the main group is kept for the next worker."""
+        a bundle of the main group is kept for the next worker. `exit_ref`: the worker was killed
+        for not answering and may still hold the slot; the ref resolves once it is gone."""
         if not slot.owned:
             return
         if slot.single:
             self._remove(slot.pg)
+        elif exit_ref is not None:
+            self.exiting.append((slot, exit_ref))
         elif slot not in self.free:
             self.free.append(slot)
 
     def refresh(self) -> None:
         """Set aside the free bundles on draining nodes; take back those that moved off them
-        (Ray placed a lost node's bundle elsewhere, or the drain is over)."""
+        (Ray placed a lost node's bundle elsewhere, or the drain is over) and those whose killed
+        worker is gone."""
+        self._take_back_exited()
         if not self.free and not self.parked:
             return
         from raysgd_core.drains import draining_nodes
@@ -165,6 +179,18 @@ class SlotPool:
                 )
             (self.free if usable else self.parked).append(slot)
 
+    def _take_back_exited(self) -> None:
+        if not self.exiting:
+            return
+        import ray
+
+        refs = [ref for _, ref in self.exiting]
+        gone, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for slot, ref in list(self.exiting):
+            if ref in gone:
+                self.exiting.remove((slot, ref))
+                self.free.append(slot)
+
     def remove_all(self) -> list[Any]:
         """Remove every placement group this pool created (killing anything still in them).
 
@@ -172,6 +198,7 @@ class SlotPool:
         removed = [pg for pg in list(self.owned_pgs) if self._remove(pg)]
         self.free.clear()
         self.parked.clear()
+        self.exiting.clear()
         return removed
 
     def _remove(self, pg: Any) -> bool:

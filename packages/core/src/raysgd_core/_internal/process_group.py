@@ -9,10 +9,22 @@ fail within `formation_timeout_s` instead of the collective timeout (30 minutes 
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 from typing import Any, Optional
 
-__all__ = ["destroy_process_group", "form_process_group", "make_master_store", "select_device"]
+__all__ = [
+    "NCCL_ERROR_HANDLING_ENV",
+    "destroy_process_group",
+    "form_process_group",
+    "make_master_store",
+    "select_device",
+]
+
+#: How NCCL reacts to a collective that outlives its timeout. torch's default tears the whole
+#: process down, which would kill a survivor together with the state it holds; "2" aborts the
+#: communicators only, so the waiting rank raises at its next collective and stays usable.
+NCCL_ERROR_HANDLING_ENV = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 logger = logging.getLogger("raysgd_core")
 
@@ -57,6 +69,9 @@ def form_process_group(
     import torch.distributed as dist
 
     destroy_process_group()
+    if backend == "nccl":
+        # Read when the NCCL process group is built; a value the user set wins.
+        os.environ.setdefault(*NCCL_ERROR_HANDLING_ENV)
     if rank == 0:
         if master_store is None:
             raise RuntimeError("rank 0 must create the rendezvous store first (make_master_store)")

@@ -17,7 +17,14 @@ from typing import Any, Optional
 from raysgd_core import context as _ctx
 from raysgd_core._internal import process_group as _pg
 
-__all__ = ["Failure", "WorkerRuntime", "is_collateral"]
+__all__ = ["Failure", "WorkerRuntime", "is_collateral", "is_peer_timeout"]
+
+# A collective that outlived its bound: the peer it waited for went silent (gloo's per-operation
+# timeout; NCCL's watchdog).
+_TIMEOUT_MARKERS = (
+    "Timed out waiting",
+    "Watchdog caught collective operation timeout",
+)
 
 # Errors a rank gets because a *peer* failed; the peer's own failure is the one to report.
 _COLLATERAL_MARKERS = (
@@ -26,12 +33,18 @@ _COLLATERAL_MARKERS = (
     "Broken pipe",
     "NCCL communicator was aborted",
     "Socket Timeout",
+    *_TIMEOUT_MARKERS,
 )
 
 
 def is_collateral(message: str) -> bool:
     """Whether an error message is a process-group failure caused by another rank."""
     return any(marker in message for marker in _COLLATERAL_MARKERS)
+
+
+def is_peer_timeout(message: str) -> bool:
+    """Whether an error message says a collective waited out its bound for a silent peer."""
+    return any(marker in message for marker in _TIMEOUT_MARKERS)
 
 
 @dataclass
@@ -46,6 +59,8 @@ class Failure:
     exception_bytes: Optional[bytes]
     collateral: bool
     time: float
+    #: The rank waited out a collective's bound: some peer did not answer (see `is_peer_timeout`).
+    peer_timeout: bool = False
 
     def exception(self) -> Optional[BaseException]:
         """The original exception, when it could be pickled and unpickled."""
@@ -128,6 +143,7 @@ class WorkerRuntime:
             node_ip=self.node_ip,
             device=device,
             backend=backend,
+            timeout_s=float(timeout_s),
             store=self.store,
         )
         if _in_actor():
@@ -178,6 +194,7 @@ class WorkerRuntime:
             exception_bytes=payload,
             collateral=is_collateral(message),
             time=time.time(),
+            peer_timeout=is_peer_timeout(message),
         )
 
 

@@ -86,8 +86,10 @@ class GroupState:
         self.broken = False
 
     def drop(self, worker: Worker) -> None:
-        """Kill a remote worker and give its slot back (the local rank is never killed)."""
+        """Kill a remote worker and give its slot back (the local rank is never killed). The slot
+        of a worker killed for not answering comes back once its process is gone (see
+        `SlotPool.release`)."""
         kill_worker(worker)
         if worker.slot is not None and self.pool is not None:
-            self.pool.release(worker.slot)
+            self.pool.release(worker.slot, exit_ref=worker.exit_ref)
             worker.slot = None

@@ -54,6 +54,9 @@ class Worker:
     local_world_size: int = 1
     device: str = "cpu"
     alive: bool = True
+    #: Killed because it did not answer: the call it did not answer, which resolves (to an
+    #: error) once its process is gone (see `SlotPool.release`).
+    exit_ref: Any = None
 
     @property
     def node_id(self) -> str:
@@ -114,7 +117,7 @@ def run_hooks(
         record_local(outcome, 0, result)
     by_index = {first_rank + i: w for i, w in enumerate(workers)}
     pending = {w.info.pop("hook_ref"): i for i, w in by_index.items() if "hook_ref" in w.info}
-    collect(pending, outcome, kill=lambda i: kill_worker(by_index[i]))
+    collect(pending, outcome, kill=lambda i, ref: kill_worker(by_index[i], unanswered=ref))
     raise_for(outcome, lambda i: by_index[i].node_id if i in by_index else "?")
 
 
@@ -147,7 +150,7 @@ def form_group(
         collect(
             {head.actor.open_store.remote(world_size, formation_timeout_s): 0},
             outcome,
-            kill=lambda r: kill_worker(workers[r]),
+            kill=lambda r, ref: kill_worker(workers[r], unanswered=ref),
         )
         raise_for(outcome, node_of)
         host, port = outcome.results[0]
@@ -178,17 +181,20 @@ def form_group(
         local = head.local
         result = local.runtime.run(local.runtime.form, (), kwargs(head, local.gpu_index))
         record_local(outcome, 0, result)
-    collect(pending, outcome, kill=lambda r: kill_worker(workers[r]))
+    collect(pending, outcome, kill=lambda r, ref: kill_worker(workers[r], unanswered=ref))
     raise_for(outcome, node_of)
     for w in workers:
         w.device = outcome.results[w.rank]
 
 
-def kill_worker(worker: Worker) -> None:
-    """Kill a remote worker's actor (no restart); the local rank is never killed."""
+def kill_worker(worker: Worker, *, unanswered: Any = None) -> None:
+    """Kill a remote worker's actor (no restart); the local rank is never killed. `unanswered`:
+    the call it is killed for not answering (kept: it tells when the process is gone)."""
     import ray
 
     worker.alive = worker.local is not None
+    if unanswered is not None:
+        worker.exit_ref = unanswered
     if worker.actor is not None:
         try:
             ray.kill(worker.actor, no_restart=True)

@@ -19,7 +19,13 @@ import time
 from raysgd_core._internal import spares
 from raysgd_core._internal.failures import Outcome, collect, raise_for
 from raysgd_core._internal.state import GroupState
-from raysgd_core._internal.workers import Worker, await_started, run_hooks, spawn
+from raysgd_core._internal.workers import (
+    Worker,
+    await_started,
+    kill_worker,
+    run_hooks,
+    spawn,
+)
 from raysgd_core.errors import WorkerError
 from raysgd_core.info import RecoveryReport
 
@@ -93,7 +99,7 @@ def _keep_healthy(
         outcome = Outcome()
         if state.local is not None:
             state.local.runtime.destroy()
-        collect(refs, outcome, kill=lambda i: state.drop(survivors[i]))
+        collect(refs, outcome, kill=lambda i, ref: _drop_stuck(state, survivors[i], ref))
         raise_for(outcome, lambda i: survivors[i].node_id)
         timings["leave_s"] = time.monotonic() - t_spawn
         state.workers = survivors
@@ -135,6 +141,12 @@ def _form(state: GroupState, workers: list[Worker], timings: dict[str, float]) -
     t0 = time.monotonic()
     state.form()
     timings["form_s"] = time.monotonic() - t0
+
+
+def _drop_stuck(state: GroupState, worker: Worker, unanswered: object) -> None:
+    """Drop a survivor that did not leave the old group in time (its slot waits for it to go)."""
+    kill_worker(worker, unanswered=unanswered)
+    state.drop(worker)
 
 
 def _spawn(state: GroupState, count: int) -> list[Worker]:
