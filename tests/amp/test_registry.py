@@ -149,6 +149,6 @@ def test_register_keyword_is_overwrite_like_the_fault_registry(
     register_precision("mine", FullPrecision)
     register_precision("mine", NativePrecision, overwrite=True)
     assert isinstance(get_precision("mine", device="cpu"), NativePrecision)
-    with pytest.warns(DeprecationWarning, match="overwrite"):
-        register_precision("mine", FullPrecision, replace=True)
-    assert isinstance(get_precision("mine"), FullPrecision)
+    with pytest.raises(TypeError, match="replace"):
+        register_precision("mine", FullPrecision, replace=True)  # type: ignore[call-arg]
+    assert isinstance(get_precision("mine", device="cpu"), NativePrecision)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import sys
 import textwrap
-import warnings
 from pathlib import Path
 
 import pytest
 
-from raysgd_base import Registry, accepted_keywords, call_with_accepted, overwrite_flag
+from raysgd_base import Registry, accepted_keywords, call_with_accepted
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -170,19 +169,3 @@ def test_call_with_accepted_passes_what_the_signature_takes() -> None:
     assert accepted_keywords(Widget) == ("size",)
     assert accepted_keywords(lambda a, *, b, **kw: None) == ("a", "b", "**kwargs")
     assert accepted_keywords(dict) is None
-
-
-def register_widget(name: str, *, overwrite: bool = False, replace: bool | None = None) -> bool:
-    return overwrite_flag(overwrite, replace, caller="register_widget")
-
-
-def test_the_deprecated_replace_keyword_still_works_and_warns() -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no warning without replace=
-        assert register_widget("x", overwrite=True) is True
-        assert register_widget("x") is False
-    with pytest.warns(
-        DeprecationWarning, match=r"register_widget\(replace=...\).*overwrite"
-    ) as got:
-        assert register_widget("x", replace=True) is True
-    assert got[0].filename == __file__  # points at the call of the register function

@@ -1,4 +1,4 @@
-"""GroupOptions' rules that need no cluster: the process group's timeout default."""
+"""GroupOptions' rules that need no cluster: the process group's timeout default, the CPU share."""
 
 from __future__ import annotations
 
@@ -29,3 +29,12 @@ def test_a_bad_nccl_timeout_s_is_one_value_error(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(ValueError) as info:
         resolve_timeout(None)
     assert str(info.value) == f"NCCL_TIMEOUT_S must be a number of seconds > 0, got {raw!r}"
+
+
+def test_num_cpus_per_worker_has_one_rule_above_zero() -> None:
+    message = r"^num_cpus_per_worker must be a number > 0, got 0$"
+    with pytest.raises(ValueError, match=message):
+        GroupOptions(num_cpus_per_worker=0)
+    with pytest.raises(TypeError, match=r"^num_cpus_per_worker must be a number > 0, got '1'$"):
+        GroupOptions(num_cpus_per_worker="1")
+    assert GroupOptions(num_cpus_per_worker=0.5).num_cpus_per_worker == 0.5

@@ -77,7 +77,7 @@ def test_a_registered_third_party_strategy_is_found_by_name() -> None:
         register_strategy("tagged-test", Tagged)
 
 
-def test_the_former_replace_keyword_still_overwrites_with_a_deprecation_warning(
+def test_overwrite_is_the_one_keyword_that_replaces_a_strategy(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A copy of the registry, so that the test's names do not outlive it.
@@ -90,8 +90,10 @@ def test_the_former_replace_keyword_still_overwrites_with_a_deprecation_warning(
         name = "second"
 
     register_strategy("replaced-test", First)
-    with pytest.warns(DeprecationWarning, match=r"register_strategy\(replace=\.\.\.\)"):
-        register_strategy("replaced-test", Second, replace=True)
+    with pytest.raises(TypeError, match="replace"):
+        register_strategy("replaced-test", Second, replace=True)  # type: ignore[call-arg]
+    assert isinstance(get_strategy("replaced-test"), First)
+    register_strategy("replaced-test", Second, overwrite=True)
     assert isinstance(get_strategy("replaced-test"), Second)
 
 

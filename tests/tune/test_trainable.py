@@ -74,6 +74,12 @@ def test_resource_request_reserves_spare_workers():
         _bundles(trainable, {"spare_workers": -1})
 
 
+def test_a_trial_refuses_workers_without_cpus_by_the_group_options_rule():
+    trainable = TorchTrainer.as_trainable(**TRAINER_ARGS, **WORKERS)
+    with pytest.raises(ValueError, match=r"^num_cpus_per_worker must be a number > 0, got 0$"):
+        _bundles(trainable, {"num_cpus_per_worker": 0})
+
+
 def spares_up(trainer, info):
     """Wait (bounded) for the trial's spare to start, then train; report how many are up."""
     deadline = time.monotonic() + 60

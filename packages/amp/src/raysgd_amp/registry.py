@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from raysgd_base import Registry, call_with_accepted, overwrite_flag
+from raysgd_base import Registry, call_with_accepted
 
 from .apex_args import check_apex_args
 from .full import FullPrecision
@@ -86,14 +86,12 @@ def register_precision(
     factory: PrecisionFactory,
     *,
     overwrite: bool = False,
-    replace: Optional[bool] = None,
 ) -> None:
     """Make `get_precision(name)` build a backend with `factory` (a `Precision` subclass or callable).
 
     Names are case-insensitive. Registering a name that exists raises ValueError unless
-    `overwrite` (the keyword every raysgd registry uses). `replace` is its deprecated former name.
+    `overwrite` (the keyword every raysgd registry uses).
     """
-    overwrite = overwrite_flag(overwrite, replace, caller="register_precision")
     _registry.register(name, factory, overwrite=overwrite)
 
 

@@ -11,7 +11,6 @@ from raysgd_base.registry import (
     call_with_accepted,
     entry_points,
     normalize_name,
-    overwrite_flag,
 )
 
 __version__ = "0.1.0"
@@ -25,5 +24,4 @@ __all__ = [
     "check_option_names",
     "entry_points",
     "normalize_name",
-    "overwrite_flag",
 ]

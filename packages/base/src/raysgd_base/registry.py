@@ -20,7 +20,6 @@ on one `Registry`, so that every swappable part follows the same rules:
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Mapping
 from importlib import metadata
 from typing import Any, Callable, Optional
@@ -31,7 +30,6 @@ __all__ = [
     "call_with_accepted",
     "entry_points",
     "normalize_name",
-    "overwrite_flag",
 ]
 
 
@@ -83,19 +81,6 @@ def call_with_accepted(factory: Callable[..., Any], offered: Mapping[str, Any]) 
     if "**kwargs" in accepted:
         return factory(**offered)
     return factory(**{key: value for key, value in offered.items() if key in accepted})
-
-
-def overwrite_flag(overwrite: bool, replace: Optional[bool], *, caller: str) -> bool:
-    """`overwrite`, honouring the deprecated `replace=` keyword of the register function `caller`
-    (with a DeprecationWarning pointing at the caller's caller)."""
-    if replace is None:
-        return bool(overwrite)
-    warnings.warn(
-        f"{caller}(replace=...) is deprecated; use overwrite=...",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return bool(overwrite or replace)
 
 
 class Registry:

@@ -3,7 +3,7 @@
 from typing import Any
 
 from raysgd_operator.batch import BATCH_SIZE, check_batch_size, split_batch_size
-from raysgd_operator.components import Components, Placement, RankInfo
+from raysgd_operator.components import Components, RankInfo
 from raysgd_operator.dataset_options import DatasetOptions
 from raysgd_operator.metrics import (
     BATCH_COUNT,
@@ -26,10 +26,6 @@ from raysgd_operator.runner import OperatorRunner
 from raysgd_operator.safe_load import load_failure_reason
 
 __version__ = "0.1.0"
-
-#: The former name of `ParallelStrategy` (a placement strategy is raysgd_core's, not this), kept so
-#: that strategies written against it keep working.
-Strategy = ParallelStrategy
 
 #: The modules a worker imports to write or read a sharded (DCP) state, on first use only: a
 #: process started ahead of time (a spare worker) can import them while it waits.
@@ -61,10 +57,8 @@ __all__ = [
     "DatasetOptions",
     "OperatorRunner",
     "ParallelStrategy",
-    "Placement",
     "Progress",
     "RankInfo",
-    "Strategy",
     "TimerCollection",
     "TrainingOperator",
     "TrainingOptions",

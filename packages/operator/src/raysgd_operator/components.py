@@ -28,7 +28,7 @@ from raysgd_operator.dataset_options import DatasetOptions
 from raysgd_operator.options import SCHEDULER_STEP_FREQS, TrainingOptions
 from raysgd_operator.parallel_strategy import ParallelStrategy, WrapContext
 
-__all__ = ["LOADER_KINDS", "Components", "Placement", "RankInfo"]
+__all__ = ["LOADER_KINDS", "Components", "RankInfo"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +50,6 @@ class RankInfo:
     def device_ids(self) -> list[int] | None:
         """``[device.index]`` on a GPU (what DistributedDataParallel wants), else None."""
         return [self.device.index or 0] if self.device.type == "cuda" else None
-
-
-#: The former name of `RankInfo`, kept so that code importing it keeps working.
-Placement = RankInfo
 
 
 class Components:

@@ -67,12 +67,15 @@ class CallBatches:
 class BatchStream:
     """Keeps the loader iterator alive between calls.
 
-    ``on_new_pass(resuming)`` is called whenever a new pass over the loader starts; it returns the
-    epoch number to give the sampler's ``set_epoch`` (or None). ``on_step(rows)`` is called each
-    time the loop finishes a batch, with the rows the whole group read in that step when the loader
-    is planned or can tell from the batch (a dataset shard's `group_rows`), else None. ``resume``
-    (batches to skip) or ``resume_rows`` (the epoch's first unread row, for a planned loader) are
-    set after a state load so that the next pass goes on from the same place.
+    ``get_loader()`` gives the loader, or None while none is registered (an operator that only
+    validates, or whose own loop brings its data): the stream then stays at position 0 with no
+    pass in progress, and only drawing from it (`begin_call`) raises, the error ``missing()``
+    gives. ``on_new_pass(resuming)`` is called whenever a new pass over the loader starts; it
+    returns the epoch number to give the sampler's ``set_epoch`` (or None). ``on_step(rows)`` is
+    called each time the loop finishes a batch, with the rows the whole group read in that step
+    when the loader is planned or can tell from the batch (a dataset shard's `group_rows`), else
+    None. ``resume`` (batches to skip) or ``resume_rows`` (the epoch's first unread row, for a
+    planned loader) are set after a state load so that the next pass goes on from the same place.
     """
 
     def __init__(
@@ -80,9 +83,11 @@ class BatchStream:
         get_loader: Callable[[], Any],
         on_new_pass: Callable[[bool], int | None],
         on_step: Callable[[int | None], None] | None = None,
+        *,
+        missing: Callable[[], Exception] = lambda: ValueError("no loader to draw batches from"),
     ) -> None:
         self._get_loader, self._on_new_pass = get_loader, on_new_pass
-        self._on_step = on_step
+        self._on_step, self._missing = on_step, missing
         self.iterator: Iterator[Any] | None = None
         #: Batches finished in the current pass (since `rows_start` for a planned loader).
         self.position = 0
@@ -106,7 +111,8 @@ class BatchStream:
         self._peeked: Any = _END
 
     def _planned(self) -> EpochSampler | None:
-        return planned_sampler(self._get_loader())
+        loader = self._get_loader()
+        return None if loader is None else planned_sampler(loader)
 
     def _exhausted(self) -> bool:
         length = _known_len(self._get_loader())
@@ -120,7 +126,7 @@ class BatchStream:
 
     def consumed_rows(self) -> int | None:
         """For a planned loader, rows of the unfinished epoch the group has read (0 when no pass
-        is in progress or the last one ended); None for any other loader."""
+        is in progress or the last one ended); None for any other loader and without one."""
         sampler = self._planned()
         if sampler is None:
             return None
@@ -153,6 +159,8 @@ class BatchStream:
     ) -> CallBatches:
         """Batches for one call: ``num_steps`` of them (wrapping into new passes), else the rest
         of the pass, or with `until_epoch`, of every pass up to the end of that epoch."""
+        if self._get_loader() is None:
+            raise self._missing()
         if num_steps is not None:
             check_int("num_steps", num_steps, minimum=0)
         if self.iterator is not None and self._exhausted():

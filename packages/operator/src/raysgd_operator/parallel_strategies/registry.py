@@ -17,7 +17,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any, Callable, Optional, Union
 
-from raysgd_base import Registry, accepted_keywords, normalize_name, overwrite_flag
+from raysgd_base import Registry, accepted_keywords, normalize_name
 from raysgd_operator.parallel_strategies.ddp import DDPStrategy
 from raysgd_operator.parallel_strategies.fsdp import FSDPStrategy
 from raysgd_operator.parallel_strategies.none import NoStrategy
@@ -50,14 +50,12 @@ def register_strategy(
     factory: ParallelStrategyFactory,
     *,
     overwrite: bool = False,
-    replace: Optional[bool] = None,
 ) -> None:
     """Make `get_strategy(name)` build a strategy with `factory` (a `ParallelStrategy` subclass or callable).
 
     Names are case-insensitive; registering a name that exists raises ValueError unless
-    `overwrite` (the keyword every raysgd registry uses). `replace` is its deprecated former name.
+    `overwrite` (the keyword every raysgd registry uses).
     """
-    overwrite = overwrite_flag(overwrite, replace, caller="register_strategy")
     _registry.register(name, factory, overwrite=overwrite)
 
 

@@ -10,7 +10,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
-from raysgd_base import check_int, check_number
+from raysgd_base import check_int
+from raysgd_core import GroupOptions
 from raysgd_fault import check_max_retries
 from raysgd_operator import TrainingOperator
 
@@ -43,10 +44,11 @@ def start_timeout() -> dict[str, float]:
 def check_optional_args(*, config: Any, num_cpus_per_worker: Any, initialization_hook: Any) -> None:
     """Checks of the driver-side constructor arguments that no option object makes: the workers'
     options are checked by `raysgd_operator.TrainingOptions`, the group's by
-    `raysgd_core.GroupOptions` (which allows 0 CPUs; a training worker needs some)."""
+    `raysgd_core.GroupOptions`. `num_cpus_per_worker` is one of the group's, checked here by
+    `GroupOptions` itself because the workers' thread count is derived from it first."""
     if config is not None and not isinstance(config, Mapping):
         raise TypeError(f"config must be a dict, got {type(config).__name__}")
-    check_number("num_cpus_per_worker", num_cpus_per_worker, above=0)
+    GroupOptions(num_cpus_per_worker=num_cpus_per_worker)
     # Checked again as `GroupOptions.init_hook`; here so that the error names RaySGD's keyword.
     if initialization_hook is not None and not callable(initialization_hook):
         raise TypeError("initialization_hook must be a zero-argument callable")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ray.tune import PlacementGroupFactory
 
-from raysgd_base import check_int, check_number
+from raysgd_base import check_int
 from raysgd_core import GroupOptions
 
 __all__ = ["worker_bundles_request"]
@@ -34,9 +34,6 @@ def worker_bundles_request(
     trial process: the first worker bundle becomes the trial's own and `head_bundle` is ignored.
     """
     check_int("num_workers", num_workers)
-    # GroupOptions allows 0 CPUs (a worker pool may run on other resources alone); a trial's
-    # workers run its training, which needs a CPU share to be placed at all.
-    check_number("num_cpus_per_worker", group.num_cpus_per_worker, above=0)
     bundle = {
         "CPU": group.num_cpus_per_worker * workers_per_bundle,
         "GPU": group.num_gpus_per_worker * workers_per_bundle,
