@@ -9,9 +9,11 @@ asking for `ray_local` starts the shared cluster again.
 from __future__ import annotations
 
 import os
+import socket
 import struct
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +132,65 @@ def ray_multinode() -> Iterator[object]:
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+@dataclass(frozen=True)
+class S3Endpoint:
+    """An S3 server of the test session (see `s3_server`), with dummy credentials."""
+
+    endpoint_url: str
+    bucket: str
+    key: str
+    secret: str
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """s3fs's options for this server: a new dict each time (s3fs rewrites some options it
+        is given, and a test may add its own)."""
+        return {"endpoint_url": self.endpoint_url, "key": self.key, "secret": self.secret}
+
+    def url(self, *names: str) -> str:
+        """`s3://<bucket>/<names...>`."""
+        return "/".join([f"s3://{self.bucket}", *names])
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Endpoint]:
+    """An S3 endpoint for the session: moto's server in this process on 127.0.0.1 and a free
+    port, with one empty bucket; yields an `S3Endpoint` (`endpoint_url`, `bucket`, `key`,
+    `secret`, `storage_options`, `url(...)`). The credentials are dummies handed to the clients
+    directly, never put into the environment. Tests share the bucket: each writes under a prefix
+    of its own. Skipped when moto or s3fs is not installed."""
+    moto_server = pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    import logging
+
+    import boto3
+
+    # The server logs every request through werkzeug: noise in a failing test's output.
+    werkzeug = logging.getLogger("werkzeug")
+    level = werkzeug.level
+    werkzeug.setLevel(logging.WARNING)
+    with socket.socket() as probe:  # a free port: the OS picks one, the server binds it next
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        endpoint = S3Endpoint(
+            endpoint_url=f"http://127.0.0.1:{port}",
+            bucket="raysgd-test",
+            key="raysgd-test-key-id",
+            secret="raysgd-test-secret",
+        )
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint.endpoint_url,
+            aws_access_key_id=endpoint.key,
+            aws_secret_access_key=endpoint.secret,
+            region_name="us-east-1",
+        ).create_bucket(Bucket=endpoint.bucket)
+        yield endpoint
+    finally:
+        server.stop()
+        werkzeug.setLevel(level)

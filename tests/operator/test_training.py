@@ -309,6 +309,32 @@ def test_custom_loop_without_loaders_counts_epochs() -> None:
         OperatorRunner(NoData, {}).train_epoch()
 
 
+def test_a_runner_without_a_train_loader_has_a_state_and_validates() -> None:
+    class ValidateOnly(LinearOperator):
+        def setup(self, config: dict[str, Any]) -> None:
+            super().setup(config)
+            self.register_data(validation_loader=linear_loaders(config)[1])
+
+    runner = OperatorRunner(ValidateOnly, {})
+    # What a worker's start asks for (the driver's copy of the state): position 0, no epoch open.
+    assert runner.position_state() == {
+        "epoch": 0,
+        "position": 0,
+        "epoch_rows": None,
+        "in_epoch": False,
+        "step": 0,
+        "global_step": 0,
+    }
+    state = runner.state_dict()
+    assert (state["position"], state["in_epoch"], state["step"]) == (0, False, 0)
+    runner.load_state_dict(state)
+    assert runner.validate()["num_samples"] == 64
+    with pytest.raises(ValueError, match=r"train\(\) needs a train loader"):
+        runner.train_epoch()
+    assert runner.position_state()["step"] == 0
+    assert runner.validate()["num_samples"] == 64
+
+
 def test_clip_grad_norm_option_limits_the_update() -> None:
     class BigStep(LinearOperator):
         def setup(self, config: dict[str, Any]) -> None:

@@ -103,6 +103,18 @@ def test_sharded_checkpoint_loads_with_fewer_and_more_workers_and_other_strategi
         trainer.train()
         saved = trainer.save(path)
         expected = trainer.apply_all_operators(_full_loss)[0]
+        # get_model() gathers the shards into a whole, plain model here: the same function.
+        gathered = trainer.get_model()
+        assert type(gathered).__name__ == "TinyTransformer"  # not an FSDP class
+        assert all(
+            type(p) is nn.Parameter and p.device.type == "cpu" for p in gathered.parameters()
+        )
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(SAMPLES, SEQ, WIDTH, generator=gen)
+        with torch.no_grad():
+            labels = x[:, 0, :CLASSES].argmax(dim=1)
+            here = float(nn.functional.cross_entropy(gathered(x), labels))
+        assert here == pytest.approx(expected, rel=LOSS_RTOL)
         # Validation counts every row once (no padded duplicate), so any number of workers and
         # any strategy give the same figures for the same weights.
         expected_val = trainer.validate()

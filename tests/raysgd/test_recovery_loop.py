@@ -14,6 +14,7 @@ from typing import Any, Optional
 import pytest
 
 from raysgd._internal.elastic import LoopState
+from raysgd._internal.preemption import Preemption
 from raysgd._internal.recovery import Recovery
 from raysgd._internal.restore_plan import RestoreOutcome
 from raysgd_core import RecoveryReport, WorkerDiedError, WorkerError
@@ -295,9 +296,13 @@ def test_a_move_off_a_draining_node_is_no_failure_and_reports_what_was_redone() 
         reclaimable=lambda nodes: 0,
     )
     handed: list[str] = []
-    assert loop.move_off(
-        [1], {"drained": None}, max_retries=0, before_retire=lambda: handed.append("x")
+    moves = Preemption(
+        group=group,  # type: ignore[arg-type]
+        recovery=loop,
+        hand_over=lambda leaving: handed.append("x"),
+        local_checkpoint=lambda: None,
     )
+    assert moves.move_off([1], {"drained": None}, max_retries=0)
     assert handed == ["x"] and group.recover_calls == [2] and group.world_size == 2
     assert loop.failures == 0
     (move,) = [e for e in loop.events if e.kind == "preemption"]
@@ -308,9 +313,7 @@ def test_a_move_off_a_draining_node_is_no_failure_and_reports_what_was_redone() 
     # Every worker on the draining node: replacements join first, and the state is made
     # restorable before they do (and again before the leaving workers go).
     handed.clear()
-    assert loop.move_off(
-        [0, 1], {"drained": None}, max_retries=0, before_retire=lambda: handed.append("x")
-    )
+    assert moves.move_off([0, 1], {"drained": None}, max_retries=0)
     assert handed == ["x", "x"] and group.recover_calls == [2, 4, 2]
     move = [e for e in loop.events if e.kind == "preemption"][-1]
     assert move.steps_redone == 2 and "2 step(s) redone" in move.message
@@ -320,10 +323,16 @@ def test_a_node_lost_during_a_move_is_a_preemption_recovered_by_the_next_run() -
     group = FakeGroup(size=2, room=3)
     loop, restored, _ = make_loop(group, 2)
 
-    def hand_over() -> None:  # the node went before the deadline, while the parts moved
+    def hand_over(leaving: Sequence[int]) -> None:  # the node went before the deadline
         raise died(group, [1])
 
-    moved = loop.move_off([1], {"node": 1e12}, max_retries=3, before_retire=hand_over)
+    moves = Preemption(
+        group=group,  # type: ignore[arg-type]
+        recovery=loop,
+        hand_over=hand_over,
+        local_checkpoint=lambda: None,
+    )
+    moved = moves.move_off([1], {"node": 1e12}, max_retries=3)
     assert moved is False and group.needs_recovery
     assert loop.failures == 1
     (lost,) = [e for e in loop.events if e.kind == "restart_failed"]

@@ -4,7 +4,9 @@ lost."""
 
 from __future__ import annotations
 
-from raysgd._internal.restore_plan import plan_restore
+from typing import Any
+
+from raysgd._internal.restore_plan import plan_from_peers as plan_restore
 from raysgd_operator import Progress
 
 
@@ -36,3 +38,62 @@ def test_ties_go_to_the_lowest_rank_and_nothing_is_redone_between_steps() -> Non
 def test_without_a_clean_worker_there_is_no_source() -> None:
     plan = plan_restore([None, _p(7, clean=False, in_batch=True)])
     assert plan.source is None and plan.receivers == (0, 1)
+
+
+def _held(step: int, call_id: int, parts: dict) -> Any:
+    from raysgd._internal.restore_plan import HeldSnapshot
+    from raysgd_operator import CallRecord
+
+    call = CallRecord(call_id=call_id, num_steps=None, start_step=0)
+    return HeldSnapshot(step, 2, b"meta", {"epoch": 1}, call, parts)
+
+
+def _meters(batches: int) -> Any:
+    from raysgd_operator import AverageMeterCollection
+
+    meters = AverageMeterCollection()
+    for _ in range(batches):
+        meters.update({"loss": 1.0}, n=8)
+    return meters
+
+
+def test_the_newest_snapshot_whose_every_part_survived_is_restored() -> None:
+    from raysgd._internal.restore_plan import Holding, plan_from_snapshots
+    from raysgd_operator import CallRecord
+
+    call = CallRecord(call_id=2, num_steps=None, start_step=4, steps=3)
+    survivor = Progress(step=7, epoch=2, clean=True, in_batch=True, call=call)
+    # Rank 0 holds its own part and rank 1's of the snapshots at steps 5 and 6; step 6 lacks
+    # rank 1's part (its swap was cut short), so step 5 is the newest complete one.
+    held = [
+        _held(5, 2, {0: (["a"], "ref0", _meters(1)), 1: (["b"], "ref1", _meters(1))}),
+        _held(6, 2, {0: (["a"], "ref0", _meters(2))}),
+    ]
+    plan = plan_from_snapshots([Holding(survivor, tuple(held)), Holding(None)], world_size=2)
+    assert plan.found and plan.step == 5 and plan.call == call
+    assert plan.steps_redone == 3  # 6 and 7 finished, 8 in flight: all redone from 5
+    assert plan.snapshot is not None and plan.snapshot.files == {"a": "ref0", "b": "ref1"}
+    assert [m.summary()["num_samples"] for m in plan.snapshot.meters] == [8, 8]
+
+
+def test_a_snapshot_of_the_call_before_brings_no_metrics_into_this_one() -> None:
+    from raysgd._internal.restore_plan import Holding, plan_from_snapshots
+    from raysgd_operator import CallRecord
+
+    # Taken at the last step of call 1, which is also the first step of call 2: call 1's
+    # metrics must not be counted again in call 2.
+    call = CallRecord(call_id=2, num_steps=None, start_step=4, steps=1)
+    survivor = Progress(step=5, epoch=2, clean=True, in_batch=False, call=call)
+    held = _held(4, 1, {0: (["a"], "r0", _meters(4)), 1: (["b"], "r1", _meters(4))})
+    plan = plan_from_snapshots([Holding(survivor, (held,)), Holding(None)], world_size=2)
+    assert plan.step == 4 and plan.call == call
+    assert plan.snapshot is not None and plan.snapshot.meters == [None, None]
+
+
+def test_without_every_part_there_is_nothing_to_restore_from() -> None:
+    from raysgd._internal.restore_plan import Holding, missing_parts, plan_from_snapshots
+
+    held = _held(5, 2, {0: (["a"], "ref0", None)})
+    holdings = [Holding(_p(5), (held,)), Holding(None)]
+    assert not plan_from_snapshots(holdings, world_size=2).found
+    assert missing_parts(holdings) == [1]

@@ -148,6 +148,42 @@ def test_user_errors_come_in_one_form_and_leave_the_trainer_usable(ray_local):
         trainer.shutdown()
 
 
+class ValidationOnlyOperator(TrainingOperator):
+    """Registers validation data only; its own `train_epoch` brings its data when `info` asks."""
+
+    def setup(self, config):
+        model = nn.Linear(1, 1)
+        self.model, self.optimizer, self.criterion = self.register(
+            models=model,
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+            criterion=nn.MSELoss(),
+        )
+        self.register_data(validation_loader=data_creator(config))
+
+    def train_epoch(self, iterator, info):
+        if not info.get("own_data"):
+            return super().train_epoch(iterator, info)
+        x = torch.full((4, 1), 1.0)
+        loss = self.criterion(self.model(x), 3 * x)
+        self.optimizer.zero_grad()
+        self.backward(loss, self.optimizer)
+        self.optimizer_step(self.optimizer)
+        return {"own_loss": loss.item()}
+
+
+def test_an_operator_without_training_data_constructs_validates_and_trains_its_own(ray_local):
+    trainer = TorchTrainer(training_operator_cls=ValidationOnlyOperator, num_workers=2)
+    try:
+        assert trainer.validate()["num_samples"] == 16
+        with pytest.raises(ValueError, match=r"train\(\) needs a train loader"):
+            trainer.train()
+        before = trainer.get_model().weight.item()
+        result = trainer.train(info={"own_data": True})
+        assert result["own_loss"] > 0 and trainer.get_model().weight.item() != before
+    finally:
+        trainer.shutdown()
+
+
 def test_every_call_after_shutdown_raises(ray_local, tmp_path):
     trainer = with_creators()
     trainer.shutdown()

@@ -63,6 +63,11 @@ class TrainingOptions:
             part of the state in memory, with a copy on a peer (asynchronously: the loop pays
             for one copy of its part to CPU memory). A lost worker costs the steps since the last
             snapshot. 0: only at start-up, after a recovery and before a checkpoint.
+        peer_timeout_s: the shortest time a worker waits for a peer in a training step's
+            collectives before treating it as silent (a frozen node, a hung process): the bound
+            is this or a multiple of the slowest recent step, whichever is longer (the trainer's
+            `collective_bound` says how; slow phases such as the first step of a call wait
+            longer).
         distributed: the trainer asked for more than one worker. Registered loaders are then split
             over the workers (`add_dist_sampler`) even while only one is left after a loss, so
             that the epoch's remaining rows carry over exactly when the group shrinks and grows.
@@ -87,6 +92,7 @@ class TrainingOptions:
     compile_args: Optional[Mapping[str, Any]] = None
     dataset_options: Optional[DatasetOptions] = None
     snapshot_every: int = 20
+    peer_timeout_s: float = 10.0
     distributed: bool = False
     #: The strategy object `strategy` names, resolved once here (see `parallel_strategy`).
     _parallel_strategy: Optional[ParallelStrategy] = field(
@@ -118,6 +124,7 @@ class TrainingOptions:
         if self.num_threads is not None:
             check_int("num_threads", self.num_threads)
         check_int("snapshot_every", self.snapshot_every, minimum=0)
+        check_number("peer_timeout_s", self.peer_timeout_s, above=0)
         # The strategy validates its own name and arguments (and wrap_ddp=False against it).
         strategy = resolve_strategy(self.strategy, self.strategy_args, wrap_ddp=bool(self.wrap_ddp))
         object.__setattr__(self, "_parallel_strategy", strategy)

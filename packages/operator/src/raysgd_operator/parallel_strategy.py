@@ -72,6 +72,9 @@ class ParallelStrategy:
       group was re-formed with another size; when False the runner builds a new operator instead.
     - `sharded`: whether each worker holds only a part of the parameters (checkpoints are then
       written per worker, in `torch.distributed.checkpoint` format).
+    - `whole_model(model)` gives the user's whole module: the unwrapped model itself when every
+      worker holds all of it; for a sharded strategy, a collective that returns a new module on
+      the CPU, with every parameter gathered, on rank 0 (None on the others).
     """
 
     #: Short name used in logs, errors and checkpoints.
@@ -88,6 +91,15 @@ class ParallelStrategy:
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside a wrapper (the model itself when not wrapped)."""
         return model
+
+    def whole_model(self, model: nn.Module) -> nn.Module | None:
+        """The user's whole module (see the class docstring); the base class unwraps it."""
+        return self.unwrap(model)
+
+    def whole_model_nbytes(self, model: nn.Module) -> int:
+        """What `whole_model` brings into one process: every parameter and buffer, in bytes."""
+        tensors = [*model.parameters(), *model.buffers()]
+        return sum(_global_numel(t) * t.element_size() for t in tensors)
 
     def no_sync(self, model: nn.Module) -> ContextManager[Any]:
         """A context in which backward passes do not synchronize gradients across workers."""
@@ -107,3 +119,8 @@ class ParallelStrategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _global_numel(tensor: torch.Tensor) -> int:
+    """The number of elements of the whole tensor (a sharded DTensor's global shape)."""
+    return int(torch.Size(tensor.shape).numel())

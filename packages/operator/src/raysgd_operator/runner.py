@@ -13,6 +13,7 @@ from torch import nn
 
 from raysgd_operator._internal.loaders import planned_sampler
 from raysgd_operator._internal.precision import get_precision
+from raysgd_operator._internal.rng import rng_state, set_rng_state
 from raysgd_operator._internal.step_journal import StepJournal
 from raysgd_operator._internal.stream import BatchStream, CallBatches
 from raysgd_operator._internal.tensors import cpu_copy, on_device
@@ -129,8 +130,20 @@ class OperatorRunner:
         #: The last `train_epoch` call stopped at a boundary on request (`request_stop`).
         self.yielded = False
         self._step_hooks: list[Callable[[], None]] = []
-        self._train = BatchStream(lambda: self._loader("train"), self._on_train_pass, self._on_step)
-        self._val = BatchStream(lambda: self._loader("validation"), lambda resuming: None)
+        # Without a loader of its kind a stream is at position 0 with no epoch in progress, so that
+        # the state and position of a runner that only validates (or whose own loop brings its
+        # data) can be read; only drawing batches from it says what is missing.
+        self._train = BatchStream(
+            lambda: self.components.loader("train"),
+            self._on_train_pass,
+            self._on_step,
+            missing=lambda: _missing_loader_error("train"),
+        )
+        self._val = BatchStream(
+            lambda: self.components.loader("validation"),
+            lambda resuming: None,
+            missing=lambda: _missing_loader_error("validation"),
+        )
         self.operator = operator_cls(config, components=self.components)
         self._global_step_at_step = self.operator.global_step
         self.journal = StepJournal(self.components.optimizers, self.components.models)
@@ -303,6 +316,7 @@ class OperatorRunner:
             "operator": cpu_copy(op.state_dict()),
             "schedulers": [cpu_copy(s.state_dict()) for s in parts.schedulers],
             "precision": cpu_copy(self.precision.state_dict()),
+            "rng": rng_state(),
         }
 
     def state_dict(self, *, live: bool = False) -> dict[str, Any]:
@@ -338,6 +352,11 @@ class OperatorRunner:
             in_batch=self._train.in_flight,
             call=self._call,
         )
+
+    @property
+    def finished_epochs(self) -> int:
+        """Epochs trained to their end (the one in progress, if any, not counted)."""
+        return self.epoch - (1 if self._train.is_open() else 0)
 
     def position_state(self) -> dict[str, Any]:
         """This worker's counters and place in the epoch (a part of `state_dict`)."""
@@ -434,6 +453,8 @@ class OperatorRunner:
 
     def _load_progress(self, state: dict[str, Any]) -> None:
         op, schedulers = self.operator, self.components.schedulers
+        if state.get("rng") is not None:
+            set_rng_state(state["rng"])
         if len(state.get("schedulers", [])) != len(schedulers):
             raise ValueError(
                 f"state has {len(state.get('schedulers', []))} schedulers but this operator "
@@ -495,18 +516,24 @@ class OperatorRunner:
 
         ``to_cpu``: CPU copies of every model. ``cpu_if_on_device``: CPU copies of the models that
         hold a tensor off the CPU, the others as they are (what a caller without that device, such
-        as a driver without CUDA, needs to be able to unpickle and use them).
+        as a driver without CUDA, needs to be able to unpickle and use them). With a sharded
+        strategy this is a collective: every parameter is gathered into new, whole modules on the
+        CPU on rank 0 (the other ranks return an empty list).
         """
+        parts = self.components
         if self.sharded:
-            raise NotImplementedError(
-                f"get_model() with strategy {self.components.strategy.name!r}: the model is "
-                "sharded and no worker holds it whole; save() it and load it with strategy='none'"
-            )
-        models = self.components.unwrapped_models()
+            whole = [parts.strategy.whole_model(m) for m in parts.models]
+            return [] if any(m is None for m in whole) else whole  # type: ignore[misc]
+        models = parts.unwrapped_models()
         return [
             copy.deepcopy(m).cpu() if to_cpu or (cpu_if_on_device and on_device(m)) else m
             for m in models
         ]
+
+    def models_nbytes(self) -> int:
+        """What `get_models` brings into one process, in bytes (parameters and buffers)."""
+        parts = self.components
+        return sum(parts.strategy.whole_model_nbytes(m) for m in parts.models)
 
     def update_scheduler(self, metric: Any) -> None:
         """Step every registered scheduler with ``metric`` (for ``scheduler_step_freq="manual"``)."""

@@ -1,32 +1,32 @@
 """`TorchTrainer`: RaySGD's distributed PyTorch trainer on today's Ray and PyTorch.
 
-The trainer is composed of parts, each owning one thing, and its public methods delegate to them:
-`WorkerCalls` (`_internal/driver.py`: the `WorkerGroup`, how the per-worker runners are built, the
-calls to them), a `TrainingState` (`_internal/trainer_state.py`: replicated or sharded, how the
-state is restored, saved, loaded and what it falls back on), the `Recovery` loop (every resize),
-`Preemption` (drain notices), `RunLoggers` (experiment trackers). Every worker holds one
-long-lived `raysgd_operator.OperatorRunner` (see `raysgd._internal.worker`).
+The trainer is composed of parts, each the one owner of its concern, and its public methods check
+their arguments and delegate: `WorkerCalls` (the `WorkerGroup`, how the per-worker runners are
+built), `TrainingState` (where the training state is, how it is restored, saved and loaded), the
+`Recovery` loop (every resize, and every call guarded by it), `Preemption` (drain notices),
+`Checkpoints` (`checkpoint_dir`) and `RunLoggers` (experiment trackers). Calls go top-down: the
+trainer to the loop, the loop to the state, the state to the workers.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
 from raysgd._internal import worker
-from raysgd._internal.cluster import driver_has_cuda
+from raysgd._internal.checkpoints import Checkpoints, checkpoint_root
+from raysgd._internal.cluster import available_memory_bytes, driver_has_cuda
+from raysgd._internal.collective_bound import slow_bound
 from raysgd._internal.datasets import DatasetSplitter, check_datasets, warn_if_no_room_for_data
-from raysgd._internal.driver import RunnerRecipe, WorkerCalls, in_one_form
-from raysgd._internal.driver_copy import DEFAULT_LIMIT_MB
+from raysgd._internal.driver import RunnerRecipe, WorkerCalls
+from raysgd._internal.driver_copy import DEFAULT_LIMIT_MB, DriverCopy
 from raysgd._internal.preemption import Preemption
-from raysgd._internal.recovery import Recovery
-from raysgd._internal.restore_plan import RestoreOutcome
+from raysgd._internal.recovery import Recovery, in_one_form
 from raysgd._internal.run_loggers import RunLoggers, trainer_options
 from raysgd._internal.trainer_keywords import route_keywords
-from raysgd._internal.trainer_state import TrainingState, training_state
+from raysgd._internal.training_state import TrainingState
 from raysgd._internal.validation import (
     check_optional_args,
     check_train_args,
@@ -36,11 +36,13 @@ from raysgd._internal.validation import (
 from raysgd.loggers import Logger
 from raysgd_base import check_int, check_number
 from raysgd_core import (
+    DEFAULT_PEER_GRACE_S,
     GroupOptions,
     WorkerError,
     WorkerGroup,
     ensure_ray,
     require_cluster_gpus,
+    resolve_timeout,
     resolve_use_gpu,
 )
 from raysgd_fault import FailurePolicy, get_policy
@@ -59,68 +61,76 @@ logger = logging.getLogger("raysgd")
 
 
 class TorchTrainer:
-    """Train a PyTorch model on `num_workers` Ray workers with DistributedDataParallel.
+    """Train a PyTorch model on `num_workers` Ray workers (RaySGD's `TorchTrainer`).
 
-    Built either from a `TrainingOperator` subclass (`training_operator_cls=`) or from RaySGD's creator
-    functions (`model_creator=`, `data_creator=`, `optimizer_creator=`, optional `loss_creator=` and
-    `scheduler_creator=`). All arguments are keyword-only and keep RaySGD's meaning; the new ones are
-    `accumulate_grad_batches`, `clip_grad_norm`, `failure_policy` ("default", a registered name or a
-    `raysgd_fault.FailurePolicy`), `checkpoint_dir` (where `train(checkpoint="auto")` writes) and
-    `logdir` (TensorBoard scalars of every result). `timeout_s=None` reads `NCCL_TIMEOUT_S`, else 1800.
+    All arguments are keyword-only. Build it from a `TrainingOperator` subclass or from RaySGD's
+    creator functions; the root README and the raysgd package README show both.
 
-    `loggers=[...]` records the run in experiment trackers: `raysgd.loggers` instances
-    (`MLflowLogger`, `WandbLogger`, `TensorBoardLogger`, `CSVLogger`, your own `Logger`) or their
-    names ("mlflow", "wandb", "tensorboard", "csv"); `logdir=` adds a `TensorBoardLogger(logdir)`.
+    Args:
+        training_operator_cls: a `TrainingOperator` subclass (operator style).
+        model_creator, data_creator, optimizer_creator, loss_creator, scheduler_creator:
+            RaySGD's creator functions (creator style); `loss_creator` may also be a loss class
+            or instance.
+        initialization_hook: called with no arguments on every worker before anything else.
+        config: passed to every hook; `config[BATCH_SIZE]` is the global batch, split over the
+            workers.
+        num_workers: workers to train on (> 0).
+        num_cpus_per_worker: CPUs reserved per worker (> 0); also the worker's torch threads.
+        use_gpu: True, False or "auto" (a GPU per worker when this machine has CUDA).
+        backend: "gloo", "nccl" or "auto".
+        wrap_ddp: wrap models in DistributedDataParallel (False: strategy "none").
+        timeout_s: the longest a collective may wait (None: `NCCL_TIMEOUT_S`, else 1800 s).
+        use_fp16: False, True (native mixed precision), "fp16", "bf16", "apex" or a
+            `raysgd_amp.Precision`.
+        apex_args: keyword arguments of Apex's `amp.initialize` (with ``use_fp16="apex"``).
+        use_tqdm: progress bars on rank 0.
+        add_dist_sampler: split registered DataLoaders over the workers.
+        scheduler_step_freq: "batch", "epoch" or "manual" (`update_scheduler`).
+        use_local: rank 0 runs in this process.
+        serialize_data_creation: `data_creator` runs on one worker at a time.
+        accumulate_grad_batches: batches whose gradients are summed before each step.
+        clip_grad_norm: clip the total gradient norm to this value before each step.
+        failure_policy: "default", "elastic", "never", a registered name or a
+            `raysgd_fault.FailurePolicy`: what to do after a lost worker.
+        checkpoint_dir: where `train(checkpoint="auto")` and `checkpoint_every` write (a path or
+            any fsspec URL: s3://, gs://, abfs://, memory://, file://).
+        storage_options: fsspec options (endpoint, credentials) for `checkpoint_dir` and for the
+            URLs given to `save` and `load`; else each client reads the environment. Never
+            logged or stored.
+        checkpoint_every: write a checkpoint every this many steps inside `train()` calls, in the
+            background (the loop waits only for the copy to host memory), each into a new folder
+            of `checkpoint_dir` with its manifest written last (0: never).
+        keep_checkpoints: how many complete checkpoints of `checkpoint_every` to keep (None: all);
+            older ones are removed only after a newer one is complete.
+        resume: before the first call, load the newest complete checkpoint in `checkpoint_dir`
+            (the data position included: the run goes on at the row after it, on any number of
+            workers); with none, start fresh and say so.
+        logdir: TensorBoard scalars of every result.
+        loggers: experiment loggers (`raysgd.loggers` instances or names: "mlflow", "wandb",
+            "tensorboard", "csv").
+        strategy: "ddp" (default), "fsdp" (FSDP2), "none" or a registered
+            `raysgd_operator.ParallelStrategy`; `strategy_args` are its keyword arguments.
+        compile: `torch.compile` every model after wrapping (`compile_args` its arguments).
+        datasets: Ray Data datasets by name ("train", "validation"), split over the workers;
+            `dataset_options` (a `raysgd.DatasetOptions` or a dict) says how batches are drawn.
+        spare_workers: workers kept started, in reserved resources, to replace lost ones at once.
+        state_copy_limit_mb: the largest whole state the driver keeps a copy of, for the day every
+            worker is lost at once (0: none).
+        snapshot_every: with "fsdp", every how many steps each worker snapshots its part in
+            memory, with a copy on a peer.
+        peer_timeout_s: the shortest time a worker waits for a peer in a training step's
+            collective before treating it as silent (the bound grows with the step time).
 
-    `strategy` says how models are spread over the workers: "ddp" (default; `wrap_ddp=False` means
-    "none"), "fsdp" (FSDP2: parameters, gradients and optimizer state sharded; `strategy_args`
-    `shard_modules`, `reshard_after_forward`, `cpu_offload`), "none", or a registered
-    `raysgd_operator.ParallelStrategy`. With "fsdp", `save()`/`checkpoint=` write a checkpoint directory
-    (each worker its shards) that loads with any number of workers and any strategy. Every
-    `snapshot_every` steps each fsdp worker snapshots its shards in memory, asynchronously, with a
-    copy on a peer: a lost worker costs at most the steps since the last snapshot.
-    `compile=True` runs `torch.compile(model, **compile_args)` on every worker after wrapping.
-    `spare_workers=k` keeps k more workers started, in reserved resources, to replace lost ones at
-    once (`raysgd_core.GroupOptions.spare_workers`).
+    Raises:
+        ValueError, TypeError: a bad argument, before any worker starts (a bad creator or `setup`
+            is raised as itself too).
+        ImportError: a `checkpoint_dir` URL whose client library is missing (names the extra).
+        raysgd_core.ResourcesUnavailableError: the cluster could not start the workers.
 
-    A node Ray drains for a preemption (a spot machine's warning) is left before its deadline: the
-    workers stop at a step boundary, spares or new workers elsewhere take over (or the group shrinks
-    where there is no room) and training goes on from that step; not counted as a failure.
-
-    The training state stays on the workers. After a lost worker, the survivor furthest along
-    gives its state to the replacements and training goes on from the last finished step: at most
-    the step in flight is done again, and the rest of the epoch is re-split over the new group so
-    that every row is trained once. Only when every worker is lost at once does the state come
-    from elsewhere: the last checkpoint written or loaded, or the driver's copy, which it keeps of
-    states up to `state_copy_limit_mb` (refreshed after `train()` calls, asynchronously, within a
-    small bounded share of the training time, which the raysgd README gives; 0 turns it off).
-
-    User errors have one form. An exception raised by user code on a worker (an operator's hook,
-    a creator, a function given to `apply_all_workers`) is not retried, and every method (`train`,
-    `validate`, `save`, `load`, `state_dict`, `get_model`, `apply_*`, ...) raises it as one
-    exception that is an instance of both `raysgd_core.WorkerError` (the worker's traceback in its
-    message; `rank`, `node_id`, `remote_traceback`) and the user's exception class (its `args` and
-    attributes; the original is `__cause__`), so `except WorkerError` and `except ValueError` both
-    catch a worker's ValueError. Where that class cannot be subclassed it is a plain `WorkerError`
-    with the original as `__cause__`. Before it is raised the group is repaired (its size kept,
-    every worker at the last step the group finished, recorded in `recovery_events`) and the
-    trainer stays usable. At construction, a ValueError or TypeError from a creator or `setup` is
-    the user's input error and is raised as itself, chained to the `WorkerError`.
-
-    `datasets={"train": ds, "validation": ds2}` feeds the loops from Ray Data (`raysgd[data]`): each
-    dataset is split over the workers with `streaming_split(n, equal=True)`, again after every
-    resize or recovery, and each worker draws batches of its `config[BATCH_SIZE]` share;
-    `dataset_options` (a `raysgd.DatasetOptions` or a dict of its fields) sets the columns that
-    make the `(*features, target)` batch, dtypes, a collate function and shuffling.
-
-    Example::
-
-        trainer = TorchTrainer(model_creator=..., data_creator=..., optimizer_creator=...,
-                               loss_creator=nn.MSELoss, config={BATCH_SIZE: 64}, num_workers=2)
-        for _ in range(5):
-            print(trainer.train(), trainer.validate())
-        model = trainer.get_model()
-        trainer.shutdown()
+    User errors have one form: an exception raised by user code on a worker reaches the caller of
+    any method as one exception that is both a `raysgd_core.WorkerError` (with the worker's
+    traceback) and an instance of the user's exception class; it is not retried, and the trainer
+    stays usable. Lost workers are recovered as the raysgd package README describes.
     """
 
     def __init__(
@@ -162,6 +172,11 @@ class TorchTrainer:
         spare_workers: int = 0,
         state_copy_limit_mb: float = DEFAULT_LIMIT_MB,
         snapshot_every: int = 20,
+        peer_timeout_s: float = 10.0,
+        storage_options: Optional[dict[str, Any]] = None,
+        checkpoint_every: int = 0,
+        keep_checkpoints: Optional[int] = None,
+        resume: bool = False,
     ) -> None:
         # The keywords as given, before anything else is bound in this frame.
         keywords = {name: value for name, value in locals().items() if name != "self"}
@@ -174,6 +189,15 @@ class TorchTrainer:
             initialization_hook=initialization_hook,
         )
         check_number("state_copy_limit_mb", state_copy_limit_mb)
+        # A checkpoint_dir whose client is missing or that the credentials cannot reach fails
+        # here, before any worker starts.
+        checkpoint_location = checkpoint_root(
+            checkpoint_dir,
+            storage_options,
+            checkpoint_every=checkpoint_every,
+            keep_checkpoints=keep_checkpoints,
+            resume=resume,
+        )
         # A global batch too small to give every worker a sample fails here, not on the workers.
         check_batch_size(config or {}, self._num_workers)
         # The options of the workers and of their group, each validated once here and shipped
@@ -198,10 +222,16 @@ class TorchTrainer:
         )
         policy = get_policy(failure_policy)
         # Built (arguments checked) before Ray starts; nothing runs until `start()`.
+        # A rank waits for a peer in one collective at most the slow bound (see
+        # `collective_bound`): the group is formed with it, and after a failure the other ranks
+        # get that long to come back before they count as stuck.
+        slow_s = slow_bound(resolve_timeout(timeout_s), self._options.peer_timeout_s)
         group = WorkerGroup(
             self._num_workers,
             GroupOptions(
                 **group_fields,
+                timeout_s=slow_s,
+                peer_grace_s=slow_s + DEFAULT_PEER_GRACE_S,
                 num_cpus_per_worker=num_cpus_per_worker,
                 num_gpus_per_worker=1 if self._options.use_gpu else 0,
                 spare_imports=SHARDED_STATE_IMPORTS if self._options.sharded else (),
@@ -226,7 +256,6 @@ class TorchTrainer:
                 state_copy_limit_mb=state_copy_limit_mb,
             ),
         )
-        self._checkpoint_dir = checkpoint_dir
         self._shut_down = False
         # Names each train() call, so that a call a failure interrupted is continued, not
         # started again.
@@ -249,27 +278,31 @@ class TorchTrainer:
                 config=dict(config or {}),
                 datasets=DatasetSplitter(given_datasets),
             )
-            # The parts. The state knows how it is kept and restored; the recovery loop owns
-            # every resize (after a loss, to grow, to move off a draining node, to repair after a
-            # failed call) and restores through the state; the worker calls go through the loop.
-            self._state: TrainingState = training_state(
-                self._options.sharded,
-                copy_limit_bytes=int(state_copy_limit_mb * 2**20),
-                use_local=group.use_local,
+            # The parts, built top-down: each gets what it calls, nothing calls back up.
+            self._workers = WorkerCalls(group, recipe)
+            self._state = TrainingState(
+                self._workers,
+                sharded=self._options.sharded,
+                copy=DriverCopy(int(state_copy_limit_mb * 2**20)),
+                storage_options=storage_options,
             )
             self._recovery = Recovery(
                 group=group,
                 num_workers=self._num_workers,
-                restore=self._restore_after_resize,
+                restore=self._state.restore,
                 policy=policy,
             )
-            self._workers = WorkerCalls(group, recipe, self._recovery)
+            self._checkpoints = Checkpoints(
+                self._state, checkpoint_location, every=checkpoint_every, keep=keep_checkpoints
+            )
             self._start_workers()
+            if resume:
+                self._checkpoints.resume()
             self._preemption = Preemption(
-                group=lambda: group,
+                group=group,
                 recovery=self._recovery,
-                before_retire=lambda leaving: self._state.prepare_leaving(self._workers, leaving),
-                local_checkpoint=self._checkpoint_at_notice,
+                hand_over=self._state.hand_over,
+                local_checkpoint=self._checkpoints.at_notice,
             )
         except BaseException:
             # Whatever fails once the loggers have started (pickling the user's creators,
@@ -310,29 +343,40 @@ class TorchTrainer:
         self._check_alive()
         check_train_args(max_retries, checkpoint, num_steps)
         self._recovery.maybe_grow(max_retries=max_retries)
-        self._move_off_draining(max_retries)
+        self._preemption.handle(max_retries=max_retries)
         if checkpoint:
-            self._write_checkpoint(checkpoint)
+            with self._recovery.guarded():
+                self._checkpoints.before_call(checkpoint)
         self._call_id += 1
         call_id = self._call_id
         watch = [self._preemption.watch_spec()]
         group = self._workers.group
 
-        def attempt() -> list[tuple[dict, int, Optional[int], bool]]:
+        def attempt() -> list[worker.TrainAnswer]:
             # Recovery re-forms the group in place between attempts. After a failure the same
             # call id makes the workers go on with the call, not start it again.
-            return group.execute(worker.train_epoch, num_steps, profile, info, call_id, watch[0])
+            return group.execute(
+                worker.train_epoch,
+                num_steps,
+                profile,
+                info,
+                call_id,
+                watch[0],
+                self._checkpoints.plan(),
+            )
 
         while True:
-            returned = self._workers.run(attempt, max_retries=max_retries)
-            if not any(answer[3] for answer in returned):
+            returned = self._recovery.run(attempt, max_retries=max_retries)
+            if not any(answer.yielded for answer in returned):
                 break
             # The workers stopped together at a step boundary: a node of theirs is draining.
-            self._move_off_draining(max_retries)
+            self._preemption.handle(max_retries=max_retries)
             watch[0] = self._preemption.watch_spec()
-        self._state.after_train(self._workers, max(answer[1] for answer in returned))
-        results = [answer[0] for answer in returned]
-        rows = [answer[2] for answer in returned if answer[2] is not None]
+        self._state.after_train(
+            max(answer.step for answer in returned), max(answer.epochs for answer in returned)
+        )
+        results = [answer.metrics for answer in returned]
+        rows = [answer.rows for answer in returned if answer.rows is not None]
         return self._results("train", results, reduce_results, rows[0] if rows else None)
 
     def validate(
@@ -347,14 +391,15 @@ class TorchTrainer:
         self._check_alive()
         if num_steps is not None:
             check_int("num_steps", num_steps)
-        results = self._workers.call(worker.validate, num_steps, profile, info)
+        results = self._recovery.call(worker.validate, num_steps, profile, info)
         return self._results("validate", results, reduce_results)
 
     def state_dict(self) -> dict[str, Any]:
         """The full training state (`epoch`, `operator`, `models`, `optimizers`, `schedulers`,
         `precision`, position), on the CPU."""
         self._check_alive()
-        return self._state.state_dict(self._workers)
+        with self._recovery.guarded():
+            return self._state.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load `state` (from `state_dict()` or a checkpoint) into every worker."""
@@ -363,30 +408,47 @@ class TorchTrainer:
             raise TypeError(
                 f"state must be a dict from TorchTrainer.state_dict(), got {type(state)}"
             )
-        self._state.load_state_dict(self._workers, state)
+        with self._recovery.guarded():
+            self._state.load_state_dict(state)
 
     def save(self, path: Union[str, os.PathLike]) -> str:
         """Write the state to `path` atomically; returns the absolute path. A worker on this
         machine writes it, so the state does not pass through the driver."""
         self._check_alive()
-        return self._state.save(self._workers, path)
+        with self._recovery.guarded():
+            self._checkpoints.finish()
+            return self._state.save(path)
 
     def load(self, path: Union[str, os.PathLike]) -> None:
         """Load a checkpoint written by `save` into every worker. Never runs code from the file; a
         file that is not a checkpoint raises ValueError and leaves the trainer as it was."""
         self._check_alive()
-        self._state.load(self._workers, path)
+        with self._recovery.guarded():
+            self._checkpoints.finish()
+            self._state.load(path)
 
     def get_model(self, to_cpu: bool = False) -> Any:
-        """The trained model(s), without DDP wrappers (one model bare, several as a list).
+        """The trained model(s), without wrappers (one model bare, several as a list).
 
         `to_cpu=True` returns CPU copies. On a driver without CUDA, models trained on GPUs come back
         as CPU copies anyway (they could not be unpickled here otherwise); a model already on the
-        CPU comes back as it is.
+        CPU comes back as it is. With a sharded strategy (``fsdp``) every parameter is gathered
+        once into new, whole models on the CPU; a MemoryError names the size when they cannot fit
+        in this process.
         """
         self._check_alive()
-        self._state.require_whole_model()
-        models = self._workers.read(worker.get_models, to_cpu, not driver_has_cuda())
+        if self._state.whole:
+            models = self._recovery.read(worker.get_models, to_cpu, not driver_has_cuda())
+        else:
+            needed = self._recovery.read(worker.models_nbytes)
+            available = available_memory_bytes()
+            if available is not None and needed > available:
+                raise MemoryError(
+                    f"get_model() gathers the whole model, {needed / 2**30:.2f} GiB, into this "
+                    f"process, which has {available / 2**30:.2f} GiB available: save() a "
+                    "checkpoint instead and load it where it fits"
+                )
+            models = self._recovery.call(worker.get_models, True, True)[0]
         if isinstance(models, (list, tuple)) and len(models) == 1:
             return models[0]
         return list(models) if isinstance(models, tuple) else models
@@ -399,26 +461,26 @@ class TorchTrainer:
                 "get_local_operator() needs TorchTrainer(use_local=True): without it every operator "
                 "lives in a remote worker (use apply_all_operators instead)"
             )
-        return self._workers.call(worker.get_operator, rank=0)
+        return self._recovery.call(worker.get_operator, rank=0)
 
     def update_scheduler(self, metric: Any) -> None:
         """Step every registered scheduler with `metric` on every worker (`scheduler_step_freq="manual"`)."""
         self._check_alive()
-        self._workers.call(worker.update_scheduler, metric)
+        self._recovery.call(worker.update_scheduler, metric)
 
     def apply_all_workers(self, fn: Callable[[], Any]) -> list[Any]:
         """`fn()` on every worker; the results in rank order."""
         self._check_alive()
         if not callable(fn):
             raise TypeError("apply_all_workers needs a zero-argument callable")
-        return self._workers.call(worker.apply_fn, fn)
+        return self._recovery.call(worker.apply_fn, fn)
 
     def apply_all_operators(self, fn: Callable[[Any], Any]) -> list[Any]:
         """`fn(operator)` on every worker; the results in rank order."""
         self._check_alive()
         if not callable(fn):
             raise TypeError("apply_all_operators needs a callable taking the operator")
-        return self._workers.call(worker.apply_operator, fn)
+        return self._recovery.call(worker.apply_operator, fn)
 
     def shutdown(self, force: bool = False) -> None:
         """Stop the workers and release their resources. Calling it again does nothing; any other
@@ -427,6 +489,11 @@ class TorchTrainer:
             return
         self._shut_down = True
         try:
+            if not force and not self._workers.group.needs_recovery:
+                try:
+                    self._checkpoints.finish()
+                except Exception as exc:  # a lost worker must not keep the rest from stopping
+                    logger.warning("waiting for the checkpoint uploads failed: %s", exc)
             self._workers.stop(force)
         finally:
             self._loggers.finish(self._recovery.events)
@@ -451,6 +518,12 @@ class TorchTrainer:
     def config(self) -> dict[str, Any]:
         """The trainer's config; `config[BATCH_SIZE]` is the global batch actually used."""
         return self._workers.recipe.config
+
+    @property
+    def epoch(self) -> int:
+        """Epochs trained to their end so far (a resumed run's included): a script that trains
+        `n` epochs in all goes on with ``for _ in range(trainer.epoch, n): trainer.train()``."""
+        return self._state.epochs
 
     @property
     def num_workers(self) -> int:
@@ -479,7 +552,7 @@ class TorchTrainer:
         """Start the workers and their runners (on an error the constructor stops them)."""
         try:
             first = self._workers.start(self._state.copy_limit_bytes)
-            self._state.started(self._workers, first)
+            self._state.started(first)
         except WorkerError as exc:
             if isinstance(exc.__cause__, (ValueError, TypeError)):
                 # A bad creator or operator set-up is the user's input error: raise it as its
@@ -487,31 +560,6 @@ class TorchTrainer:
                 # cause's own frames do not survive the trip back from the worker).
                 raise exc.__cause__ from exc
             raise in_one_form(exc)  # noqa: B904 (its cause is the user's exception)
-
-    def _restore_after_resize(self, report: Any = None) -> RestoreOutcome:
-        """The recovery loop's restore seam: the state brings every worker of the re-formed
-        group back (see `TrainingState.restore`)."""
-        return self._state.restore(self._workers)
-
-    def _move_off_draining(self, max_retries: int) -> None:
-        """Act on preemption notices for the group's nodes (see `Preemption`). A move that fails
-        (the node went first) is counted as a loss and leaves the group to the recovery loop."""
-        self._preemption.handle(max_retries=max_retries)
-
-    def _checkpoint_at_notice(self) -> Optional[str]:
-        """A checkpoint written now, when rank 0 cannot leave a draining node (use_local)."""
-        if self._checkpoint_dir is None:
-            return None
-        return self._write_checkpoint("auto")
-
-    def _write_checkpoint(self, checkpoint: Union[str, os.PathLike]) -> str:
-        """Write the current state to `checkpoint` or, for "auto", into `checkpoint_dir`."""
-        if checkpoint == "auto":
-            if self._checkpoint_dir is None:
-                self._checkpoint_dir = tempfile.mkdtemp(prefix="raysgd-checkpoints-")
-                logger.info("checkpoint='auto' writes to %s", self._checkpoint_dir)
-            checkpoint = os.path.join(self._checkpoint_dir, self._state.checkpoint_name)
-        return self._state.save(self._workers, checkpoint)
 
     def _results(
         self, kind: str, results: list[dict], reduce_results: bool, call_rows: Optional[int] = None

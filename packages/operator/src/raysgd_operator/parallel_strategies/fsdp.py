@@ -9,8 +9,10 @@ own unit is `shard_modules`; the root model is always sharded last, so nothing s
 from __future__ import annotations
 
 import contextlib
+import copy
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Callable, ContextManager, Union
+from typing import Any, Callable, ContextManager, Optional, Union
 
 import torch
 from torch import nn
@@ -89,6 +91,22 @@ class FSDPStrategy(ParallelStrategy):
             )
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
+        # Each sharded model's structure as it was before sharding, with its tensors on the meta
+        # device (no memory): what `whole_model` fills with the gathered parameters.
+        self._skeletons: weakref.WeakKeyDictionary[nn.Module, nn.Module] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The skeletons belong to this process's modules; a copy of the strategy (shipped to a
+        # worker with the options) starts without any.
+        state = dict(self.__dict__)
+        state["_skeletons"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._skeletons = weakref.WeakKeyDictionary()
 
     def _policies(self, precision: Precision) -> dict[str, Any]:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -117,6 +135,7 @@ class FSDPStrategy(ParallelStrategy):
             if not any(p.requires_grad for p in model.parameters()):
                 continue  # nothing to train, nothing to shard (as DDP leaves it alone)
             before = {id(p): name for name, p in model.named_parameters()}
+            self._skeletons[model] = _meta_copy(model)
             if self._select is not None:
                 # Innermost first: a unit must not contain an already-sharded unit's parameters
                 # twice, and fully_shard expects children to be sharded before their parents.
@@ -128,6 +147,28 @@ class FSDPStrategy(ParallelStrategy):
             replaced.update({pid: after[name] for pid, name in before.items() if name in after})
         _repoint_optimizers(optimizers, replaced)
         return list(models)
+
+    def whole_model(self, model: nn.Module) -> Optional[nn.Module]:
+        """Gather every parameter and buffer of `model` (DCP's full state dict, offloaded to the
+        CPU: one whole copy, on rank 0 only) into a new, unsharded module of the same structure on
+        the CPU. A collective; None on every rank but 0, and for a model that was not sharded."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        skeleton = self._skeletons.get(model)
+        if skeleton is None:
+            return self.unwrap(model)
+        state = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return None
+        whole = copy.deepcopy(skeleton).to_empty(device="cpu")
+        whole.load_state_dict(state)
+        return whole
 
     def no_sync(self, model: nn.Module) -> ContextManager[Any]:
         from torch.distributed.fsdp import FSDPModule
@@ -158,6 +199,19 @@ class FSDPStrategy(ParallelStrategy):
             total = total.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are on the meta device: its structure and
+    shapes, without copying (or allocating) its data."""
+    memo: dict[int, Any] = {}
+    for param in model.parameters():
+        memo[id(param)] = nn.Parameter(
+            torch.empty_like(param, device="meta"), requires_grad=param.requires_grad
+        )
+    for buffer in model.buffers():
+        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+    return copy.deepcopy(model, memo)
 
 
 @contextlib.contextmanager

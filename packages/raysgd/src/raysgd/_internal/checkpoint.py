@@ -1,28 +1,93 @@
-"""The trainer's state as bytes and as files.
+"""Checkpoints: the formats raysgd writes and reads, on any `Storage`.
 
-The state is the dict of `OperatorRunner.state_dict()` (`epoch`, `operator`, `models`, `optimizers`,
-`schedulers`, `precision`, `position`), serialised with `torch.save`. Reading never runs code from the
-bytes (`torch.load(weights_only=True)`), and files are written atomically so that a crash mid-write
-leaves the previous checkpoint intact.
+Two formats, and either loads into a trainer of any strategy and any number of workers:
+
+- a **file**: the whole training state (`TorchTrainer.state_dict()`: `epoch`, `models`,
+  `optimizers`, `schedulers`, the precision backend's state, the position in the epoch), written
+  with `torch.save`; RaySGD 1.x's format, what `save(path)` writes when every worker holds the
+  whole model (``ddp``, ``none``). One worker writes it, atomically.
+- a **folder** with a manifest: its parts and a small JSON manifest (`MANIFEST_NAME`) written
+  last. A sharded state (``fsdp``) is DCP's `.metadata`, one `__<rank>_0.distcp` per worker (each
+  written by its worker) and `STATE_FILE` (the small rest); a whole state in a folder (the
+  checkpoints `checkpoint_every` writes) is `WHOLE_FILE`. The manifest's `kind` says which.
+
+A checkpoint is complete or invisible. A file is replaced atomically (a local temp file renamed
+over it; an object store's single put). Object stores have no rename, so a folder cannot be
+written aside and moved into place: under a root of checkpoints each one is a folder of its own,
+named per attempt (`checkpoint_name`: epoch, step, a random suffix), so that a retry never writes
+into the folder of an interrupted attempt; its parts come first and the manifest last
+(`CheckpointWriter`). A folder counts as a checkpoint only when its manifest is there and every
+part it lists is there with the size it lists; `newest_complete`, `resolve_checkpoint` and
+`prune` see nothing else.
+
+Reading never runs code from a checkpoint: states load with `torch.load(weights_only=True)`
+(`state_from_bytes`) and DCP's metadata through raysgd_operator's restricted reader.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import io
-import os
+import json
+import logging
+import re
+import time
 import uuid
-from typing import Any, Union
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, Optional, Union
 
 import torch
 
-from raysgd_operator import load_failure_reason
+from raysgd._internal.storage import SCRATCH_PREFIX, PathLike, Storage, as_storage, is_scratch
+from raysgd_base import check_int
+from raysgd_operator import load_failure_reason, read_dcp_metadata
 
-__all__ = ["CHECKPOINT_KEYS", "read_file", "state_from_bytes", "state_to_bytes", "write_file"]
+__all__ = [
+    "CHECKPOINT_KEYS",
+    "GATHERED_FORMAT",
+    "MANIFEST_NAME",
+    "MANIFEST_VERSION",
+    "METADATA_FILE",
+    "SHARDED",
+    "STATE_FILE",
+    "WHOLE",
+    "WHOLE_FILE",
+    "Checkpoint",
+    "CheckpointWriter",
+    "Manifest",
+    "checkpoint_name",
+    "complete_checkpoints",
+    "newest_complete",
+    "prune",
+    "read_file",
+    "read_manifest",
+    "read_sharded",
+    "resolve_checkpoint",
+    "state_from_bytes",
+    "state_to_bytes",
+    "write_manifest",
+]
 
-#: Keys every raysgd (and RaySGD 1.x) checkpoint has; used to tell a checkpoint from another file.
+logger = logging.getLogger("raysgd")
+
+#: Keys every raysgd (and RaySGD 1.x) whole state has; used to tell a checkpoint from another file.
 CHECKPOINT_KEYS = ("models",)
+#: DCP's metadata file in a sharded folder.
+METADATA_FILE = ".metadata"
+#: The small rest of a sharded state in its folder (epoch, position, schedulers, ...).
+STATE_FILE = "raysgd_state.pt"
+#: The whole state in a folder of kind `WHOLE`.
+WHOLE_FILE = "raysgd_checkpoint.pt"
+#: Manifest kinds: the parts of a sharded state, or one whole state.
+SHARDED = "sharded"
+WHOLE = "whole"
+#: `format` of the dict a sharded trainer's `state_dict()` returns (its folder's files as bytes).
+GATHERED_FORMAT = "raysgd-dcp"
 
-PathLike = Union[str, "os.PathLike[str]"]
+
+# -- the whole state as bytes --
 
 
 def state_to_bytes(state: dict[str, Any]) -> bytes:
@@ -33,7 +98,7 @@ def state_to_bytes(state: dict[str, Any]) -> bytes:
 
 
 def state_from_bytes(data: bytes, *, source: str = "state") -> dict[str, Any]:
-    """Load a state dict safely onto the CPU; anything that is not one is a ValueError."""
+    """Load a whole state safely onto the CPU; anything that is not one is a ValueError."""
     if not data:
         raise ValueError(f"{source} is empty (0 bytes): not a raysgd checkpoint")
     try:
@@ -50,48 +115,481 @@ def state_from_bytes(data: bytes, *, source: str = "state") -> dict[str, Any]:
     return state
 
 
-def write_file(path: PathLike, data: bytes) -> str:
-    """Write `data` to `path` atomically: a temp file in the same folder, fsynced, renamed over
-    `path` with `os.replace`, then the folder fsynced so that the rename itself survives a crash.
+def read_file(location: Storage) -> tuple[bytes, dict[str, Any]]:
+    """The bytes of a checkpoint file and the whole state they hold (validated, loaded safely)."""
+    data = location.parent().read_bytes(location.name)
+    return data, state_from_bytes(data, source=f"file {location.url!r}")
 
-    The file gets the permissions of any new file (0666 less the umask), not `mkstemp`'s 0600.
+
+def read_sharded(folder: Storage) -> tuple[bytes, dict[str, Any]]:
+    """(DCP metadata, the rest of the state) of a sharded checkpoint folder, validated; nothing in
+    it runs as code."""
+    metadata = folder.read_bytes(METADATA_FILE)
+    read_dcp_metadata(metadata)  # raises ValueError unless it is plain DCP metadata
+    where = folder.display(STATE_FILE)
+    try:
+        state = torch.load(
+            io.BytesIO(folder.read_bytes(STATE_FILE)), map_location="cpu", weights_only=True
+        )
+    except FileNotFoundError:
+        raise ValueError(f"{where} is missing: not a raysgd checkpoint folder") from None
+    except Exception as exc:  # unpickling errors come in many types; all mean "not ours"
+        raise ValueError(
+            f"{where} is not a raysgd checkpoint file that can be loaded safely: "
+            f"{load_failure_reason(exc)}"
+        ) from None
+    if not isinstance(state, dict) or "epoch" not in state:
+        raise ValueError(f"{where} is not a raysgd state")
+    return metadata, state
+
+
+#: The file that makes a folder a checkpoint; written after every part.
+MANIFEST_NAME = "raysgd-manifest.json"
+#: The manifest format this code writes; it reads this one and older ones.
+MANIFEST_VERSION = 1
+#: `format` of every manifest, to tell it from another JSON file of the same name.
+_MANIFEST_FORMAT = "raysgd-checkpoint"
+
+#: A checkpoint folder's name: epoch, step (zero-padded so that listings sort in training order)
+#: and a random suffix unique to the attempt.
+_NAME = re.compile(r"^ckpt-e(\d+)-s(\d+)-([0-9a-f]{8,32})$")
+
+
+# -- folders: complete or invisible --
+
+
+def checkpoint_name(epoch: int, step: int, token: Optional[str] = None) -> str:
+    """A new folder name for one attempt at a checkpoint at (epoch, step). Random, unless every
+    writer of the attempt must find the same folder on its own: then derived from `token`, which
+    the caller makes unique per attempt."""
+    check_int("epoch", epoch, minimum=0)
+    check_int("step", step, minimum=0)
+    suffix = (
+        uuid.uuid4().hex[:12]
+        if token is None
+        else hashlib.sha1(f"{token}/{epoch}/{step}".encode()).hexdigest()[:12]
+    )
+    return f"ckpt-e{epoch:06d}-s{step:09d}-{suffix}"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a checkpoint folder holds; written last, so its presence means the parts are there.
+
+    `parts` maps each file's path inside the folder to its size in bytes. `meta` is small
+    JSON-able data of the writer's own (never credentials). `created` is the writer's clock, in
+    seconds since the epoch.
     """
-    path = os.path.abspath(os.fspath(path))
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".raysgd-ckpt-{uuid.uuid4().hex}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+
+    kind: str
+    epoch: int
+    step: int
+    parts: Mapping[str, int]
+    created: float = field(default_factory=time.time)
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    version: int = MANIFEST_VERSION
+
+    @property
+    def order(self) -> tuple[int, int, float]:
+        """How checkpoints are ordered: (epoch, step), then creation time; larger is newer."""
+        return (self.epoch, self.step, self.created)
+
+    def to_bytes(self) -> bytes:
+        """The manifest as JSON (UTF-8)."""
+        document = {
+            "format": _MANIFEST_FORMAT,
+            "version": self.version,
+            "kind": self.kind,
+            "epoch": self.epoch,
+            "step": self.step,
+            "created": self.created,
+            "parts": [{"path": p, "size": s} for p, s in sorted(self.parts.items())],
+            "meta": dict(self.meta),
+        }
+        return (json.dumps(document, indent=1, allow_nan=False) + "\n").encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, source: str = "manifest") -> Manifest:
+        """Parse and check a manifest; anything else is a ValueError naming `source`."""
+
+        def bad(why: str) -> NoReturn:
+            raise ValueError(f"{source} is not a raysgd checkpoint manifest: {why}")
+
+        try:
+            doc = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            bad(f"not JSON ({exc})")
+        if not isinstance(doc, dict) or doc.get("format") != _MANIFEST_FORMAT:
+            bad(f"no 'format': {_MANIFEST_FORMAT!r}")
+        version = doc.get("version")
+        if not _is_int(version) or version < 1:
+            bad(f"bad version {version!r}")
+        if version > MANIFEST_VERSION:
+            raise ValueError(
+                f"{source} was written by a newer raysgd (manifest version {version}; this one "
+                f"reads up to {MANIFEST_VERSION})"
+            )
+        kind, epoch, step, created = (doc.get(k) for k in ("kind", "epoch", "step", "created"))
+        if not isinstance(kind, str) or not kind:
+            bad("'kind' must be a non-empty string")
+        if not _is_int(epoch) or not _is_int(step) or epoch < 0 or step < 0:
+            bad("'epoch' and 'step' must be ints >= 0")
+        if isinstance(created, bool) or not isinstance(created, (int, float)):
+            bad("'created' must be a number")
+        parts: dict[str, int] = {}
+        raw_parts = doc.get("parts")
+        if not isinstance(raw_parts, list):
+            bad("'parts' must be a list")
+        for entry in raw_parts:
+            path = entry.get("path") if isinstance(entry, dict) else None
+            size = entry.get("size") if isinstance(entry, dict) else None
+            if not _is_part_name(path) or not _is_int(size) or size < 0 or path in parts:
+                bad(f"bad part {entry!r}")
+            parts[path] = size
+        meta = doc.get("meta", {})
+        if not isinstance(meta, dict):
+            bad("'meta' must be an object")
+        return cls(kind, epoch, step, parts, float(created), meta, version)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One complete checkpoint: its folder and its manifest."""
+
+    location: Storage
+    manifest: Manifest
+
+    @property
+    def url(self) -> str:
+        """The folder's URL (its absolute path when local)."""
+        return self.location.url
+
+    @property
+    def name(self) -> str:
+        """The folder's name."""
+        return self.location.name
+
+    @property
+    def epoch(self) -> int:
+        """The manifest's epoch."""
+        return self.manifest.epoch
+
+    @property
+    def step(self) -> int:
+        """The manifest's step."""
+        return self.manifest.step
+
+    @property
+    def kind(self) -> str:
+        """The manifest's kind (what the parts are, for the loader)."""
+        return self.manifest.kind
+
+
+class CheckpointWriter:
+    """One attempt at one checkpoint under `root`: a new folder (`location`), the parts, and the
+    manifest last (`commit`).
+
+    Workers may write their own parts straight to `location` (a `Storage`: send it to them);
+    `commit` then lists the folder, so the manifest names every part that is there, and checks
+    the parts this writer wrote or was told of with `expect`. Until `commit` the folder is
+    invisible; an attempt that fails leaves an invisible folder, which `prune` removes later
+    (or `abort` now).
+    """
+
+    def __init__(
+        self,
+        root: Union[Storage, PathLike],
+        *,
+        kind: str,
+        epoch: int,
+        step: int,
+        storage_options: Optional[Mapping[str, Any]] = None,
+    ) -> None:
+        if not isinstance(kind, str) or not kind:
+            raise ValueError(f"kind must be a non-empty string, got {kind!r}")
+        self.root = as_storage(root, storage_options)
+        self.kind = kind
+        self.epoch = epoch
+        self.step = step
+        self.name = checkpoint_name(epoch, step)
+        #: The folder of this attempt.
+        self.location = self.root.join(self.name)
+        self._expected: dict[str, Optional[int]] = {}
+        self._done = False
+
+    def write(self, part: str, data: bytes) -> None:
+        """Write one part (a path inside the folder) whole."""
+        self._check_part(part)
+        self.location.write_bytes(part, data)
+        self._expected[part] = len(data)
+
+    def expect(self, part: str, size: Optional[int] = None) -> None:
+        """Tell the writer of a part written elsewhere (a worker): `commit` fails unless it is
+        there, with `size` bytes when given."""
+        self._check_part(part)
+        if size is not None:
+            check_int("size", size, minimum=0)
+        self._expected[part] = size
+
+    def commit(self, *, meta: Optional[Mapping[str, Any]] = None) -> Checkpoint:
+        """Write the manifest, after every part is there: from now on the checkpoint is visible.
+
+        Raises:
+            ValueError: no part at all, or a part written or expected is missing or has another
+                size (no manifest is written: the attempt stays invisible).
+        """
+        if self._done:
+            raise RuntimeError(f"checkpoint {self.location} was already committed or aborted")
+        checkpoint = write_manifest(
+            self.location, self.kind, self.epoch, self.step, expected=self._expected, meta=meta
+        )
+        self._done = True
+        return checkpoint
+
+    def abort(self) -> None:
+        """Give the attempt up: remove its folder (it was invisible already)."""
+        if not self._done:
+            self._done = True
+            self.location.remove()
+
+    def _check_part(self, part: str) -> None:
+        if self._done:
+            raise RuntimeError(f"checkpoint {self.location} was already committed or aborted")
+        if not _is_part_name(part) or part == MANIFEST_NAME or is_scratch(part):
+            raise ValueError(
+                f"{part!r} cannot be a part's name (a relative path, not {MANIFEST_NAME!r} and not "
+                f"starting with {SCRATCH_PREFIX!r})"
+            )
+
+
+def write_manifest(
+    folder: Storage,
+    kind: str,
+    epoch: int,
+    step: int,
+    *,
+    expected: Optional[Mapping[str, Optional[int]]] = None,
+    meta: Optional[Mapping[str, Any]] = None,
+) -> Checkpoint:
+    """Make `folder` a checkpoint: list its parts (every file but the manifest and scratch files)
+    and write the manifest naming them, last.
+
+    Raises:
+        ValueError: no part at all, or a part of `expected` (name -> size, None for any) is
+            missing or has another size (no manifest is written: the folder stays invisible).
+    """
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_folder(folder)
-    return path
+        found = folder.file_sizes()
+    except FileNotFoundError:
+        found = {}
+    parts = {p: s for p, s in found.items() if not is_scratch(p) and p != MANIFEST_NAME}
+    for part, size in (expected or {}).items():
+        if part not in parts:
+            raise ValueError(f"checkpoint {folder.url}: part {part!r} was not written")
+        if size is not None and parts[part] != size:
+            raise ValueError(
+                f"checkpoint {folder.url}: part {part!r} has {parts[part]} bytes, expected {size}"
+            )
+    if not parts:
+        raise ValueError(f"checkpoint {folder.url}: no part was written")
+    manifest = Manifest(kind, epoch, step, parts, meta=dict(meta or {}))
+    data = manifest.to_bytes()  # raises before writing anything if meta is not JSON
+    folder.write_bytes(MANIFEST_NAME, data)
+    return Checkpoint(folder, manifest)
 
 
-def _fsync_folder(folder: str) -> None:
-    """Persist the folder's entry for a renamed file (POSIX; folders cannot be opened on Windows)."""
+def read_manifest(
+    folder: Union[Storage, PathLike], storage_options: Optional[Mapping[str, Any]] = None
+) -> Optional[Manifest]:
+    """The manifest of `folder`, or None when it has none (the folder may be missing too).
+
+    Raises:
+        ValueError: a manifest is there but is not one this raysgd can read.
+    """
+    folder = as_storage(folder, storage_options)
     try:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
+        data = folder.read_bytes(MANIFEST_NAME)
+    except FileNotFoundError:
+        return None
+    return Manifest.from_bytes(data, source=f"{folder.url}/{MANIFEST_NAME}")
+
+
+def complete_checkpoints(
+    root: Union[Storage, PathLike], storage_options: Optional[Mapping[str, Any]] = None
+) -> list[Checkpoint]:
+    """Every complete checkpoint folder directly under `root`, oldest first (see `newest_complete`
+    for the order). Reads every candidate's manifest: prefer `newest_complete` for one."""
+    attempts = _attempts(as_storage(root, storage_options))
+    complete = [a.checkpoint for a in attempts if a.checkpoint is not None]
+    return sorted(complete, key=_order)
+
+
+def newest_complete(
+    root: Union[Storage, PathLike], storage_options: Optional[Mapping[str, Any]] = None
+) -> Optional[Checkpoint]:
+    """The newest complete checkpoint folder directly under `root`, or None.
+
+    The order is training progress: the manifest's (epoch, step), which the folder's name
+    repeats; between attempts at the same (epoch, step), the later `created`, then the larger
+    name. Training progress rather than time, so that clocks of different machines never
+    matter; a run started again from an older checkpoint should therefore write under a new
+    root. Only folders named by `checkpoint_name` are considered, newest name first, so that
+    the manifests of older ones are not read.
+    """
+    root = as_storage(root, storage_options)
+    by_key: dict[tuple[int, int], list[str]] = {}
+    for name, key in _candidates(root):
+        by_key.setdefault(key, []).append(name)
+    for key in sorted(by_key, reverse=True):
+        found = [_inspect(root, name, key).checkpoint for name in by_key[key]]
+        complete = [c for c in found if c is not None]
+        if complete:
+            return max(complete, key=_order)
+    return None
+
+
+def resolve_checkpoint(
+    location: Union[Storage, PathLike], storage_options: Optional[Mapping[str, Any]] = None
+) -> Checkpoint:
+    """The checkpoint to load from `location`: the folder itself when it has a manifest (it must
+    then be complete), else the newest complete checkpoint directly under it.
+
+    Raises:
+        ValueError: `location` has a manifest but is incomplete, or its manifest cannot be read.
+        FileNotFoundError: no complete checkpoint is there.
+    """
+    location = as_storage(location, storage_options)
+    manifest = read_manifest(location)
+    if manifest is not None:
+        problem = _missing_parts(location, manifest)
+        if problem:
+            raise ValueError(f"checkpoint {location.url} is incomplete: {problem}")
+        return Checkpoint(location, manifest)
+    newest = newest_complete(location)
+    if newest is not None:
+        return newest
+    raise FileNotFoundError(
+        errno.ENOENT,
+        f"no complete raysgd checkpoint (a folder with {MANIFEST_NAME} and every part it lists) "
+        "is there or directly under it",
+        location.url,
+    )
+
+
+def prune(
+    root: Union[Storage, PathLike],
+    keep: int = 1,
+    storage_options: Optional[Mapping[str, Any]] = None,
+) -> list[str]:
+    """Remove what the newest `keep` complete checkpoints under `root` make useless; return the
+    names of the folders removed.
+
+    Removed: complete checkpoints older than the newest `keep`, and incomplete attempts (no
+    manifest, or a part missing) at an (epoch, step) before the newest complete one's. Kept, at
+    all times: the newest `keep` complete checkpoints; incomplete folders at the newest complete
+    one's (epoch, step) or later (they may be uploads still in flight); folders whose manifest
+    this raysgd cannot read (a newer raysgd's); anything not named by `checkpoint_name`. Nothing
+    is removed while no checkpoint is complete. A folder's manifest goes first, so that a removal
+    cut short leaves an invisible folder, never a torn checkpoint.
+    """
+    check_int("keep", keep)
+    root = as_storage(root, storage_options)
+    attempts = _attempts(root)
+    complete = sorted(
+        (a for a in attempts if a.checkpoint is not None), key=lambda a: _order(a.checkpoint)
+    )
+    if not complete:
+        return []
+    newest = complete[-1].key
+    doomed = [a.name for a in complete[:-keep]]
+    doomed += [a.name for a in attempts if a.stale and a.key < newest]
+    for name in sorted(doomed):
+        folder = root.join(name)
+        folder.remove(MANIFEST_NAME)
+        folder.remove()
+        logger.info("removed checkpoint folder %s", folder.url)
+    return sorted(doomed)
+
+
+# -- inside --
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    """One folder named by `checkpoint_name` under a root, as found."""
+
+    name: str
+    key: tuple[int, int]
+    checkpoint: Optional[Checkpoint]
+    #: Incomplete and ours to remove once older than a complete one (no manifest, or a manifest
+    #: whose parts are not all there); False for a complete one and for a manifest we cannot read.
+    stale: bool
+
+
+def _candidates(root: Storage) -> list[tuple[str, tuple[int, int]]]:
     try:
-        os.fsync(fd)
-    except OSError:  # some file systems refuse fsync on a folder: the data itself is synced
-        pass
-    finally:
-        os.close(fd)
+        entries = root.entries()
+    except FileNotFoundError:
+        return []
+    out = []
+    for name, is_folder in entries:
+        match = _NAME.match(name)
+        if is_folder and match:
+            out.append((name, (int(match.group(1)), int(match.group(2)))))
+    return out
 
 
-def read_file(path: PathLike) -> tuple[bytes, dict[str, Any]]:
-    """The bytes of a checkpoint file and the state they hold (validated, loaded safely)."""
-    path = os.fspath(path)
-    with open(path, "rb") as handle:
-        data = handle.read()
-    return data, state_from_bytes(data, source=f"file {path!r}")
+def _attempts(root: Storage) -> list[_Attempt]:
+    return [_inspect(root, name, key) for name, key in _candidates(root)]
+
+
+def _inspect(root: Storage, name: str, key: tuple[int, int]) -> _Attempt:
+    folder = root.join(name)
+    try:
+        manifest = read_manifest(folder)
+    except ValueError as exc:
+        logger.warning("ignoring checkpoint folder %s: %s", folder.url, exc)
+        return _Attempt(name, key, None, stale=False)
+    if manifest is None:
+        return _Attempt(name, key, None, stale=True)
+    if (manifest.epoch, manifest.step) != key:
+        # Not what this module writes: someone renamed or edited it. Neither load nor remove it.
+        logger.warning(
+            "ignoring checkpoint folder %s: its manifest says epoch %d step %d",
+            folder.url,
+            manifest.epoch,
+            manifest.step,
+        )
+        return _Attempt(name, key, None, stale=False)
+    if _missing_parts(folder, manifest):
+        return _Attempt(name, key, None, stale=True)
+    return _Attempt(name, key, Checkpoint(folder, manifest), stale=False)
+
+
+def _missing_parts(folder: Storage, manifest: Manifest) -> Optional[str]:
+    """Why the parts of `folder` do not match its manifest (naming the part's path), or None when
+    they do."""
+    try:
+        sizes = folder.file_sizes()
+    except FileNotFoundError:
+        sizes = {}
+    for part, size in sorted(manifest.parts.items()):
+        if part not in sizes:
+            return f"{folder.display(part)} is missing"
+        if sizes[part] != size:
+            return f"{folder.display(part)} has {sizes[part]} bytes, the manifest says {size}"
+    return None
+
+
+def _order(checkpoint: Checkpoint) -> tuple[int, int, float, str]:
+    return (*checkpoint.manifest.order, checkpoint.name)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_part_name(path: Any) -> bool:
+    if not isinstance(path, str) or not path or path.startswith("/") or "\\" in path:
+        return False
+    return all(name not in ("", ".", "..") for name in path.split("/"))

@@ -1,44 +1,31 @@
 """The trainer's workers as one part: the group, how their runners are built, and the calls.
 
-`WorkerCalls` is the part of `TorchTrainer` that talks to the workers. It starts the
-`WorkerGroup` and builds one runner per worker from a `RunnerRecipe` (the operator class, shipped
-once; the options; the user's config and the datasets split over the group's size), runs the
-trainer's calls on them and stops them. Every call goes one of two ways:
-
-- `run`: a `train()` attempt inside the recovery loop (`Recovery.run`), which recovers from lost
-  workers as the failure policy decides;
-- `call` / `read` / `guarded`: any other call. A group found broken is repaired first, and a call
-  that fails leaves the group to `Recovery.repair` (the same loop's resize, timeout and log) before
-  the error is raised; `read` does a read again once after a lost worker.
-
-Either way a user's exception reaches the caller in one form (`in_one_form`): an instance of both
-`raysgd_core.WorkerError` (the worker's traceback in its message) and the user's exception class.
-What the training state is, and where it is restored from, is `trainer_state`'s business.
+`WorkerCalls` starts the `WorkerGroup` and builds one runner per worker from a `RunnerRecipe`
+(the operator class, shipped once; the options; the user's config and the datasets split over the
+live size, which also keeps `trainer.config[BATCH_SIZE]`), and stops them. It makes plain calls:
+repairing the group after a failed call and giving user errors their one form is the recovery
+loop's (`recovery.Recovery.guarded`), which wraps the trainer's calls from above.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, TypeVar
+from typing import Any, Optional
 
 import ray
 
 from raysgd._internal import worker
 from raysgd._internal.datasets import DatasetSplitter
-from raysgd._internal.recovery import Recovery
-from raysgd_core import WorkerDiedError, WorkerError, WorkerGroup
+from raysgd._internal.worker_runner import RunnerArgs
+from raysgd_core import WorkerError, WorkerGroup
 from raysgd_operator import BATCH_SIZE, TrainingOptions, split_batch_size
 
-__all__ = ["RunnerArgs", "RunnerRecipe", "WorkerCalls", "in_one_form"]
+__all__ = ["RunnerRecipe", "WorkerCalls", "in_one_form"]
 
 logger = logging.getLogger("raysgd")
-
-T = TypeVar("T")
 
 
 def in_one_form(error: WorkerError) -> WorkerError:
@@ -46,15 +33,6 @@ def in_one_form(error: WorkerError) -> WorkerError:
     both `WorkerError` and its cause's class (`WorkerError.as_instance_of_cause`), keeping the
     traceback of where the group raised it."""
     return error.as_instance_of_cause().with_traceback(error.__traceback__)
-
-
-class RunnerArgs(NamedTuple):
-    """What `worker.create_runner` / `worker.restore_runner` build a runner from, for one size."""
-
-    operator_ref: Any  # the operator class in the object store (a top-level ref, resolved there)
-    config: dict[str, Any]  # each worker's config (its share of the global batch)
-    options: TrainingOptions
-    dataset_splits: Sequence[Mapping[str, Any]]  # every rank's split of the datasets, rank order
 
 
 @dataclass
@@ -87,19 +65,16 @@ class RunnerRecipe:
 
 
 class WorkerCalls:
-    """The trainer's workers: start, calls with repair and one error form, stop.
+    """The trainer's workers: start, plain calls, stop.
 
     Args:
         group: The group, built (not started).
         recipe: How the runners are built.
-        recovery: The recovery loop over `group`; every repair goes through it.
     """
 
-    def __init__(self, group: WorkerGroup, recipe: RunnerRecipe, recovery: Recovery) -> None:
+    def __init__(self, group: WorkerGroup, recipe: RunnerRecipe) -> None:
         self.group = group
         self.recipe = recipe
-        self._recovery = recovery
-        self._guarding = False
 
     @property
     def world_size(self) -> int:
@@ -115,6 +90,11 @@ class WorkerCalls:
         """The runners' arguments for the group as it is now (after a resize: its new size)."""
         return self.recipe.args(self.world_size)
 
+    def all_on_this_node(self) -> bool:
+        """Whether every worker runs on this process's node (they see its local disk)."""
+        here = ray.get_runtime_context().get_node_id()
+        return all(info.node_id == here for info in self.group.workers)
+
     # ------------------------------------------------------------------------ start and stop
     def start(self, copy_limit_bytes: int) -> Optional[tuple[Optional[bytes], int]]:
         """Start the group and build every worker's runner; returns rank 0's answer (see
@@ -123,10 +103,7 @@ class WorkerCalls:
         started = time.monotonic()
         self.group.start()
         group_ready = time.monotonic()
-        operator_ref, config, options, dataset_splits = self.runner_args()
-        first = self.group.execute(
-            worker.create_runner, operator_ref, config, options, copy_limit_bytes, dataset_splits
-        )[0]
+        first = self.group.execute(worker.create_runner, *self.runner_args(), copy_limit_bytes)[0]
         done = time.monotonic()
         logger.debug(
             "trainer ready in %.2fs (workers %.2fs, operator set-up %.2fs)",
@@ -151,53 +128,7 @@ class WorkerCalls:
         finally:
             self.group.shutdown()
 
-    # --------------------------------------------------------------------------------- calls
-    def run(self, attempt: Callable[[], T], *, max_retries: int) -> T:
-        """`attempt()` (a `train()` call on every worker) inside the recovery loop."""
-        try:
-            return self._recovery.run(attempt, max_retries=max_retries)
-        except WorkerError as exc:
-            raise in_one_form(exc)  # noqa: B904 (its cause is the user's exception already)
-
-    @contextlib.contextmanager
-    def guarded(self) -> Iterator[None]:
-        """Worker calls inside are made on a usable group and fail in one form: a group left
-        broken is repaired first; a user error or a lost worker inside is handed to the recovery
-        loop (`Recovery.repair`: logged, a loss counted, the group re-formed at its size with the
-        state of the survivors) and then raised, a user error in its one form (`in_one_form`).
-        Nested blocks are part of the outermost one."""
-        if self._guarding:
-            yield
-            return
-        self._guarding = True
-        try:
-            if self.group.needs_recovery:
-                self._recovery.repair()
-            try:
-                yield
-            except (WorkerError, WorkerDiedError) as exc:
-                self._recovery.repair(exc)
-                if isinstance(exc, WorkerError):
-                    raise in_one_form(exc)  # noqa: B904 (its cause is the user's exception)
-                raise
-        finally:
-            self._guarding = False
-
-    def call(self, fn: Callable[..., Any], *args: Any, rank: Optional[int] = None) -> Any:
-        """`fn(*args)` on every worker (or on `rank`), guarded (see `guarded`)."""
-        with self.guarded():
-            if rank is None:
-                return self.group.execute(fn, *args)
-            return self.group.execute_single(rank, fn, *args)
-
-    def read(self, fn: Callable[..., T], *args: Any, rank: int = 0) -> T:
-        """`fn(*args)` on `rank` for something the user asked to read (the state, the model): a
-        worker lost meanwhile is replaced (see `guarded`) and the read done again once."""
-        try:
-            return self.call(fn, *args, rank=rank)
-        except WorkerDiedError:
-            return self.call(fn, *args, rank=rank)
-
+    # --------------------------------------------------------------------------------- files
     def writer_rank(self, directory: str) -> Optional[int]:
         """A rank that can write a file into `directory` which this process sees: one on this
         process's node (rank 0 first), else rank 0 when `directory` is on a file system both
@@ -209,12 +140,12 @@ class WorkerCalls:
         # The directory is made here (where the file goes in any case), so that a worker that
         # shares this disk finds it, and one that does not creates nothing on its own node.
         os.makedirs(directory, exist_ok=True)
-        probe = self.read(worker.write_probe, directory)
+        probe = self.group.execute_single(0, worker.write_probe, directory)
         if probe is None:
             return None
         try:
             os.remove(probe)
             return 0
         except FileNotFoundError:  # written on the worker's own disk: not seen from here
-            self.call(worker.remove_file, probe, rank=0)
+            self.group.execute_single(0, worker.remove_file, probe)
             return None

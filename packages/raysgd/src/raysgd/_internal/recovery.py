@@ -1,48 +1,46 @@
-"""The recovery loop around one `TorchTrainer.train()` call: detect, decide, resize, restore, redo.
+"""The recovery loop: every resize of the trainer's group, and every call guarded by it.
 
 The loop is a small state machine (`LoopState`) over a narrow view of the worker group
-(`ElasticGroup`: its live size, whether it needs recovery, `recover`, `estimate_fitting`), a restore
-callback and a failure policy (`raysgd_fault`). It knows nothing else of the trainer.
+(`ElasticGroup`: its live size, whether it needs recovery, `recover`, `estimate_fitting`,
+`retire`), the training state's restore and a failure policy (`raysgd_fault`). It knows nothing
+else of the trainer.
 
 1. RUNNING: ``attempt()`` runs one train call. A lost actor or node surfaces at once as
-   `WorkerDiedError` (the group sees the dead actor; nobody waits for a collective timeout); the loss
-   is counted and logged -> FAILED.
+   `WorkerDiedError` (the group sees the dead actor, or a peer's bounded collective names a
+   silent one); the loss is counted and logged -> FAILED.
 2. FAILED: the policy is asked what to do, given how many workers are wanted, alive and could start
    now, how many losses this call saw and how many restart attempts came to nothing. RETRY ->
    RESTARTING, WAIT -> WAITING, GIVE_UP -> `RuntimeError` naming every loss. The policy alone
    owns the budget (`max_retries`, how many fruitless attempts, how long to back off).
-3. RESTARTING: ``group.recover(k)`` keeps healthy workers where it can, starts replacements and
-   re-forms the process group; the restore callback then brings every worker to the state of the
-   survivor that got furthest, and the interrupted call goes on from there, giving the result of
-   a run without the failure -> RUNNING. A restore that finds no state at all
-   (`StateLostError`) ends the call at once: retrying cannot bring it back.
-   A restart that itself fails (a new worker dies, a survivor dies while re-forming) is one more
-   loss; one that starts no worker is a fruitless attempt. Either way -> FAILED.
+3. RESTARTING: one `resize` to the policy's size: the interrupted call then goes on from the
+   state the restore brought every worker to -> RUNNING. A restore that finds no state at all
+   (`StateLostError`) ends the call at once: retrying cannot bring it back. A resize that loses a
+   worker is one more loss; one that starts no worker is a fruitless attempt. Either way ->
+   FAILED.
 4. WAITING: sleep the policy's backoff, count a fruitless attempt -> FAILED.
 
-A planned move (`move_off`: workers on a node Ray is draining for a preemption) walks the same
-resize without a failure: the workers leave at a step boundary, the policy decides how many to
-start elsewhere (phase "preemption"), and the move is neither counted in `failures` nor spends
-`max_retries`; it is recorded as its own event kind.
+Every change of the group is one transaction, `resize(num_workers, reason)`: workers leaving on
+purpose hand their state over and go, the group keeps its healthy workers and starts the rest
+(`WorkerGroup.recover`), the training state is restored on the new group, and a `ResizeResult`
+says what happened; the events of the log are derived from it. Its callers: a loss in `run`, a
+grow at the start of `train()` (`maybe_grow`, sized by the policy's "grow" phase), `repair` after
+any other call failed, and a move off a draining node (`preemption`).
 
-Errors raised by user code (`WorkerError`) are never retried: they reach the caller unchanged, with the
-worker's traceback; the group is only repaired (same size, last good state) so the trainer stays usable.
-
-Calls other than `train()` (validate, save, state_dict, ...) are not redone by the loop, but their
-failures go through it too: `repair` logs the user error or counts the loss as `run` does, and
-re-forms the group at its size with the same resize, timeout and restore seam.
-Growth back towards the requested size is asked of the policy at the start of every `train()`.
-Deliberate differences from RaySGD 1.x's recovery: the group is sized in workers (not raw CPUs)
-and survivors are re-joined instead of killed.
+Calls other than `train()` run inside `guarded()`: a group found broken is repaired first, and a
+failure inside is handed to `repair` (a user error logged and not counted, a lost worker counted,
+the group re-formed at its size) before it is raised, a user error in its one form (see
+ARCHITECTURE.md, "User errors have one form"). Errors raised by user code are never retried.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any, Callable, Optional, TypeVar
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, TypeVar, Union
 
 from raysgd._internal.elastic import NEXT_STATE, ElasticGroup, LoopState, on_live_nodes
 from raysgd._internal.recovery_log import (
@@ -66,6 +64,8 @@ __all__ = [
     "GROW_BACKOFF_S",
     "MAX_GROW_BACKOFF_S",
     "Recovery",
+    "ResizeResult",
+    "in_one_form",
 ]
 
 logger = logging.getLogger("raysgd.recovery")
@@ -79,6 +79,49 @@ DEFAULT_RESTART_TIMEOUT_S = 30.0
 #: After a grow that started no new worker, skip growing for this long, doubling up to the maximum.
 GROW_BACKOFF_S = 30.0
 MAX_GROW_BACKOFF_S = 600.0
+
+
+def in_one_form(error: WorkerError) -> WorkerError:
+    """The form every user exception takes when it leaves the trainer: `error` as an instance of
+    both `WorkerError` and its cause's class (`WorkerError.as_instance_of_cause`), keeping the
+    traceback of where the group raised it."""
+    return error.as_instance_of_cause().with_traceback(error.__traceback__)
+
+
+@dataclass(frozen=True)
+class ResizeResult:
+    """What one `Recovery.resize` did.
+
+    Attributes:
+        reason: Why the group was resized ("failure", "grow", "preemption", a repair).
+        num_workers: The size asked for.
+        before: The live size before.
+        report: The group's `RecoveryReport` (its `steps_redone` filled in), or None when the
+            resize failed before the group was re-formed.
+        restored: Where the state came from and how many steps are redone.
+        lost: The error of a worker lost during the resize (one more loss), or None.
+        duration_s: The whole resize.
+        formed_s: Until the group was re-formed (the rest is the restore).
+    """
+
+    reason: str
+    num_workers: int
+    before: int
+    report: Optional[RecoveryReport]
+    restored: Optional[RestoreOutcome]
+    lost: Optional[BaseException]
+    duration_s: float
+    formed_s: float
+
+    @property
+    def ok(self) -> bool:
+        """The group was re-formed with at least one worker and its state restored."""
+        return self.lost is None and self.report is not None and self.report.world_size >= 1
+
+    @property
+    def steps_redone(self) -> int:
+        """Steps done again because of this resize (0 when it did not restore)."""
+        return self.restored.steps_redone if self.restored is not None else 0
 
 
 class Recovery:
@@ -117,16 +160,23 @@ class Recovery:
         self._restart_timeout_s = float(restart_timeout_s)
         self._sleep = sleep
         self._reclaimable = reclaimable or on_live_nodes
-        self._log = RecoveryLog()
+        #: Every event so far (`events`); the moves off draining nodes record theirs here too.
+        self.log = RecoveryLog()
         self._total_failures = 0
         self._call_failures: list[FailureRecord] = []
         self._last_failure_at: Optional[float] = None
         self._last_error: Optional[BaseException] = None  # chained to the give-up RuntimeError
         self._grow_backoff_s = 0.0
         self._next_grow_at = 0.0
-        #: The nodes being moved off (during `move_off`): a loss there is a preemption.
-        self._draining: frozenset[str] = frozenset()
+        #: The nodes being moved off (set by `preemption`): a loss there is a preemption.
+        self.draining: frozenset[str] = frozenset()
         self.state = LoopState.SUCCEEDED
+        self._guarding = False
+
+    @property
+    def restart_timeout_s(self) -> float:
+        """Bound on one ``group.recover`` call."""
+        return self._restart_timeout_s
 
     @property
     def failures(self) -> int:
@@ -141,8 +191,48 @@ class Recovery:
     @property
     def events(self) -> list[RecoveryEvent]:
         """Every failure, decision and resize so far, oldest first."""
-        return self._log.events
+        return self.log.events
 
+    # --------------------------------------------------------------------------- guarded calls
+    @contextlib.contextmanager
+    def guarded(self) -> Iterator[None]:
+        """Worker calls inside are made on a usable group and fail in one form: a group left
+        broken is repaired first; a user error or a lost worker inside goes to `repair` and is
+        then raised, a user error in its one form (`in_one_form`). Nested blocks are part of the
+        outermost one."""
+        if self._guarding:
+            yield
+            return
+        self._guarding = True
+        try:
+            if self._group.needs_recovery:
+                self.repair()
+            try:
+                yield
+            except (WorkerError, WorkerDiedError) as exc:
+                self.repair(exc)
+                if isinstance(exc, WorkerError):
+                    raise in_one_form(exc)  # noqa: B904 (its cause is the user's exception)
+                raise
+        finally:
+            self._guarding = False
+
+    def call(self, fn: Callable[..., Any], *args: Any, rank: Optional[int] = None) -> Any:
+        """`fn(*args)` on every worker (or on `rank`), guarded."""
+        with self.guarded():
+            if rank is None:
+                return self._group.execute(fn, *args)  # type: ignore[attr-defined]
+            return self._group.execute_single(rank, fn, *args)  # type: ignore[attr-defined]
+
+    def read(self, fn: Callable[..., T], *args: Any, rank: int = 0) -> T:
+        """`fn(*args)` on `rank` for something the user asked to read (the state, the model): a
+        worker lost meanwhile is replaced and the read done again once."""
+        try:
+            return self.call(fn, *args, rank=rank)
+        except WorkerDiedError:
+            return self.call(fn, *args, rank=rank)
+
+    # ------------------------------------------------------------------------------- training
     def run(self, attempt: Callable[[], T], *, max_retries: int) -> T:
         """Return ``attempt()``, recovering from lost workers and redoing the attempt.
 
@@ -164,20 +254,14 @@ class Recovery:
                     result = attempt()
                 except WorkerError as err:
                     self._after_user_error(err)
-                    raise
+                    raise in_one_form(err)  # noqa: B904 (its cause is the user's exception)
                 except WorkerDiedError as err:
                     detected_at = detected_at or time.monotonic()
                     alive = max(0, self._world_size() - len(err.ranks))
-                    reclaimable, fruitless = self._reclaimable_count(err.nodes), 0
-                    preempted = bool(err.preempted)
-                    self._note_loss(
-                        err.ranks,
-                        err.nodes,
-                        err,
-                        during_restart=False,
-                        alive=alive,
-                        preempted=preempted,
-                    )
+                    # A silent rank's node may be frozen: its room is not counted on.
+                    answered = [n for r, n in zip(err.ranks, err.nodes) if r not in err.silent]
+                    reclaimable, fruitless = self._reclaimable_count(answered), 0
+                    self.count_loss(err, during_restart=False, alive=alive)
                     self.state = LoopState.FAILED
                     continue
                 self.state = LoopState.SUCCEEDED
@@ -202,7 +286,7 @@ class Recovery:
             elif self.state is LoopState.RESTARTING:
                 assert decision is not None
                 losses = self.failures_this_call
-                if self._resize(decision.num_workers, why="failure"):
+                if self._resize_counting(decision.num_workers, "failure").ok:
                     self.state = LoopState.RUNNING
                     continue
                 # The recover call released the lost workers' slots (the group's own estimate
@@ -233,11 +317,11 @@ class Recovery:
         decision = self._decide(max_retries, alive=current, fitting=fitting, phase="grow")
         if decision.action is not Action.RETRY or decision.num_workers <= current:
             return False
-        if not self._resize(decision.num_workers, why="grow"):
+        if not self._resize_counting(decision.num_workers, "grow").ok:
             # A new worker failed while joining; the old members may have left their process group
             # already, so re-form at the old size. Should that fail too, the next attempt sees a
             # broken group and the failure path takes over.
-            self._resize(max(1, current), why="repair after a failed grow")
+            self._resize_counting(max(1, current), "repair after a failed grow")
         if self._world_size() > current:
             self._grow_backoff_s = 0.0
             return True
@@ -245,7 +329,7 @@ class Recovery:
             MAX_GROW_BACKOFF_S, max(GROW_BACKOFF_S, 2 * self._grow_backoff_s)
         )
         self._next_grow_at = time.monotonic() + self._grow_backoff_s
-        self._log.record(
+        self.log.record(
             EventKind.DECISION,
             f"grow to {decision.num_workers} worker(s) started none; not trying again for "
             f"{self._grow_backoff_s:g} s",
@@ -274,18 +358,14 @@ class Recovery:
             return not self._group.needs_recovery
         self._call_failures, self._last_error = [], None  # a call of its own, as in run()
         if isinstance(error, WorkerDiedError):
-            self._note_loss(
-                error.ranks,
-                error.nodes,
-                error,
-                during_restart=False,
-                alive=max(0, self._world_size() - len(error.ranks)),
-                preempted=bool(error.preempted),
-            )
+            alive = max(0, self._world_size() - len(error.ranks))
+            self.count_loss(error, during_restart=False, alive=alive)
         if not self._group.needs_recovery:
             return True
         self.state = LoopState.RESTARTING
-        repaired = self._resize(max(1, self._world_size()), why="repair after a failed call")
+        repaired = self._resize_counting(
+            max(1, self._world_size()), "repair after a failed call"
+        ).ok
         self.state = LoopState.SUCCEEDED if repaired else LoopState.FAILED
         if not repaired:
             logger.warning(
@@ -294,178 +374,109 @@ class Recovery:
             )
         return repaired
 
-    def move_off(
+    def resize(
         self,
-        ranks: Sequence[int],
-        nodes: dict[str, Optional[float]],
+        num_workers: Union[int, Callable[[], int]],
+        reason: str,
         *,
-        max_retries: int,
-        before_retire: Callable[[], None] = lambda: None,
-    ) -> bool:
-        """Move the workers of `ranks` off `nodes` (draining: node -> deadline, None for none)
-        before the deadline; every worker has stopped at the same step boundary.
+        timeout_s: Optional[float] = None,
+        leaving: Sequence[int] = (),
+        hand_over: Optional[Callable[[], None]] = None,
+    ) -> ResizeResult:
+        """Resize the group to `num_workers`, as one transaction: `hand_over()` (the state is
+        made restorable without the workers of `leaving`) and those workers retired, then
+        `group.recover` (healthy workers kept, the rest started, within `timeout_s`), then the
+        state restored on the new group. `num_workers` may be a function, asked once the leaving
+        workers are gone (their room then counts). Every event is derived from the returned result; a
+        worker lost meanwhile is in `ResizeResult.lost`, for the caller to count.
 
-        `before_retire` makes the state restorable at this boundary without the leaving workers
-        (a sharded strategy snapshots and hands their parts to workers that stay). When no worker
-        would be left, it runs first, replacements join (taking the state of this boundary) and
-        it runs again. The policy then decides how many to run (phase "preemption"): RETRY n
-        starts replacements elsewhere up to n; otherwise the group goes on with the workers that
-        stay. Not a failure: neither counted nor charged to `max_retries`, and recorded as a
-        "preemption" event with the steps redone (0 unless a worker was lost meanwhile).
-
-        Returns False when the workers could not be moved: nothing started in their place (they
-        stay, and the node's loss will be an ordinary one), or a worker was lost during the move
-        (the node went before the deadline). Such a loss is counted and logged as a preemption,
-        and the group is left for the next `run()` to recover, as after any loss.
+        Raises:
+            StateLostError: no worker, copy or checkpoint holds the state (retrying cannot help).
         """
-        started = time.monotonic()
-        deadlines = [d for d in nodes.values() if d is not None]
-        deadline = min(deadlines) if deadlines else None
-        where = ", ".join(short_node(n) for n in nodes)
-        left = f"{deadline - time.time():.1f} s before the deadline" if deadline else "no deadline"
-        before = self._world_size()
-        leaving = sorted(ranks)
-        first_event = len(self._log.events)
-        self._draining = frozenset(nodes)
-        try:
-            if len(leaving) >= before:
-                # Everyone is on a draining node: the replacements come in first, while the
-                # state is still there to give them.
-                before_retire()
-                grown = self._resize(
-                    before + len(leaving), why="preemption", timeout_s=self._left(deadline)
-                )
-                if not grown or self._world_size() <= before:
-                    return self._not_moved(
-                        leaving,
-                        nodes,
-                        before,
-                        f"every worker is on draining node(s) {where} "
-                        f"({left}) and no replacement started: they stay",
-                    )
-            before_retire()
-            self._group.retire(leaving)
-            alive = self._world_size() - len(leaving)
-            decision = self._decide(
-                max_retries, alive=alive, fitting=self._fitting(), phase="preemption"
-            )
-            target = decision.num_workers if decision.action is Action.RETRY else alive
-            resized = self._resize(max(1, target), why="preemption", timeout_s=self._left(deadline))
-        except StateLostError:
-            raise
-        except Exception as err:  # a worker lost while handing over: the node went early
-            lost_ranks, lost_nodes = where_lost(err)
-            self._note_loss(lost_ranks, lost_nodes, err, during_restart=True, alive=None)
-            resized = False
-        finally:
-            self._draining = frozenset()
-        if not resized:
-            return self._not_moved(
-                leaving,
-                nodes,
-                before,
-                f"moving rank(s) {leaving} off draining node(s) {where} "
-                f"({left}) failed: a worker was lost, or none could start",
-            )
-        took = time.monotonic() - started
-        redone = sum(
-            e.steps_redone or 0
-            for e in self._log.events[first_event:]
-            if e.kind == EventKind.RESIZE
-        )
-        self._log.record(
-            EventKind.PREEMPTION,
-            f"moved rank(s) {leaving} off draining node(s) {where} ({left}) in {took:.2f} s: "
-            f"{before} -> {self._world_size()} worker(s), {redone} step(s) redone",
-            ranks=tuple(leaving),
-            nodes=tuple(nodes),
-            duration_s=took,
-            num_workers_before=before,
-            num_workers_after=self._world_size(),
-            steps_redone=redone,
-        )
-        return True
-
-    def _not_moved(
-        self, leaving: Sequence[int], nodes: dict[str, Optional[float]], before: int, what: str
-    ) -> bool:
-        """Record a move that did not happen (a warning event of the preemption kind)."""
-        recovered = (
-            "the next call recovers the group"
-            if self._group.needs_recovery
-            else "their loss will be recovered from a checkpoint"
-        )
-        self._log.record(
-            EventKind.PREEMPTION,
-            f"{what}; {recovered}",
-            level=logging.WARNING,
-            nodes=tuple(nodes),
-            ranks=tuple(leaving),
-            num_workers_before=before,
-            num_workers_after=self._world_size(),
-        )
-        return False
-
-    def _left(self, deadline: Optional[float]) -> float:
-        """How long a restart for a move may take: up to the deadline, less a margin."""
-        if deadline is None:
-            return self._restart_timeout_s
-        return max(1.0, min(self._restart_timeout_s, deadline - time.time() - 2.0))
-
-    def _resize(self, num_workers: int, *, why: str, timeout_s: Optional[float] = None) -> bool:
-        """`group.recover(num_workers)` and restore the state there; False (logged) if it failed."""
         before = self._world_size()
         started = time.monotonic()
+        report: Optional[RecoveryReport] = None
+        restored: Optional[RestoreOutcome] = None
+        lost: Optional[BaseException] = None
+        formed = started
+        target = num_workers if isinstance(num_workers, int) else 0
         try:
+            if leaving:
+                if hand_over is not None:
+                    hand_over()
+                self._group.retire(leaving)
+            if not isinstance(num_workers, int):
+                target = max(1, num_workers())
             report = self._group.recover(
-                num_workers,
+                target,
                 timeout_s=timeout_s if timeout_s is not None else self._restart_timeout_s,
             )
             formed = time.monotonic()
-            if report.world_size < 1:
-                self._log.record(
-                    EventKind.RESTART_FAILED,
-                    f"restart ({why}) asked for {num_workers} worker(s) but none started "
-                    f"({formed - started:.2f} s)",
-                    level=logging.WARNING,
-                    duration_s=formed - started,
-                    num_workers_before=before,
-                    num_workers_after=0,
-                )
-                return False
-            outcome = self._restore(report)
+            if report.world_size >= 1:
+                outcome = self._restore(report)
+                if isinstance(outcome, RestoreOutcome):
+                    restored = outcome
+                    report = dataclasses.replace(report, steps_redone=outcome.steps_redone)
         except StateLostError:
             raise
-        except Exception as err:  # any error while restarting is one more loss
-            logger.debug("restart (%s) failed", why, exc_info=True)
-            ranks, nodes = where_lost(err)
-            self._note_loss(ranks, nodes, err, during_restart=True, alive=None)
-            return False
+        except Exception as err:  # any error while resizing is one more loss
+            logger.debug("resize (%s) failed", reason, exc_info=True)
+            lost = err
         done = time.monotonic()
-        restored = ""
-        if isinstance(outcome, RestoreOutcome):
-            restored = f"; state from {outcome.source}, {outcome.steps_redone} step(s) redone"
-            report = dataclasses.replace(report, steps_redone=outcome.steps_redone)
-        self._log.record(
+        result = ResizeResult(
+            reason, target, before, report, restored, lost, done - started, formed - started
+        )
+        self._record(result)
+        return result
+
+    def _resize_counting(self, num_workers: int, reason: str) -> ResizeResult:
+        """`resize`, a worker lost meanwhile counted as a loss during the restart."""
+        result = self.resize(num_workers, reason)
+        if result.lost is not None:
+            self.count_loss(result.lost, during_restart=True)
+        return result
+
+    def _record(self, result: ResizeResult) -> None:
+        """The event of a resize: what it did, or that it started nobody (a loss during it is
+        recorded by whoever counts it)."""
+        report = result.report
+        if result.lost is not None or report is None:
+            return
+        if report.world_size < 1:
+            self.log.record(
+                EventKind.RESTART_FAILED,
+                f"restart ({result.reason}) asked for {result.num_workers} worker(s) but none "
+                f"started ({result.formed_s:.2f} s)",
+                level=logging.WARNING,
+                duration_s=result.formed_s,
+                num_workers_before=result.before,
+                num_workers_after=0,
+            )
+            return
+        restored = result.restored
+        source = ""
+        if restored is not None:
+            source = f"; state from {restored.source}, {restored.steps_redone} step(s) redone"
+        self.log.record(
             EventKind.RESIZE,
-            f"resized ({why}) {before} -> {report.world_size} worker(s) via {report.path} in "
-            f"{done - started:.2f} s (re-form group {formed - started:.2f} s, restore state "
-            f"{done - formed:.2f} s); {describe_report(report)}{restored}",
-            duration_s=done - started,
-            num_workers_before=before,
+            f"resized ({result.reason}) {result.before} -> {report.world_size} worker(s) via "
+            f"{report.path} in {result.duration_s:.2f} s (re-form group {result.formed_s:.2f} s, "
+            f"restore state {result.duration_s - result.formed_s:.2f} s); "
+            f"{describe_report(report)}{source}",
+            duration_s=result.duration_s,
+            num_workers_before=result.before,
             num_workers_after=report.world_size,
             path=report.path,
-            phases={**getattr(report, "timings", {}), "restore_s": done - formed},
-            source=outcome.source if isinstance(outcome, RestoreOutcome) else None,
+            phases={**report.timings, "restore_s": result.duration_s - result.formed_s},
+            source=restored.source if restored is not None else None,
             steps_redone=report.steps_redone,
             report=report,
         )
-        return True
 
     def _after_user_error(self, err: WorkerError) -> None:
         """Log a user error and repair the group (same size, last good state) without counting it."""
         ranks, nodes = where_lost(err)
-        self._log.record(
+        self.log.record(
             EventKind.USER_ERROR,
             f"user code raised on rank(s) {list(ranks)} (node "
             f"{short_node(nodes[0] if nodes else '')}); not retried: {short_error(err)}",
@@ -479,46 +490,66 @@ class Recovery:
         # The raising rank left its process group to release peers blocked in a collective: re-form
         # at the same size, every worker at the last step the group finished, so that the next
         # call starts from a consistent model. This is housekeeping, not a loss of the user's
-        # run, so it is not counted.
-        counters = (self._total_failures, list(self._call_failures), self._last_failure_at)
-        last_error = self._last_error
-        if not self._resize(max(1, self._world_size()), why="repair after a user error"):
+        # run: a worker lost meanwhile is logged, not counted.
+        result = self.resize(max(1, self._world_size()), "repair after a user error")
+        if result.lost is not None:
+            self._log_loss(result.lost, during_restart=True, alive=None)
+        if not result.ok:
             logger.warning("the worker group could not be repaired after the user error above")
-        self._total_failures, self._call_failures, self._last_failure_at = counters
-        self._last_error = last_error
 
-    def _note_loss(
+    def count_loss(
         self,
-        ranks: Sequence[int],
-        nodes: Sequence[str],
+        err: BaseException,
+        *,
+        during_restart: bool,
+        alive: Optional[int] = None,
+    ) -> None:
+        """Count and log the loss `err` names (a `WorkerDiedError`, or any error of a resize)."""
+        record = self._log_loss(err, during_restart=during_restart, alive=alive, count=True)
+        self._call_failures.append(record)
+
+    def _log_loss(
+        self,
         err: BaseException,
         *,
         during_restart: bool,
         alive: Optional[int],
-        preempted: bool = False,
-    ) -> None:
-        # A loss on a node being moved off for a preemption notice is that preemption.
-        preempted = preempted or bool(self._draining & set(nodes))
+        count: bool = False,
+    ) -> FailureRecord:
+        ranks, nodes = where_lost(err)
         record = FailureRecord(
-            tuple(ranks), tuple(nodes), short_error(err), during_restart, preempted
+            tuple(ranks), tuple(nodes), short_error(err), during_restart, self.preempted(err)
         )
-        self._call_failures.append(record)
-        self._total_failures += 1
-        self._last_failure_at = time.monotonic()
-        self._last_error = err
+        if count:
+            self._total_failures += 1
+            self._last_failure_at = time.monotonic()
+            self._last_error = err
         survive = "" if alive is None else f"; {alive} worker(s) survive"
-        self._log.record(
+        number = (
+            f"worker failure {self.failures_this_call + 1} of this call ({self._total_failures} "
+            "in total)"
+            if count
+            else "worker lost while repairing (not counted)"
+        )
+        self.log.record(
             EventKind.RESTART_FAILED if during_restart else EventKind.FAILURE,
-            f"worker failure {self.failures_this_call} of this call ({self._total_failures} in "
-            f"total): {record.describe()}{survive}",
+            f"{number}: {record.describe()}{survive}",
             level=logging.WARNING,
             ranks=record.ranks,
             nodes=record.nodes,
             error=record.error,
             num_workers_before=self._world_size(),
             num_workers_after=alive,
-            preempted=preempted,
+            preempted=record.preempted,
         )
+        return record
+
+    def preempted(self, err: BaseException) -> bool:
+        """Whether the loss `err` names was a preemption: Ray marked the workers' node reclaimed
+        after a preemption drain, or the node is one the workers are being moved off (the one
+        rule; Ray's word that arrives only after the call is applied by `_mark_preempted`)."""
+        _, nodes = where_lost(err)
+        return bool(getattr(err, "preempted", None)) or bool(self.draining & set(nodes))
 
     def _mark_preempted(self) -> None:
         """Tag this call's losses whose node Ray now reports reclaimed after a preemption drain.
@@ -527,16 +558,25 @@ class Recovery:
         nodes = {n for record in self._call_failures for n in record.nodes}
         preempted = preempted_nodes(nodes)
         if preempted:
-            self._log.mark_preempted(preempted)
+            self.log.mark_preempted(preempted)
 
     def _note_recovered(self, took: float) -> None:
-        self._log.record(
+        self.log.record(
             EventKind.RECOVERED,
             f"recovered: the interrupted work was redone on {self._world_size()} worker(s); "
             f"{took:.2f} s from detecting the failure to the end of the redone call",
             duration_s=took,
             num_workers_after=self._world_size(),
         )
+
+    def size_for_move(self, *, max_retries: int, alive: int) -> int:
+        """How many workers to run after moving off a draining node, `alive` of them staying:
+        the policy's size in its "preemption" phase (the workers that stay when it keeps the
+        group)."""
+        decision = self._decide(
+            max_retries, alive=alive, fitting=self._fitting(), phase="preemption"
+        )
+        return decision.num_workers if decision.action is Action.RETRY else alive
 
     def _decide(
         self, max_retries: int, *, alive: int, fitting: int, phase: str, attempt: int = 0
@@ -563,7 +603,7 @@ class Recovery:
                 f"{type(self.policy).__name__}.decide must return a Decision, "
                 f"got {type(decision).__name__}"
             )
-        self._log.record(
+        self.log.record(
             EventKind.DECISION,
             f"policy {getattr(self.policy, 'name', type(self.policy).__name__)!r} ({phase}: wanted "
             f"{wanted}, alive {status.workers_alive}, fitting {status.workers_fitting}, failures "

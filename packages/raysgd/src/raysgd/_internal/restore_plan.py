@@ -1,59 +1,40 @@
-"""Who restores whom after a resize (a pure decision from every worker's `Progress`), and what the
-restore did.
+"""Who restores whom after a resize: pure decisions from what every worker holds.
 
-The source is the worker furthest along among those whose state is clean (a worker torn between
-two optimizer steps never is); ties go to the lowest rank. Every worker without a runner (a
-replacement), behind the source or torn receives the source's state; the others already hold it.
+Every worker answers `worker.holding` with a `Holding`: how far it got (`Progress`, None for a new
+worker) and, with a sharded strategy, the in-memory snapshots it holds parts of. From those:
+
+- `plan_from_peers` (every worker holds the whole state: ``ddp``, ``none``): the source is the
+  worker furthest along among those whose state is clean (a worker torn between two optimizer
+  steps never is), ties to the lowest rank; every worker without a runner, behind the source or
+  torn receives the source's state.
+- `plan_from_snapshots` (each worker holds its part and a peer's copy: ``fsdp``): the newest
+  snapshot of which some survivor holds every part; every worker is rebuilt from it.
+
+When neither finds a state (`RestorePlan.found` is False), the trainer falls back on a copy or a
+checkpoint (`RestorePlan.fallback`). `reached` is the one rule for how far the group had got, from
+which the steps redone are counted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Optional
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Optional
 
-from raysgd_operator import CallRecord, Progress
+from raysgd_operator import AverageMeterCollection, CallRecord, Progress
 
-__all__ = ["RestoreOutcome", "RestorePlan", "StateLostError", "plan_restore"]
-
-
-@dataclass(frozen=True)
-class RestorePlan:
-    """What `plan_restore` decided.
-
-    Attributes:
-        source: Rank (in the re-formed group) whose state everyone goes on from; None when no
-            worker holds a usable state (then the trainer falls back to a copy or a checkpoint).
-        receivers: Ranks that receive the source's state.
-        step: The source's finished steps (what training goes on from).
-        steps_redone: Steps that were started (by a worker that survived) but are lost: the one
-            in flight, plus any a survivor finished beyond the source. 0 when nothing was lost.
-        call: The `train()` call the source was in or last finished.
-    """
-
-    source: Optional[int]
-    receivers: tuple[int, ...]
-    step: int
-    steps_redone: int
-    call: Optional[CallRecord]
-
-
-def plan_restore(progress: Sequence[Optional[Progress]]) -> RestorePlan:
-    """Decide the restore for a group whose rank `r` reported `progress[r]` (None: a new worker)."""
-    clean = [(p.step, -rank) for rank, p in enumerate(progress) if p is not None and p.clean]
-    if not clean:
-        return RestorePlan(None, tuple(range(len(progress))), 0, 0, None)
-    step, negative_rank = max(clean)
-    source = -negative_rank
-    reached = max(
-        p.step + (1 if p.in_batch or not p.clean else 0) for p in progress if p is not None
-    )
-    receivers = tuple(
-        rank
-        for rank, p in enumerate(progress)
-        if rank != source and (p is None or not p.clean or p.step != step)
-    )
-    return RestorePlan(source, receivers, step, max(0, reached - step), progress[source].call)
+__all__ = [
+    "HeldSnapshot",
+    "Holding",
+    "RestoreOutcome",
+    "RestorePlan",
+    "SnapshotPlan",
+    "StateLostError",
+    "missing_parts",
+    "plan_from_peers",
+    "plan_from_snapshots",
+    "reached",
+]
 
 
 class StateLostError(RuntimeError):
@@ -62,17 +43,218 @@ class StateLostError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class RestoreOutcome:
-    """What a restore after a resize did (the recovery loop adds it to its resize event).
+class HeldSnapshot:
+    """One in-memory snapshot of a sharded state, as one worker holds it.
 
     Attributes:
-        source: Where the state came from, in words ("rank 1 at step 30", "the driver's copy
-            at step 12", "checkpoint /path at step 12").
+        step: The step it was taken at.
+        world_size: The size of the group that took it (one part per rank).
+        metadata: DCP's metadata of the parts.
+        state: The small rest of the state (epoch, position, schedulers, ...).
+        call: The `train()` call in progress when it was taken.
+        parts: Old rank -> (its file names, an ObjectRef of ``{name: data}``, the call's metrics
+            of that rank up to the snapshot): this worker's own part and its peer's copy.
+    """
+
+    step: int
+    world_size: int
+    metadata: bytes
+    state: dict[str, Any]
+    call: Optional[CallRecord]
+    parts: Mapping[int, tuple[Sequence[str], Any, Optional[AverageMeterCollection]]]
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one worker holds of the training state (its answer to `worker.holding`).
+
+    Attributes:
+        progress: How far it got; None for a worker without a runner (a replacement).
+        snapshots: With a sharded strategy, the snapshots it holds parts of.
+    """
+
+    progress: Optional[Progress]
+    snapshots: tuple[HeldSnapshot, ...] = ()
+
+
+@dataclass(frozen=True)
+class SnapshotPlan:
+    """The snapshot a sharded state is rebuilt from.
+
+    Attributes:
+        metadata: DCP's metadata.
+        state: The small rest of the state.
+        files: Every part's file name -> the ObjectRef of the ``{name: data}`` that holds it.
+        meters: New rank -> its share of the interrupted call's metrics up to the snapshot
+            (new rank r takes those of old ranks r, r + n, ...).
+    """
+
+    metadata: bytes
+    state: dict[str, Any]
+    files: dict[str, Any]
+    meters: list[Optional[AverageMeterCollection]]
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """What the planners decided (and, when they found nothing, the trainer's fallback).
+
+    Attributes:
         step: The finished step training goes on from.
-        steps_redone: Steps started before the failure that are done again (the one in flight,
-            plus those since the restored snapshot or copy).
+        steps_redone: Steps started (by a worker that survived) that are lost: the one in
+            flight, plus any since the state restored. 0 when nothing was lost.
+        call: The `train()` call to go on with (None: the next call starts afresh).
+        source: From peers: the rank (in the re-formed group) whose state every worker takes.
+        receivers: From peers: the ranks that receive it.
+        snapshot: From snapshots: what every worker is rebuilt from.
+        fallback: Neither found a state: what every worker loads instead (a checkpoint
+            location, or the serialised state in the object store), chosen by the trainer.
+        description: Where the state comes from, in words ("rank 1 at step 30", ...).
+    """
+
+    step: int
+    steps_redone: int
+    call: Optional[CallRecord]
+    source: Optional[int] = None
+    receivers: tuple[int, ...] = ()
+    snapshot: Optional[SnapshotPlan] = None
+    fallback: Any = None
+    description: str = ""
+
+    @property
+    def found(self) -> bool:
+        """Whether the workers themselves hold a state to go on from."""
+        return self.source is not None or self.snapshot is not None
+
+    def falling_back(self, fallback: Any, step: int, description: str, redone: int) -> RestorePlan:
+        """This plan with the trainer's `fallback` (taken at `step`): the interrupted call starts
+        again from there."""
+        return replace(
+            self,
+            step=step,
+            steps_redone=redone,
+            call=None,
+            fallback=fallback,
+            description=description,
+        )
+
+
+@dataclass(frozen=True)
+class RestoreOutcome:
+    """What a restore after a resize did (recorded in the resize's event).
+
+    Attributes:
+        source: Where the state came from, in words.
+        step: The finished step training goes on from.
+        steps_redone: Steps started before the failure that are done again.
     """
 
     source: str
     step: int
     steps_redone: int
+
+
+def reached(progress: Iterable[Optional[Progress]]) -> int:
+    """The furthest step any worker had started: its finished steps, plus the one it was in."""
+    return max(
+        (p.step + (1 if p.in_batch or not p.clean else 0) for p in progress if p is not None),
+        default=0,
+    )
+
+
+def plan_from_peers(progress: Sequence[Optional[Progress]]) -> RestorePlan:
+    """The restore of a group whose rank r reported `progress[r]` (None: a new worker), when every
+    worker holds the whole state."""
+    clean = [(p.step, -rank) for rank, p in enumerate(progress) if p is not None and p.clean]
+    if not clean:
+        return RestorePlan(0, 0, None, receivers=tuple(range(len(progress))))
+    step, negative_rank = max(clean)
+    source = -negative_rank
+    receivers = tuple(
+        rank
+        for rank, p in enumerate(progress)
+        if rank != source and (p is None or not p.clean or p.step != step)
+    )
+    source_call = progress[source].call  # type: ignore[union-attr]
+    return RestorePlan(
+        step,
+        max(0, reached(progress) - step),
+        source_call,
+        source=source,
+        receivers=receivers,
+        description=f"rank {source} at step {step}",
+    )
+
+
+def plan_from_snapshots(holdings: Sequence[Holding], world_size: int) -> RestorePlan:
+    """The restore of a sharded state over a new group of `world_size`: the newest snapshot whose
+    every part some survivor holds (the survivors' own parts and their peers' copies)."""
+    progress = [h.progress for h in holdings]
+    call = next((p.call for p in progress if p is not None and p.call is not None), None)
+    complete = _complete(holdings)
+    if not complete:
+        return RestorePlan(0, 0, call)
+    step = max(complete)
+    newest = complete[step]
+    parts = newest["parts"]
+    files = {name: ref for names, ref, _ in parts.values() for name in names}
+    meters: list[Optional[AverageMeterCollection]] = [None] * world_size
+    # The metrics a snapshot holds are those of the call it was taken in: only when that is the
+    # call going on do they count (a snapshot at a call's first step may be the last of the one
+    # before, its metrics that call's).
+    taken_in = newest["call"]
+    same_call = call is not None and taken_in is not None and taken_in.call_id == call.call_id
+    for old_rank in sorted(parts) if same_call else ():
+        share = parts[old_rank][2]
+        if share is None:
+            continue
+        index = old_rank % world_size
+        if meters[index] is None:
+            meters[index] = share
+        else:
+            meters[index].merge(share)  # type: ignore[union-attr]
+    return RestorePlan(
+        step,
+        max(reached(progress), step) - step,
+        call,
+        snapshot=SnapshotPlan(newest["metadata"], newest["state"], files, meters),
+        description=f"the in-memory snapshot at step {step}",
+    )
+
+
+def _complete(holdings: Sequence[Holding]) -> dict[int, dict[str, Any]]:
+    """The snapshots every part of which some worker holds: step -> metadata, state, parts."""
+    found: dict[int, dict[str, Any]] = {}
+    for holding in holdings:
+        for held in holding.snapshots:
+            entry = found.setdefault(
+                held.step,
+                {
+                    "metadata": held.metadata,
+                    "state": held.state,
+                    "world_size": held.world_size,
+                    "call": held.call,
+                    "parts": {},
+                },
+            )
+            entry["parts"].update(held.parts)
+    return {
+        step: entry
+        for step, entry in found.items()
+        if set(entry["parts"]) >= set(range(entry["world_size"]))
+    }
+
+
+def missing_parts(holdings: Sequence[Holding]) -> list[int]:
+    """The old ranks whose part of the newest snapshot no worker holds (for the log line that
+    says why a sharded state fell back on a checkpoint)."""
+    newest: dict[str, Any] = {}
+    for holding in holdings:
+        for held in holding.snapshots:
+            if not newest or held.step > newest["step"]:
+                newest = {"step": held.step, "size": held.world_size, "ranks": set()}
+            if held.step == newest["step"]:
+                newest["ranks"] |= set(held.parts)
+    if not newest:
+        return []
+    return sorted(set(range(newest["size"])) - newest["ranks"])

@@ -1,319 +1,392 @@
-"""The mechanics of a sharded training state on the driver: snapshots, checkpoint directories.
+"""A sharded training state (``fsdp``): each worker holds its part, and in-memory snapshots of its
+part and of a peer's, so that a lost worker's part comes back without a disk.
 
-`ShardedSnapshots` is what `trainer_state.ShardedState` (the sharded implementation of the
-trainer's `TrainingState`) works with; a replicated trainer uses one too, to load a checkpoint
-directory. With a sharded strategy no process holds the whole model. The workers snapshot their parts in the
-training loop, each part also on a peer (see `worker_sharded`); the driver learns of a snapshot
-only when it asks for one (start-up, `save`, after a restore) or when a restore collects what the
-survivors hold, and then keeps only what is small: the DCP metadata and the replicated rest of the
-state (epoch, position, schedulers, ...).
+Every `snapshot_every` steps (and when the trainer asks: at start-up, after a restore or a load,
+before workers leave) every worker, at the same step boundary:
 
-A checkpoint is a directory: DCP's `.metadata`, one `__<rank>_0.distcp` data file per worker, and
-`raysgd_state.pt` (the rest, read with `torch.load(weights_only=True)`). Workers on the driver's
-node write their files straight into it; the others send theirs through Ray's object store. It is
-written into a temporary directory beside the target and renamed into place.
+1. hands its part of the models and optimizers to `torch.distributed.checkpoint.async_save`, which
+   copies it to CPU memory before training goes on and writes it in a thread of its own;
+2. keeps the small rest of the state (epoch, position, schedulers, the call in progress with its
+   metrics so far);
+3. in a background thread, once the files exist, reads them into memory and swaps parts with its
+   ring peers over a separate gloo group: worker r keeps its own part and that of worker r - 1.
+
+So a snapshot costs the training loop the copy in step 1; the writing, reading and swapping
+overlap with the next steps. A lost worker's part is gone only when its peer is lost too. The
+parts of the last two finished snapshots are kept, so a snapshot interrupted by a failure never
+leaves a worker without the one before it. After a resize every worker is rebuilt from the newest
+snapshot whose every part survived (`restore_plan.plan_from_snapshots`), resharded to the new
+size. A checkpoint is written from the live parts, straight into its folder (`save`).
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import pickle
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Optional, Union
 
 import ray
 import torch
 
-from raysgd._internal import worker_sharded as ws
-from raysgd._internal.restore_plan import StateLostError
-from raysgd_core import WorkerGroup
-from raysgd_operator import TrainingOptions
+from raysgd._internal.checkpoint import METADATA_FILE, SHARDED, STATE_FILE
+from raysgd._internal.restore_plan import HeldSnapshot, Holding, RestorePlan
+from raysgd._internal.storage import Storage
+from raysgd._internal.worker_runner import RUNNER_KEY, RunnerArgs, build_runner
+from raysgd._internal.worker_state import LoadSource, Staged, WorkerState, keep, load_into
+from raysgd_core import get_context
+from raysgd_operator import AverageMeterCollection, CallRecord, OperatorRunner
 
-__all__ = [
-    "GATHERED_FORMAT",
-    "STATE_FILE",
-    "ShardedSnapshots",
-    "is_sharded_checkpoint",
-    "read_checkpoint",
-]
+__all__ = ["Generation", "ShardedState", "Snapshots"]
 
 logger = logging.getLogger("raysgd")
 
-#: The replicated part of the state inside a sharded checkpoint directory.
-STATE_FILE = "raysgd_state.pt"
-#: `format` of the dict `ShardedSnapshots.gather` returns (what `state_dict()` gives when sharded).
-GATHERED_FORMAT = "raysgd-dcp"
+#: How long the gloo group that swaps parts waits for a peer before giving up on a snapshot.
+SWAP_TIMEOUT_S = 300.0
 
 
-def is_sharded_checkpoint(path: str) -> bool:
-    """Whether `path` is a checkpoint directory (rather than a one-file checkpoint)."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ws.METADATA_FILE))
+@dataclass
+class Generation:
+    """One finished snapshot as a worker holds it."""
+
+    step: int
+    world_size: int
+    metadata: bytes
+    #: The small rest of the state (`OperatorRunner.sharded_snapshot`'s dict).
+    state: dict[str, Any]
+    #: The call in progress when it was taken (its rows so far), or None.
+    call: Optional[CallRecord]
+    #: old rank -> (its files, its call metrics): this worker's own part and its peer's.
+    parts: dict[int, tuple[dict[str, Data], Optional[AverageMeterCollection]]] = field(
+        default_factory=dict
+    )
 
 
-def read_checkpoint(path: str) -> tuple[bytes, dict[str, Any]]:
-    """(metadata, state) of a checkpoint directory, validated; nothing in it runs as code."""
-    from raysgd_operator import load_failure_reason, read_dcp_metadata
+#: A file's contents, as read from disk (`bytes`) or straight into a tensor (`torch.uint8`).
+Data = Union[bytes, torch.Tensor]
 
-    if not is_sharded_checkpoint(path):
-        raise ValueError(f"{path!r} is not a raysgd checkpoint directory (no {ws.METADATA_FILE})")
-    with open(os.path.join(path, ws.METADATA_FILE), "rb") as handle:
-        metadata = handle.read()
-    read_dcp_metadata(metadata)  # raises ValueError unless it is plain DCP metadata
+
+def _read_into_tensors(directory: str) -> dict[str, torch.Tensor]:
+    """The files of `directory` as uint8 tensors, read straight into them (no copy in between):
+    what the swap sends and a snapshot keeps."""
+    files = {}
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        data = torch.empty(os.path.getsize(path), dtype=torch.uint8)
+        with open(path, "rb") as handle:
+            handle.readinto(memoryview(data.numpy()))
+        files[name] = data
+    return files
+
+
+def _scratch_dir(expected_bytes: int) -> Optional[str]:
+    """Where a snapshot's files go for the moment between DCP writing them and this worker
+    reading them back: memory (/dev/shm) when it has room for them twice over, else the default
+    temporary directory."""
     try:
-        state = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=True)
-    except Exception as exc:  # unpickling errors come in many types; all mean "not ours"
-        raise ValueError(
-            f"{os.path.join(path, STATE_FILE)} is not a raysgd checkpoint file that can be "
-            f"loaded safely: {load_failure_reason(exc)}"
-        ) from None
-    if not isinstance(state, dict) or "epoch" not in state:
-        raise ValueError(f"{path!r}: {STATE_FILE} is not a raysgd state")
-    return metadata, state
+        if shutil.disk_usage("/dev/shm").free > 2 * expected_bytes:
+            return "/dev/shm"
+    except OSError:
+        pass
+    return None
 
 
-def _driver_node() -> str:
-    return ray.get_runtime_context().get_node_id()
+class Snapshots:
+    """This worker's snapshots and the step hook that takes them (see the module docstring)."""
+
+    def __init__(self, runner: OperatorRunner, every: int) -> None:
+        self.runner = runner
+        self.every = int(every)
+        self.held: dict[int, Generation] = {}
+        self._group: Any = None
+        self._thread: Optional[threading.Thread] = None
+        #: (step, thread) of the snapshot taken last (held once its thread has finished).
+        self.taking: Optional[tuple[int, threading.Thread]] = None
+        self._failed: Optional[BaseException] = None
+        if self.every > 0:
+            runner.add_step_hook(self._on_step)
+
+    def _on_step(self) -> None:
+        if self.runner.step % self.every == 0:
+            self.take(wait=False)
+
+    def take(self, *, wait: bool) -> Generation | None:
+        """Snapshot this worker's part now (every worker calls it at the same step). With `wait`,
+        return once the snapshot is held here and on the peer."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        self.join()
+        if self._group is None:
+            # Collectives of this group run in threads beside training's: a group of their own,
+            # on the CPU (DCP stages to CPU memory), never in the way of the training group.
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=SWAP_TIMEOUT_S))
+        runner, rank = self.runner, dist.get_rank()
+        started = time.perf_counter()
+        tensors, state = runner.sharded_parts()
+        meters = runner.call_meters()
+        call = runner.call
+        size_estimate = sum(
+            t.numel() * t.element_size() for t in _tensors_of(tensors) if t.device.type != "meta"
+        )
+        directory = tempfile.mkdtemp(prefix="raysgd-snapshot-", dir=_scratch_dir(size_estimate))
+        future = dcp.async_save(
+            tensors,
+            storage_writer=FileSystemWriter(directory, single_file_per_rank=True),
+            process_group=self._group,
+        )
+        step, size = runner.step, dist.get_world_size()
+        staged = time.perf_counter()
+
+        def finish() -> None:
+            try:
+                future.result()
+                saved = time.perf_counter()
+                files: dict[str, Data] = dict(_read_into_tensors(directory))
+                raw = files.pop(METADATA_FILE, None)
+                metadata = bytes(raw.numpy()) if isinstance(raw, torch.Tensor) else raw
+                holder = [metadata]
+                dist.broadcast_object_list(holder, src=0, group=self._group)
+                generation = Generation(step, size, holder[0], state, call)
+                generation.parts[rank] = (files, meters)
+                if size > 1:
+                    peer = (rank - 1) % size
+                    generation.parts[peer] = self._swap(rank, size, (files, meters))
+                self.held[step] = generation
+                for old in sorted(self.held)[:-2]:
+                    del self.held[old]
+                logger.debug(
+                    "snapshot at step %d: %.3f s in the loop, %.3f s saving, %.3f s swapping",
+                    step,
+                    staged - started,
+                    saved - staged,
+                    time.perf_counter() - saved,
+                )
+            except BaseException as exc:  # kept for `join`; a lost peer ends the swap here
+                self._failed = exc
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+
+        self._thread = threading.Thread(target=finish, name="raysgd-snapshot", daemon=True)
+        self._thread.start()
+        self.taking = (step, self._thread)
+        if wait:
+            self.join()
+            if self._failed is not None:
+                raise RuntimeError(f"the snapshot at step {step} failed: {self._failed}")
+            return self.held[step]
+        return None
+
+    def _swap(self, rank: int, size: int, mine: Any) -> Any:
+        """Send `mine` (files as tensors, and metrics) to rank + 1 and receive rank - 1's, over the
+        snapshot group: a small header (names, sizes, metrics) first, then each file's bytes as
+        they are, with no copy on either side."""
+        import torch.distributed as dist
+
+        files, meters = mine
+        names = sorted(files)
+        header = pickle.dumps(([(n, files[n].numel()) for n in names], meters))
+        to, frm = (rank + 1) % size, (rank - 1) % size
+        theirs = pickle.loads(
+            self._exchange(torch.frombuffer(bytearray(header), dtype=torch.uint8), to, frm)
+            .numpy()
+            .tobytes()
+        )
+        their_files = {}
+        sends = [dist.isend(files[n], to, group=self._group) for n in names]
+        for name, count in theirs[0]:
+            data = torch.empty(count, dtype=torch.uint8)
+            dist.irecv(data, frm, group=self._group).wait()
+            their_files[name] = data
+        for request in sends:
+            request.wait()
+        return their_files, theirs[1]
+
+    def _exchange(self, payload: torch.Tensor, to: int, frm: int) -> torch.Tensor:
+        """Send `payload` to `to` and receive one of any size from `frm` (sizes go first)."""
+        import torch.distributed as dist
+
+        send_size = torch.tensor([payload.numel()], dtype=torch.int64)
+        recv_size = torch.zeros(1, dtype=torch.int64)
+        for request in (
+            dist.isend(send_size, to, group=self._group),
+            dist.irecv(recv_size, frm, group=self._group),
+        ):
+            request.wait()
+        received = torch.empty(int(recv_size.item()), dtype=torch.uint8)
+        for request in (
+            dist.isend(payload, to, group=self._group),
+            dist.irecv(received, frm, group=self._group),
+        ):
+            request.wait()
+        return received
+
+    def join(self, timeout_s: Optional[float] = None) -> None:
+        """Wait for the snapshot in flight (if any) to be held."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+            if not thread.is_alive():
+                self._thread = None
+        if self._failed is not None:
+            logger.warning("a sharded snapshot failed: %s", self._failed)
+            self._failed = None
 
 
-def _source_for(group: WorkerGroup, path: str) -> ws.Source:
-    """`path` itself when every worker is on this node, else its files through the object store."""
-    if all(w.node_id == _driver_node() for w in group.workers):
-        return path
-    source: dict[str, Any] = {}
-    for name in os.listdir(path):
-        if name.endswith(".distcp"):
-            with open(os.path.join(path, name), "rb") as handle:
-                source[name] = ray.put({name: handle.read()})
-    return source
+def _tensors_of(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        local = getattr(tree, "to_local", None)
+        return [local() if callable(local) else tree]
+    if isinstance(tree, dict):
+        return [t for value in tree.values() for t in _tensors_of(value)]
+    return []
 
 
-class ShardedSnapshots:
-    """The driver's view of the workers' sharded snapshots (small: DCP metadata and the
-    replicated rest of the state), and the checkpoint directories written from them."""
+class ShardedState(WorkerState):
+    """Each worker holds its part of the state, with snapshots (see the module docstring)."""
 
-    def __init__(self) -> None:
-        self.step = -1
-        self.metadata: Optional[bytes] = None
-        self.state: Optional[dict[str, Any]] = None
-        #: The last checkpoint written or loaded, and its step: the fallback when a part is lost
-        #: together with the peer that held its copy.
-        self.last_checkpoint: Optional[str] = None
+    kind = SHARDED
+    whole = False
 
-    def start(self, group: WorkerGroup) -> None:
-        """Make every worker keep snapshots (after its runner was built) and take the first."""
-        group.execute(ws.start_snapshots)
-        self.capture(group)
+    def __init__(self, runner: OperatorRunner) -> None:
+        super().__init__(runner)
+        self.snapshots = Snapshots(runner, runner.options.snapshot_every)
 
-    def capture(self, group: WorkerGroup) -> None:
-        """Snapshot every worker's part now, and its peer's copy (a collective); wait for it."""
-        results = group.execute(ws.snapshot_now)
-        self.step, self.metadata, self.state = results[0]
+    def holding(self) -> Holding:
+        self.snapshots.join(timeout_s=0)
+        held = tuple(
+            HeldSnapshot(
+                step=generation.step,
+                world_size=generation.world_size,
+                metadata=generation.metadata,
+                state=generation.state,
+                call=generation.call,
+                parts={
+                    rank: (sorted(files), ray.put(files), meters)
+                    for rank, (files, meters) in generation.parts.items()
+                },
+            )
+            for generation in list(self.snapshots.held.values())
+        )
+        return Holding(self.runner.progress(), held)
 
-    def write(self, group: WorkerGroup, path: str) -> str:
-        """Write the current snapshot as a checkpoint directory at `path`; returns its absolute path."""
-        if self.metadata is None or self.state is None:
-            raise RuntimeError("no sharded snapshot to write")
-        path = os.path.abspath(os.fspath(path))
-        parent = os.path.dirname(path)
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".raysgd-ckpt-", dir=parent)
+    @classmethod
+    def restore(cls, args: RunnerArgs, plan: RestorePlan) -> ShardedState:
+        """Build a new runner (sharded modules cannot change their group), load the snapshot into
+        it, resharded for the new group, and go on with the plan's call from the snapshot's step
+        (with this rank's share of the call's metrics up to there); or load the fallback."""
+        ctx = get_context()
+        old: Optional[OperatorRunner] = ctx.store.pop(RUNNER_KEY, None)
+        if old is not None:
+            old.shutdown()
+        runner = build_runner(args, restoring=True)
+        state = keep(cls(runner))
+        if plan.snapshot is None:
+            load_into(runner, plan.fallback)
+            runner.adopt_snapshot(None, None)
+            return state
+        snapshot = plan.snapshot
+        load_into(runner, LoadSource(None, snapshot.metadata, snapshot.state, snapshot.files))
+        rank = ctx.world_rank
+        runner.adopt_snapshot(
+            plan.call, snapshot.meters[rank] if rank < len(snapshot.meters) else None
+        )
+        return state
+
+    def capture(self) -> int:
+        """Snapshot every worker's part now, with its peer's copy (a collective), and wait for
+        it; the snapshot's step."""
+        generation = self.snapshots.take(wait=True)
+        assert generation is not None
+        return generation.step
+
+    def save(self, folder: Storage) -> Optional[dict[str, Any]]:
+        """This worker's part, written with DCP straight into `folder` when this worker sees it
+        (the local disk it shares with the driver), else into scratch and uploaded (an object
+        store) or handed back for the driver to write; rank 0 adds the rest of the state."""
+        rank = get_context().world_rank
+        direct = folder.is_local and os.path.isdir(folder.path)
+        directory = folder.path if direct else tempfile.mkdtemp(prefix="raysgd-part-")
         try:
-            refs = group.execute(ws.write_own, self.step, tmp, _driver_node())
-            for ref in refs:
-                if ref is not None:  # a worker on another node: its files came through Ray
-                    ws._write_dir(tmp, ray.get(ref))
-            ws._write_dir(tmp, {ws.METADATA_FILE: self.metadata})
-            torch.save(self.state, os.path.join(tmp, STATE_FILE))
-            _replace_dir(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        self.last_checkpoint = path
-        return path
-
-    def load(self, group: WorkerGroup, path: str) -> None:
-        """Load a checkpoint directory into every worker, resharded to the group's size."""
-        path = os.path.abspath(os.fspath(path))
-        metadata, state = read_checkpoint(path)
-        group.execute(ws.load_checkpoint, metadata, state, _source_for(group, path))
-        self.last_checkpoint = path
-
-    def gather(self, group: WorkerGroup) -> dict[str, Any]:
-        """The whole snapshot in this process (what `TorchTrainer.state_dict()` returns)."""
-        tmp = tempfile.mkdtemp(prefix="raysgd-state-")
-        try:
-            keep = self.last_checkpoint
-            path = self.write(group, os.path.join(tmp, "ckpt"))
-            self.last_checkpoint = keep
-            files = ws._read_dir(path)
+            rest = self.runner.sharded_snapshot(directory)
+            if rank == 0:
+                torch.save(rest, os.path.join(directory, STATE_FILE))
+            if direct:
+                return None
+            mine = {name: _read(directory, name) for name in os.listdir(directory)}
+            if folder.is_local:
+                return {name: ray.put(mine) for name in mine}
+            for name, data in mine.items():
+                folder.write_bytes(name, data)
+            return None
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return {"format": GATHERED_FORMAT, "files": files}
+            if not direct:
+                shutil.rmtree(directory, ignore_errors=True)
 
-    def load_gathered(self, group: WorkerGroup, state: dict[str, Any]) -> None:
-        """Load what `gather` returned."""
-        files = state.get("files")
-        if not isinstance(files, dict) or not all(isinstance(v, bytes) for v in files.values()):
-            raise ValueError("a sharded state dict must hold {'files': {name: bytes}}")
-        tmp = tempfile.mkdtemp(prefix="raysgd-state-")
-        try:
-            for name in files:
-                if os.path.basename(name) != name or name in (".", ".."):
-                    raise ValueError(f"bad file name in sharded state: {name!r}")
-            ws._write_dir(tmp, files)
-            keep = self.last_checkpoint
-            self.load(group, tmp)
-            self.last_checkpoint = keep
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    def stage(self) -> Optional[Staged]:
+        """A snapshot of this step (the one the step hook took, or one taken now): DCP stages the
+        part in host memory; the rest happens in the snapshot's thread."""
+        step = self.runner.step
+        taking = self.snapshots.taking
+        if taking is None or taking[0] != step:
+            self.snapshots.take(wait=False)
+            taking = self.snapshots.taking
+        assert taking is not None
+        return _SnapshotPart(self.snapshots, step, taking[1])
 
-    def hand_over(self, group: WorkerGroup, leaving: Sequence[int]) -> None:
-        """Before the workers of `leaving` leave on purpose: snapshot now (every worker is at the
-        same step boundary) and give each leaving worker's part to a worker that stays, so that
-        the group rebuilt without them restores every part (no step is redone). When every
-        worker leaves, the snapshot is all: the replacements that join first restore from it."""
-        self.capture(group)
-        staying = [r for r in range(group.world_size) if r not in set(leaving)]
-        if not staying:
+    @classmethod
+    def parts(cls, world_size: int) -> list[str]:
+        return [METADATA_FILE, STATE_FILE, *(f"__{rank}_0.distcp" for rank in range(world_size))]
+
+    def adopt_parts(self, step: int, parts: Mapping[int, Any]) -> None:
+        if not parts:
             return
-        offers = group.execute(ws.offer)
-        wanted = set(leaving)
-        given: list[dict[int, Any]] = [{} for _ in range(group.world_size)]
-        for i, rank in enumerate(sorted(wanted)):
-            for offered in offers:
-                part = offered["held"].get(self.step, {}).get("parts", {}).get(rank)
-                if part is not None:
-                    given[staying[i % len(staying)]][rank] = part
-                    break
-        # Each worker takes its own share (the argument is every worker's, in rank order).
-        group.execute(ws.adopt_parts_of, self.step, given)
-
-    def restore(
-        self,
-        group: WorkerGroup,
-        operator_ref: Any,
-        config: dict[str, Any],
-        options: TrainingOptions,
-        dataset_splits: Sequence[Mapping[str, Any]] = (),
-    ) -> tuple[int, int, str]:
-        """After a resize: rebuild every runner from the newest snapshot whose every part survived
-        (each worker's own or its peer's copy), resharded to the new size, and go on with the call
-        the survivors were in; when some part is lost with its copy, from the last checkpoint.
-        `dataset_splits`: the datasets split over the new group (every rank's, in rank order).
-
-        Returns (the step training goes on from, the furthest step a survivor had started, where
-        the state came from).
-        """
-        offers = group.execute(ws.offer)
-        reached = max(
-            (
-                p.step + (1 if p.in_batch or not p.clean else 0)
-                for o in offers
-                if (p := o["progress"])
-            ),
-            default=0,
-        )
-        call = next((o["call"] for o in offers if o["call"] is not None), None)
-        complete = _complete_snapshots(offers)
-        if complete:
-            step, snapshot = max(complete.items())
-            source: ws.Source = {
-                name: ref for names, ref, _ in snapshot["parts"].values() for name in names
-            }
-            metadata, state = snapshot["metadata"], snapshot["state"]
-            meters = _meters_for(snapshot["parts"], group.world_size)
-            what = f"the in-memory snapshot at step {step}"
-        elif self.last_checkpoint is not None:
-            logger.warning(
-                "the in-memory parts of worker(s) %s were lost together with their replicas: "
-                "restoring the last checkpoint %s (work since then is redone)",
-                _missing_parts(offers),
-                self.last_checkpoint,
+        generation = self.snapshots.held.get(step)
+        if generation is None:
+            raise RuntimeError(f"this worker holds no snapshot at step {step}")
+        for rank, (_, ref, meters) in parts.items():
+            files = ray.get(ref)
+            generation.parts[rank] = (
+                {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in files.items()},
+                meters,
             )
-            metadata, state = read_checkpoint(self.last_checkpoint)
-            source = _source_for(group, self.last_checkpoint)
-            step, call, meters = int(state.get("step", 0)), None, []
-            what = f"checkpoint {self.last_checkpoint} at step {step}"
-        else:
-            raise StateLostError(
-                "a worker's part of the sharded state was lost together with the peer holding its "
-                "copy, and there is no checkpoint to fall back on (save one, or train with "
-                "checkpoint='auto')"
+
+    def close(self) -> None:
+        self.snapshots.join()
+
+
+class _SnapshotPart(Staged):
+    """This worker's part of the snapshot at `step`, once its thread has finished it."""
+
+    def __init__(self, snapshots: Snapshots, step: int, thread: threading.Thread) -> None:
+        self.snapshots, self.step, self.thread = snapshots, step, thread
+
+    def write(self, folder: Storage) -> None:
+        self.thread.join()
+        generation = self.snapshots.held.get(self.step)
+        rank = get_context().world_rank
+        if generation is None or rank not in generation.parts:
+            raise RuntimeError(f"the snapshot at step {self.step} did not finish on this worker")
+        for name, data in generation.parts[rank][0].items():
+            folder.write_bytes(
+                name, bytes(memoryview(data.numpy())) if isinstance(data, torch.Tensor) else data
             )
-        # `operator_ref`: the operator class in the object store (a top-level ref, resolved there)
-        group.execute(
-            ws.restore,
-            operator_ref,
-            config,
-            options,
-            metadata,
-            state,
-            source,
-            dataset_splits,
-            call,
-            meters,
-        )
-        group.execute(ws.start_snapshots)
-        self.capture(group)  # every part has a copy again, in the new group's layout
-        return step, max(reached, step), what
+        if rank == 0:
+            folder.write_bytes(METADATA_FILE, generation.metadata)
+            buffer = io.BytesIO()
+            torch.save(generation.state, buffer)
+            folder.write_bytes(STATE_FILE, buffer.getvalue())
 
 
-def _complete_snapshots(offers: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, Any]]:
-    """The snapshots every part of which some survivor holds: step -> metadata, state, parts."""
-    found: dict[int, dict[str, Any]] = {}
-    for offered in offers:
-        for step, held in offered["held"].items():
-            entry = found.setdefault(step, {**held, "parts": {}})
-            entry["parts"].update(held["parts"])
-    return {
-        step: entry
-        for step, entry in found.items()
-        if set(entry["parts"]) >= set(range(entry["world_size"]))
-    }
-
-
-def _missing_parts(offers: Sequence[Mapping[str, Any]]) -> list[int]:
-    """The old ranks whose part of the newest snapshot no survivor holds."""
-    newest: dict[str, Any] = {}
-    for offered in offers:
-        for step, held in offered["held"].items():
-            if not newest or step > newest["step"]:
-                newest = {"step": step, "size": held["world_size"], "ranks": set()}
-            if step == newest["step"]:
-                newest["ranks"] |= set(held["parts"])
-    if not newest:
-        return []
-    return sorted(set(range(newest["size"])) - newest["ranks"])
-
-
-def _meters_for(parts: Mapping[int, Any], world_size: int) -> list[Any]:
-    """The call's metrics per new rank: new rank r takes those of the old ranks r, r + n, ..."""
-    merged: list[Any] = [None] * world_size
-    for old_rank in sorted(parts):
-        meters = parts[old_rank][2]
-        if meters is None:
-            continue
-        index = old_rank % world_size
-        if merged[index] is None:
-            merged[index] = meters
-        else:
-            merged[index].merge(meters)
-    return merged
-
-
-def _replace_dir(tmp: str, path: str) -> None:
-    """Move the finished directory `tmp` to `path`; an older checkpoint there is replaced only now."""
-    if not os.path.exists(path):
-        os.replace(tmp, path)
-        return
-    old = tempfile.mkdtemp(prefix=".raysgd-old-", dir=os.path.dirname(path))
-    os.rmdir(old)
-    os.replace(path, old)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        os.replace(old, path)  # put the previous checkpoint back
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+def _read(directory: str, name: str) -> bytes:
+    with open(os.path.join(directory, name), "rb") as handle:
+        return handle.read()

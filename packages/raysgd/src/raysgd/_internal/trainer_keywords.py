@@ -32,6 +32,8 @@ DERIVED: dict[str, str] = {
     "num_cpus_per_worker": "GroupOptions.num_cpus_per_worker and TrainingOptions.num_threads",
     "dataset_options": "TrainingOptions.dataset_options (a dict becomes a DatasetOptions)",
     "num_workers": "the group's size, and TrainingOptions.distributed (more than one worker)",
+    "timeout_s": "GroupOptions.timeout_s and peer_grace_s: the ceiling of the workers' bound on "
+    "a collective (collective_bound.slow_bound)",
 }
 
 #: Keywords that are the trainer's own, not options of the workers or their group.
@@ -50,6 +52,10 @@ TRAINER_OWN: dict[str, str] = {
     "loggers": "the driver's experiment loggers",
     "datasets": "Ray Data datasets, split over the workers by the driver",
     "state_copy_limit_mb": "the driver's copy of the training state",
+    "storage_options": "fsspec options of checkpoint_dir and of save()/load() URLs",
+    "checkpoint_every": "the driver's checkpoint plan, handed to each train() call",
+    "keep_checkpoints": "the driver's checkpoint plan (retention)",
+    "resume": "the driver loads checkpoint_dir's newest checkpoint before the first call",
 }
 
 

@@ -1,0 +1,172 @@
+"""Checkpoints inside an epoch, written in the background (`checkpoint_every=N`).
+
+At every N-th step boundary of a `train()` call every worker stages its part of the training state
+in host memory (`WorkerState.stage`: the loop waits only for this copy) and a thread of its own
+writes it into a new checkpoint folder under `checkpoint_dir` (`checkpoint.checkpoint_name`: a
+folder per attempt). Rank 0 then waits, in its thread, until every part is there and writes the
+manifest last, so an upload cut short (a worker lost, storage unreachable) leaves the previous
+checkpoint the newest complete one; it then removes the checkpoints past `keep_checkpoints`.
+
+At most one upload is in flight per worker: a checkpoint that falls due while the previous one is
+still being written waits for it (the loop is blocked only when storage cannot keep up; the time
+is counted in `blocked_s`), so every checkpoint asked for is written. A worker whose part fails
+leaves a marker in the folder, so that rank 0 gives the checkpoint up at once instead of waiting
+for it. `finish` waits for the upload in flight: the trainer calls it before `save()`, `load()`
+and `shutdown()`, so a clean exit never loses the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from raysgd._internal.checkpoint import checkpoint_name, prune, write_manifest
+from raysgd._internal.storage import SCRATCH_PREFIX, Storage
+from raysgd._internal.worker_state import WorkerState
+from raysgd_core import get_context
+
+__all__ = ["UPLOAD_KEY", "CheckpointPlan", "PeriodicCheckpoints", "periodic_for"]
+
+logger = logging.getLogger("raysgd")
+
+#: Key of this worker's `PeriodicCheckpoints` in its store.
+UPLOAD_KEY = "raysgd.periodic_checkpoints"
+#: How long rank 0 waits for the other workers' parts of one checkpoint before giving it up.
+PARTS_TIMEOUT_S = 300.0
+#: The marker a worker leaves when its part of a checkpoint failed (never a part: a scratch name).
+_FAILED = SCRATCH_PREFIX + "failed-"
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """What a `train()` attempt checkpoints: every `every` steps into a new folder under `root`,
+    keeping the newest `keep` complete ones (None: all). `token` is unique to the attempt: every
+    worker derives the same folder name from it, and an attempt redone after a failure never
+    writes into the folder of an interrupted one."""
+
+    root: Storage
+    every: int
+    keep: Optional[int] = None
+    token: str = ""
+
+
+@dataclass(frozen=True)
+class Written:
+    """The last checkpoint this worker finished its part of (rank 0: committed)."""
+
+    url: str
+    epoch: int
+    step: int
+
+
+class PeriodicCheckpoints:
+    """This worker's step hook and upload thread (see the module docstring)."""
+
+    def __init__(self, state: WorkerState) -> None:
+        self.state = state
+        self.plan: Optional[CheckpointPlan] = None
+        #: Seconds the training loop waited at checkpoint steps (staging, a previous upload).
+        self.blocked_s = 0.0
+        self.last: Optional[Written] = None
+        self.error: Optional[str] = None
+        self._thread: Optional[threading.Thread] = None
+        state.runner.add_step_hook(self._on_step)
+
+    def arm(self, plan: Optional[CheckpointPlan]) -> None:
+        """Checkpoint as `plan` says from the next step boundary on (None: not at all)."""
+        self.plan = plan
+
+    @property
+    def busy(self) -> bool:
+        """Whether an upload is in flight."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _on_step(self) -> None:
+        plan, runner = self.plan, self.state.runner
+        if plan is None or runner.step % plan.every != 0:
+            return
+        started = time.perf_counter()
+        self.finish()  # the one before, if storage has not kept up
+        ctx = get_context()
+        position = runner.position_state()
+        epoch, step = int(position["epoch"]), int(position["step"])
+        # Every worker finds the same folder on its own: the name derives from the attempt.
+        name = checkpoint_name(epoch, step, token=plan.token)
+        folder = plan.root.join(name)
+        staged = self.state.stage()
+        self.blocked_s += time.perf_counter() - started
+        expected = type(self.state).parts(ctx.world_size)
+        rank = ctx.world_rank
+
+        def upload() -> None:
+            try:
+                if staged is not None:
+                    staged.write(folder)
+                if rank == 0:
+                    _wait_for(folder, expected)
+                    write_manifest(
+                        folder, self.state.kind, epoch, step, expected=dict.fromkeys(expected)
+                    )
+                    if plan.keep is not None:
+                        prune(plan.root, keep=plan.keep)
+                self.last = Written(folder.url, epoch, step)
+            except Exception as exc:  # the checkpoint stays invisible; the next one may succeed
+                self.error = f"checkpoint {folder.url} failed: {type(exc).__name__}: {exc}"
+                logger.warning("%s", self.error)
+                if rank != 0:
+                    _give_up(folder, rank)
+
+        self._thread = threading.Thread(target=upload, name="raysgd-checkpoint", daemon=True)
+        self._thread.start()
+
+    def finish(self, timeout_s: Optional[float] = None) -> Optional[Written]:
+        """Wait for the upload in flight; the last checkpoint this worker finished."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+        return self.last
+
+
+def _give_up(folder: Storage, rank: int) -> None:
+    """Tell rank 0 that this worker's part of `folder` will not come (best effort)."""
+    try:
+        folder.write_bytes(f"{_FAILED}{rank}", b"")
+    except Exception:
+        logger.debug("could not mark checkpoint %s as given up", folder.url, exc_info=True)
+
+
+def _wait_for(folder: Storage, parts: list[str]) -> None:
+    """Wait until every part is in `folder` (written by the other workers' threads)."""
+    deadline = time.monotonic() + PARTS_TIMEOUT_S
+    delay = 0.02
+    while True:
+        try:
+            present = set(folder.file_sizes())
+        except FileNotFoundError:
+            present = set()
+        missing = [p for p in parts if p not in present]
+        if not missing:
+            return
+        failed = sorted(p for p in present if p.startswith(_FAILED))
+        if failed:
+            raise RuntimeError(f"a worker could not write its part ({failed[0]})")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"parts {missing} never arrived")
+        time.sleep(delay)
+        delay = min(1.0, delay * 2)
+
+
+def periodic_for(state: WorkerState, plan: Optional[CheckpointPlan]) -> None:
+    """Arm this worker's periodic checkpoints for the call about to run (made on first use, one
+    per runner: its step hook stays with the runner, and a kept runner keeps it)."""
+    store = get_context().store
+    periodic: Optional[PeriodicCheckpoints] = store.get(UPLOAD_KEY)
+    if periodic is None or periodic.state.runner is not state.runner:
+        if plan is None:
+            return
+        periodic = store[UPLOAD_KEY] = PeriodicCheckpoints(state)
+    periodic.state = state
+    periodic.arm(plan)

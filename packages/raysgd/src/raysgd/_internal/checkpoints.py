@@ -1,0 +1,144 @@
+"""The trainer's checkpoints in `checkpoint_dir`: when they are written, where, and how a run
+goes on from them.
+
+- `train(checkpoint="auto")` writes the state from before the call to `checkpoint_dir` (a file for
+  a whole state, a folder for a sharded one, replaced each time); `train(checkpoint=path)` to
+  `path`. Without a `checkpoint_dir`, "auto" makes a temporary folder and says where.
+- `checkpoint_every=N` writes one every N steps inside the calls, asynchronously, each into a new
+  folder under `checkpoint_dir` with its manifest last (`async_checkpoints`), keeping the newest
+  `keep_checkpoints` complete ones.
+- `resume=True` loads, before the first call, the newest complete checkpoint in `checkpoint_dir`
+  (the auto one included): the models, optimizers, schedulers, the precision backend's state, the
+  random generators, the epoch, the step and the place in the epoch, so that the run goes on at the
+  row after the checkpoint's step, on any number of workers.
+- A preemption notice that rank 0 cannot move from (it runs in the driver's process) writes one at
+  once, when there is a `checkpoint_dir`.
+
+The writing itself is the workers' (`TrainingState`, `async_checkpoints`): the state does not pass
+through the driver. `checkpoint_dir` may be a path or any fsspec URL (with `storage_options`); it
+is checked before any worker starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import uuid
+from typing import Any, Optional, Union
+
+from raysgd._internal.async_checkpoints import CheckpointPlan
+from raysgd._internal.checkpoint import newest_complete
+from raysgd._internal.storage import Storage, as_storage
+from raysgd._internal.training_state import TrainingState
+from raysgd_base import check_int
+
+__all__ = ["Checkpoints", "checkpoint_root"]
+
+logger = logging.getLogger("raysgd")
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def checkpoint_root(
+    directory: Optional[PathLike],
+    storage_options: Optional[dict[str, Any]],
+    *,
+    checkpoint_every: int,
+    keep_checkpoints: Optional[int],
+    resume: bool,
+) -> Optional[Storage]:
+    """`checkpoint_dir` as a location, checked on the driver before any worker starts: the URL's
+    client library is there (else an ImportError naming the extra), and the location can be
+    listed and written with these credentials (else one line saying why)."""
+    check_int("checkpoint_every", checkpoint_every, minimum=0)
+    if keep_checkpoints is not None:
+        check_int("keep_checkpoints", keep_checkpoints)
+    if directory is None:
+        for name, value in (("checkpoint_every", checkpoint_every), ("resume", resume)):
+            if value:
+                raise ValueError(f"{name} needs a checkpoint_dir (a path or an fsspec URL)")
+        return None
+    root = as_storage(directory, storage_options)
+    root.check_access(write=True)
+    return root
+
+
+class Checkpoints:
+    """Where and when the trainer writes checkpoints (see the module docstring).
+
+    Args:
+        state: The training state, which writes and loads them.
+        root: `checkpoint_dir` as a location (see `checkpoint_root`), or None.
+        every: `checkpoint_every` (0: only the checkpoints asked for).
+        keep: `keep_checkpoints` (None: keep them all).
+    """
+
+    def __init__(
+        self,
+        state: TrainingState,
+        root: Optional[Storage],
+        *,
+        every: int = 0,
+        keep: Optional[int] = None,
+    ) -> None:
+        self._state = state
+        self.root = root
+        self.every = every
+        self.keep = keep
+
+    def before_call(self, checkpoint: PathLike) -> str:
+        """`train(checkpoint=...)`: write the state now to `checkpoint` or, for "auto", into
+        `checkpoint_dir`."""
+        if checkpoint == "auto":
+            return self._state.save(self._auto_location())
+        return self._state.save(checkpoint)
+
+    def plan(self) -> Optional[CheckpointPlan]:
+        """What the next `train()` attempt checkpoints inside its steps; a new token per attempt,
+        so that an attempt redone after a failure never writes into an interrupted one's folder."""
+        if not self.every or self.root is None:
+            return None
+        return CheckpointPlan(self.root, self.every, self.keep, uuid.uuid4().hex)
+
+    def finish(self) -> None:
+        """Wait for the checkpoint uploads in flight (a clean exit never loses the last one)."""
+        if self.every and self.root is not None:
+            self._state.finish_uploads()
+
+    def at_notice(self) -> Optional[str]:
+        """A checkpoint written now, when rank 0 cannot leave a draining node; None without a
+        `checkpoint_dir`."""
+        if self.root is None:
+            return None
+        return self._state.save(self._auto_location())
+
+    def resume(self) -> Optional[str]:
+        """Load the newest complete checkpoint of `checkpoint_dir` (the periodic ones and the
+        auto one); where it came from, or None (and a log line) when there is none."""
+        assert self.root is not None
+        candidates: list[tuple[tuple[int, int], Storage]] = []
+        newest = newest_complete(self.root)
+        if newest is not None:
+            candidates.append(((newest.epoch, newest.step), newest.location))
+        auto = self.root.join(self._state.checkpoint_name)
+        if auto.exists():
+            candidates.append((self._state.position_of(auto), auto))
+        if not candidates:
+            logger.info("resume: no complete checkpoint in %s: starting from scratch", self.root)
+            return None
+        (epoch, step), location = max(candidates, key=lambda c: c[0])
+        self._state.load(location)
+        logger.info(
+            "resumed from %s (epoch %d, step %d): training goes on at the row after it",
+            location.url,
+            epoch,
+            step,
+        )
+        return location.url
+
+    def _auto_location(self) -> Storage:
+        if self.root is None:
+            self.root = as_storage(tempfile.mkdtemp(prefix="raysgd-checkpoints-"))
+            logger.info("checkpoint='auto' writes to %s", self.root.url)
+        return self.root.join(self._state.checkpoint_name)

@@ -1,0 +1,115 @@
+"""A replicated training state (``ddp``, ``none``): every worker holds all of it.
+
+After a resize the survivor furthest along (`restore_plan.plan_from_peers`) sends its live tensors
+to the workers that need them over the new process group (`state_transfer`), and every worker
+takes its place in the epoch and the call it was in. A survivor keeps its runner, re-bound to its
+new rank and size (built again, keeping its state, when the user's loaders cannot follow).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from raysgd._internal.checkpoint import WHOLE, WHOLE_FILE, state_to_bytes
+from raysgd._internal.restore_plan import Holding, RestorePlan
+from raysgd._internal.state_transfer import broadcast_state
+from raysgd._internal.storage import Storage
+from raysgd._internal.worker_runner import (
+    RUNNER_KEY,
+    RunnerArgs,
+    build_runner,
+    my_dataset_splits,
+)
+from raysgd._internal.worker_state import Staged, WorkerState, keep, load_into
+from raysgd_core import get_context
+from raysgd_operator import OperatorRunner
+
+__all__ = ["ReplicatedState"]
+
+
+class ReplicatedState(WorkerState):
+    """Every worker holds the whole state (see the module docstring)."""
+
+    kind = WHOLE
+    whole = True
+
+    def holding(self) -> Holding:
+        return Holding(self.runner.progress())
+
+    @classmethod
+    def restore(cls, args: RunnerArgs, plan: RestorePlan) -> ReplicatedState:
+        ctx = get_context()
+        rank = ctx.world_rank
+        runner: Optional[OperatorRunner] = ctx.store.get(RUNNER_KEY)
+        if runner is not None and not runner.rebind(
+            world_rank=rank,
+            local_rank=ctx.local_rank,
+            world_size=ctx.world_size,
+            config=dict(args.config),
+            datasets=my_dataset_splits(args.dataset_splits),
+        ):
+            # The loaders cannot follow (the user's own sampler): set up again, keeping the state.
+            old = runner
+            runner = build_runner(args, restoring=True)
+            runner.take_over(old)
+            old.shutdown()
+        if runner is None:
+            runner = build_runner(args, restoring=True)
+        state = keep(cls(runner))
+        if not plan.found:
+            load_into(runner, plan.fallback)
+            # The copy or checkpoint predates the interrupted call: every worker, kept or new,
+            # starts that call again from the loaded step (a survivor's own record of it would
+            # have it run fewer steps than the new workers, and the group would wait in a
+            # collective).
+            runner.adopt(runner.position_state(), None)
+            return state
+        assert plan.source is not None
+        live = runner.state_dict(live=True) if rank == plan.source else None
+        received = broadcast_state(
+            live, source=plan.source, receivers=plan.receivers, device=torch.device(ctx.device)
+        )
+        if rank in plan.receivers:
+            runner.load_state_dict(received)
+        _adopt_from(runner, plan.source)
+        return state
+
+    def save(self, folder: Storage) -> Optional[dict[str, Any]]:
+        """The whole state as one part (called on one worker)."""
+        folder.write_bytes(WHOLE_FILE, state_to_bytes(self.runner.state_dict()))
+        return None
+
+    def stage(self) -> Optional[Staged]:
+        """Rank 0 copies the whole state to host memory; the others write nothing."""
+        if get_context().world_rank != 0:
+            return None
+        return _WholeCopy(self.runner.state_dict())
+
+    @classmethod
+    def parts(cls, world_size: int) -> list[str]:
+        return [WHOLE_FILE]
+
+
+class _WholeCopy(Staged):
+    """The whole state in host memory, written as the folder's one part."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def write(self, folder: Storage) -> None:
+        folder.write_bytes(WHOLE_FILE, state_to_bytes(self.state))
+
+
+def _adopt_from(runner: OperatorRunner, source: int) -> None:
+    """Every rank takes the source's place in the epoch and its call (small: one object)."""
+    import torch.distributed as dist
+
+    ctx = get_context()
+    holder = [(runner.position_state(), runner.call) if ctx.world_rank == source else None]
+    # NCCL moves objects through device tensors; gloo through CPU ones.
+    device = torch.device(ctx.device) if dist.get_backend() == "nccl" else None
+    dist.broadcast_object_list(holder, src=source, device=device)
+    position, call = holder[0]  # type: ignore[misc]
+    runner.adopt(position, call)

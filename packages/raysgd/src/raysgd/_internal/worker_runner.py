@@ -1,0 +1,72 @@
+"""The runner every worker keeps, and what it is built from.
+
+Each worker keeps one long-lived `OperatorRunner` in its `get_context().store` (the operator, its
+data iterators, epoch and step counters) and, beside it, its `WorkerState` (what it holds of the
+training state: see `worker_state`). Both are built from `RunnerArgs`, which the driver makes for
+the group's size (`driver.RunnerRecipe`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from raysgd_core import get_context
+from raysgd_operator import OperatorRunner, TrainingOptions
+
+__all__ = ["RUNNER_KEY", "RunnerArgs", "build_runner", "current_runner", "my_dataset_splits"]
+
+#: Key of the runner in the worker's `store` (namespaced: the store is shared with other libraries).
+RUNNER_KEY = "raysgd.runner"
+
+
+class RunnerArgs(NamedTuple):
+    """What a worker's runner is built from, for a group of one size."""
+
+    #: The operator class (in the object store as a top-level argument: resolved on the worker).
+    operator_cls: Any
+    #: Each worker's config (its share of the global batch).
+    config: dict[str, Any]
+    options: TrainingOptions
+    #: Every rank's split of the datasets (`{name: DataIterator}` in rank order; empty without).
+    dataset_splits: Sequence[Mapping[str, Any]]
+
+
+def current_runner() -> OperatorRunner:
+    """This worker's runner."""
+    runner = get_context().store.get(RUNNER_KEY)
+    if runner is None:
+        raise RuntimeError("this worker has no raysgd runner (it was shut down or never set up)")
+    return runner
+
+
+def my_dataset_splits(dataset_splits: Sequence[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
+    """This worker's dataset splits out of every rank's (None without datasets)."""
+    if not dataset_splits:
+        return None
+    return dict(dataset_splits[get_context().world_rank])
+
+
+def build_runner(args: RunnerArgs, *, restoring: bool = False) -> OperatorRunner:
+    """Build this worker's runner (which runs the user's `setup`) and keep it in the store.
+    `restoring`: a state is loaded right after (wrapping does not sync from rank 0)."""
+    ctx = get_context()
+    if torch.device(ctx.device).type == "cuda":
+        # Let cuDNN time its algorithms once per input shape and keep the fastest, as GPU training
+        # scripts usually do; an operator that needs bitwise reproducibility turns it off in setup().
+        torch.backends.cudnn.benchmark = True
+    runner = OperatorRunner(
+        args.operator_cls,
+        dict(args.config),
+        world_rank=ctx.world_rank,
+        local_rank=ctx.local_rank,
+        world_size=ctx.world_size,
+        device=ctx.device,
+        datasets=my_dataset_splits(args.dataset_splits),
+        options=args.options,
+        restoring=restoring,
+    )
+    ctx.store[RUNNER_KEY] = runner
+    return runner

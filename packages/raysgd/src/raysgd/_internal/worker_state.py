@@ -1,0 +1,194 @@
+"""What one worker holds of the training state, and how it moves: one interface, chosen by the
+strategy.
+
+- `ReplicatedState` (``ddp``, ``none``; `replicated_state`): every worker holds the whole state.
+  After a resize the survivor furthest along sends it to the workers that need it.
+- `ShardedState` (``fsdp``; `sharded_state`): each worker holds its part of the model and
+  optimizers, and keeps in-memory snapshots of its part and of a peer's. After a resize every
+  worker is rebuilt from the newest snapshot whose every part survived.
+
+Every method runs on a worker; the driver's `training_state.TrainingState` decides (with the pure
+planners of `restore_plan`) and calls them through `worker`, which picks the kind
+(`worker.state_class`). Loading a checkpoint (`load_into`)
+is the same for both: a whole state loads into any strategy, a sharded folder into any strategy
+and size (DCP reshards it).
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
+
+import ray
+
+from raysgd._internal.checkpoint import METADATA_FILE, state_from_bytes
+from raysgd._internal.restore_plan import Holding, RestorePlan
+from raysgd._internal.storage import Storage
+from raysgd._internal.worker_runner import RunnerArgs
+from raysgd_core import get_context
+from raysgd_operator import OperatorRunner
+
+__all__ = [
+    "STATE_KEY",
+    "LoadSource",
+    "Staged",
+    "WorkerState",
+    "keep",
+    "load_into",
+    "worker_state",
+]
+
+#: Key of this worker's `WorkerState` in its store.
+STATE_KEY = "raysgd.worker_state"
+
+
+@dataclass(frozen=True)
+class LoadSource:
+    """What every worker loads, and where its bytes are.
+
+    Attributes:
+        whole: A whole state: its bytes (or an ObjectRef of them), or the checkpoint file to
+            read (a `Storage` the worker can reach).
+        metadata: A sharded folder's DCP metadata.
+        state: A sharded folder's small rest of the state.
+        files: A sharded folder's parts: the folder (a `Storage` the worker can reach), or
+            ``{file name: ObjectRef of {file name: data}}`` shipped through the object store.
+    """
+
+    whole: Any = None
+    metadata: Optional[bytes] = None
+    state: Optional[dict[str, Any]] = None
+    files: Any = None
+
+
+class Staged(abc.ABC):
+    """A worker's part of the state, copied to host memory (`WorkerState.stage`)."""
+
+    @abc.abstractmethod
+    def write(self, folder: Storage) -> None:
+        """Write the part into the checkpoint `folder` (in a background thread)."""
+
+
+class WorkerState(abc.ABC):
+    """What this worker holds of the training state (see the module docstring).
+
+    Args:
+        runner: The worker's runner, whose models, optimizers and position are the state.
+    """
+
+    #: The checkpoint kind `save` writes into a folder (`checkpoint.WHOLE` or `SHARDED`).
+    kind: ClassVar[str]
+    #: Whether every worker holds the whole model (`get_model()` reads one worker's).
+    whole: ClassVar[bool]
+
+    def __init__(self, runner: OperatorRunner) -> None:
+        self.runner = runner
+
+    @abc.abstractmethod
+    def holding(self) -> Holding:
+        """What this worker holds, for the restore planner (asked after a resize)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def restore(cls, args: RunnerArgs, plan: RestorePlan) -> WorkerState:
+        """After a resize: make this worker's runner (kept, re-bound or built from `args`) hold
+        the state `plan` says, at its position and in the call it belongs to (a collective)."""
+
+    @abc.abstractmethod
+    def save(self, folder: Storage) -> Optional[dict[str, Any]]:
+        """Write this worker's part of the state now into the checkpoint `folder` (a collective
+        for a sharded state). Returns the files this worker could not reach the folder with,
+        for the driver to write (``{name: ObjectRef of {name: bytes}}``), else None."""
+
+    @abc.abstractmethod
+    def stage(self) -> Optional[Staged]:
+        """Copy this worker's part of the state now to host memory, for a checkpoint written in
+        the background (the training loop waits only for this); None when this worker writes no
+        part."""
+
+    @classmethod
+    @abc.abstractmethod
+    def parts(cls, world_size: int) -> list[str]:
+        """The files of a checkpoint folder of this kind written by `world_size` workers."""
+
+    def adopt_parts(self, step: int, parts: Mapping[int, Any]) -> None:
+        """Keep copies of leaving workers' parts of the snapshot at `step` (a move off a
+        draining node). Nothing to take when every worker holds the whole state."""
+        return None
+
+    def load(self, source: LoadSource) -> None:
+        """Load a checkpoint (either format) into this worker's runner."""
+        load_into(self.runner, source)
+
+    def close(self) -> None:
+        """Release what the state keeps besides the runner (threads, snapshots)."""
+        return None
+
+
+def worker_state() -> WorkerState:
+    """This worker's `WorkerState`."""
+    state = get_context().store.get(STATE_KEY)
+    if state is None:
+        raise RuntimeError("this worker holds no raysgd training state")
+    return state
+
+
+def keep(state: WorkerState) -> WorkerState:
+    """Make `state` this worker's (closing the one it replaces)."""
+    store = get_context().store
+    old = store.get(STATE_KEY)
+    if old is not None and old is not state:
+        old.close()
+    store[STATE_KEY] = state
+    return state
+
+
+def load_into(runner: OperatorRunner, source: LoadSource) -> None:
+    """Load `source` into `runner`: a whole state into any strategy (each worker keeps its part
+    when sharded), a sharded folder into any strategy and size (a collective)."""
+    if source.whole is not None:
+        whole = source.whole
+        if isinstance(whole, Storage):
+            data = whole.parent().read_bytes(whole.name)
+            where = f"file {whole.url!r}"
+        else:
+            data = ray.get(whole) if isinstance(whole, ray.ObjectRef) else whole
+            where = "state"
+        runner.load_state_dict(state_from_bytes(data, source=where))
+        return
+    assert source.metadata is not None and source.state is not None
+    files = source.files
+    if isinstance(files, Storage) and files.is_local and os.path.isdir(files.path):
+        runner.load_sharded(files.path, source.state)
+        return
+    # Fetch only the files holding parts of this worker's new shard (all when it cannot tell).
+    names = set(files) if isinstance(files, dict) else set(files.listdir())
+    needed = runner.needed_files(source.metadata) or {n for n in names if n.endswith(".distcp")}
+    directory = tempfile.mkdtemp(prefix="raysgd-load-")
+    try:
+        _write(directory, METADATA_FILE, source.metadata)
+        bundles: dict[int, dict[str, Any]] = {}
+        for name in sorted(needed):
+            if name not in names:
+                raise RuntimeError(f"checkpoint part {name!r} is missing")
+            if isinstance(files, dict):
+                ref = files[name]
+                data = bundles.setdefault(id(ref), ray.get(ref))[name]
+            else:
+                data = files.read_bytes(name)
+            _write(directory, name, data)
+        runner.load_sharded(directory, source.state)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _write(directory: str, name: str, data: Any) -> None:
+    import torch
+
+    with open(os.path.join(directory, name), "wb") as handle:
+        handle.write(memoryview(data.numpy()) if isinstance(data, torch.Tensor) else data)

@@ -1,0 +1,304 @@
+"""Checkpoints that outlive the cluster: any fsspec URL (a real S3 server: moto's, through s3fs),
+checkpoints written in the background inside an epoch, complete or invisible, retention, and a run
+whose driver was killed resumed at its row."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+from tests._support.rows import record_rows, rows_by_epoch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from raysgd import TorchTrainer, TrainingOperator
+from raysgd._internal.checkpoint import MANIFEST_NAME, complete_checkpoints, newest_complete
+from raysgd._internal.storage import Storage, StorageError
+from raysgd.utils import BATCH_SIZE
+
+ROWS = 128
+GLOBAL_BATCH = 16  # 8 steps an epoch
+REPO = Path(__file__).resolve().parents[2]
+
+
+class LinearOperator(TrainingOperator):
+    """A deterministic regression (the same weights for the same rows in the same order)."""
+
+    def setup(self, config: dict[str, Any]) -> None:
+        torch.manual_seed(0)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(ROWS, config.get("width", 4), generator=gen)
+        y = x.sum(dim=1, keepdim=True)
+        model = nn.Linear(x.shape[1], 1)
+        self.model, self.optimizer, self.criterion = self.register(
+            models=model,
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.05),
+            criterion=nn.MSELoss(),
+        )
+        ids = torch.arange(ROWS)
+        loader = DataLoader(TensorDataset(x, y, ids), batch_size=config[BATCH_SIZE], shuffle=True)
+        self.register_data(train_loader=loader)
+
+    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        x, y, ids = batch
+        die_at = self.config.get("die_at")
+        if self.world_rank == 0 and die_at is not None and batch_info["global_step"] == die_at:
+            marker = Path(self.config["marker_dir"]) / "died"
+            if not marker.exists():
+                marker.touch()
+                os._exit(1)  # the step after a checkpoint was staged: its upload is in flight
+        metrics = super().train_batch((x, y), batch_info)
+        record_rows(self.config.get("marker_dir"), batch_info["epoch_idx"] + 1, ids)
+        return metrics
+
+
+def _weights(trainer: TorchTrainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in trainer.get_model(to_cpu=True).parameters()]
+
+
+@pytest.mark.timeout(240)
+def test_save_and_load_through_an_s3_server_with_ddp_and_fsdp(ray_local: None, s3_server) -> None:
+    prefix = uuid.uuid4().hex
+    options = s3_server.storage_options
+    ddp = TorchTrainer(
+        training_operator_cls=LinearOperator,
+        num_workers=2,
+        config={BATCH_SIZE: GLOBAL_BATCH},
+        storage_options=options,
+    )
+    try:
+        ddp.train()
+        url = s3_server.url(prefix, "ddp.pt")
+        assert ddp.save(url) == url
+        saved = _weights(ddp)
+        ddp.train()
+        assert not all(map(torch.equal, saved, _weights(ddp)))
+        ddp.load(url)
+        assert all(map(torch.equal, saved, _weights(ddp)))
+    finally:
+        ddp.shutdown()
+
+    # A sharded state: every worker writes its part straight to the bucket; loaded on 3 workers.
+    fsdp = TorchTrainer(
+        training_operator_cls=LinearOperator,
+        num_workers=2,
+        config={BATCH_SIZE: GLOBAL_BATCH, "width": 8},
+        strategy="fsdp",
+        storage_options=options,
+    )
+    try:
+        fsdp.train()
+        folder = s3_server.url(prefix, "fsdp")
+        fsdp.save(folder)
+        expected = _weights(fsdp)
+    finally:
+        fsdp.shutdown()
+    parts = Storage(folder, options).listdir()
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "raysgd_state.pt", MANIFEST_NAME} <= set(
+        parts
+    )
+    three = TorchTrainer(
+        training_operator_cls=LinearOperator,
+        num_workers=3,
+        num_cpus_per_worker=0.5,
+        config={BATCH_SIZE: 18, "width": 8},
+        strategy="fsdp",
+        storage_options=options,
+    )
+    try:
+        three.load(folder)
+        assert all(torch.allclose(a, b) for a, b in zip(expected, _weights(three)))
+        assert three.epoch == 1
+    finally:
+        three.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_checkpoints_inside_an_epoch_survive_a_worker_lost_during_an_upload(
+    ray_local: None, s3_server, tmp_path: Path
+) -> None:
+    options = s3_server.storage_options
+    root = s3_server.url(uuid.uuid4().hex)
+    trainer = TorchTrainer(
+        training_operator_cls=LinearOperator,
+        num_workers=2,
+        # Wide enough that an upload to the server takes longer than the step after it.
+        config={BATCH_SIZE: GLOBAL_BATCH, "width": 2048, "marker_dir": str(tmp_path), "die_at": 5},
+        checkpoint_dir=root,
+        storage_options=options,
+        checkpoint_every=4,
+        keep_checkpoints=2,
+    )
+    try:
+        # Rank 0 writes the whole state; it dies in step 6, while its checkpoint of step 4 (of
+        # this attempt) is still uploading. The group recovers from the survivor.
+        trainer.train()
+        trainer.train()
+        assert (tmp_path / "died").exists() and trainer.failures == 1
+    finally:
+        trainer.shutdown()  # waits for the upload in flight
+    location = Storage(root, options)
+    complete = complete_checkpoints(location)
+    # Retention: the two newest complete ones (steps 12 and 16 of the two epochs).
+    assert [c.step for c in complete] == [12, 16]
+    for checkpoint in complete:  # nothing mixed: every listed part there, nothing else
+        assert set(checkpoint.location.listdir()) == {MANIFEST_NAME, "raysgd_checkpoint.pt"}
+    # The interrupted attempt, if a trace of it is left, has no manifest: never loaded.
+    folders = location.listdir()
+    assert all(
+        name in {c.name for c in complete} for name in folders if _has_manifest(location, name)
+    )
+
+    # A new trainer resumes from the newest complete one: at the end of the second epoch.
+    again = TorchTrainer(
+        training_operator_cls=LinearOperator,
+        num_workers=2,
+        config={BATCH_SIZE: GLOBAL_BATCH, "width": 2048},
+        checkpoint_dir=root,
+        storage_options=options,
+        resume=True,
+    )
+    try:
+        assert again.epoch == 2
+        assert again.train()["epoch"] == 3
+    finally:
+        again.shutdown()
+
+
+def _has_manifest(location: Storage, name: str) -> bool:
+    return location.join(name).exists(MANIFEST_NAME)
+
+
+@pytest.mark.timeout(60)
+def test_a_storage_problem_fails_before_any_worker_starts(ray_local: None, s3_server) -> None:
+    free = ray.available_resources().get("CPU", 0)
+    # A URL whose client library is not installed names the extra that brings it (gcsfs is not
+    # in the test environment).
+    assert importlib.util.find_spec("gcsfs") is None
+    with pytest.raises(ImportError, match=r"pip install 'raysgd\[gcs\]'"):
+        TorchTrainer(
+            training_operator_cls=LinearOperator,
+            config={BATCH_SIZE: GLOBAL_BATCH},
+            checkpoint_dir="gs://a-bucket/run",
+        )
+    # A location the credentials cannot reach: one line, without the secret.
+    secret = "not-the-right-secret-" + uuid.uuid4().hex
+    options = {
+        "endpoint_url": s3_server.endpoint_url,
+        "key": "someone-else",
+        "secret": secret,
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+    }
+    with pytest.raises(StorageError) as info:
+        TorchTrainer(
+            training_operator_cls=LinearOperator,
+            config={BATCH_SIZE: GLOBAL_BATCH},
+            checkpoint_dir="s3://no-such-bucket-here/run",
+            storage_options=options,
+        )
+    message = str(info.value)
+    assert "\n" not in message and secret not in message and "s3://no-such-bucket-here" in message
+    with pytest.raises(ValueError, match="checkpoint_every needs a checkpoint_dir"):
+        TorchTrainer(
+            training_operator_cls=LinearOperator,
+            config={BATCH_SIZE: GLOBAL_BATCH},
+            checkpoint_every=5,
+        )
+    assert ray.available_resources().get("CPU", 0) == free  # nothing was started
+
+
+DRIVER = textwrap.dedent(
+    """
+    import json, os, sys, threading, time
+    import ray, torch
+    sys.path.insert(0, {repo!r})
+    from raysgd import TorchTrainer
+    from raysgd.utils import BATCH_SIZE
+    from tests.raysgd.test_checkpoint_storage import LinearOperator
+
+    folder, marks, kill_after = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    ray.init(address=os.environ["RAYSGD_TEST_ADDRESS"], log_to_driver=False)
+    trainer = TorchTrainer(
+        training_operator_cls=LinearOperator,
+        num_workers=2,
+        config={{BATCH_SIZE: 16, "marker_dir": marks}},
+        checkpoint_dir=folder,
+        checkpoint_every=3,
+        resume=True,
+    )
+    if kill_after:
+        def die():  # SIGKILL this driver once kill_after rows of epoch 2 are recorded
+            while True:
+                rows = 0
+                for name in os.listdir(marks):
+                    with open(os.path.join(marks, name)) as handle:
+                        rows += handle.read().count("2:")
+                if rows >= kill_after:
+                    os.kill(os.getpid(), 9)
+                time.sleep(0.005)
+        threading.Thread(target=die, daemon=True).start()
+    print("START", trainer.epoch, flush=True)
+    for _ in range(trainer.epoch, 3):
+        trainer.train()
+    weights = [w for p in trainer.get_model().parameters() for w in p.flatten().tolist()]
+    trainer.shutdown()
+    print("WEIGHTS", json.dumps(weights), flush=True)
+    """
+)
+
+
+def _run_driver(folder: Path, marks: Path, kill_after: int) -> subprocess.CompletedProcess:
+    script = folder.parent / "driver.py"
+    script.write_text(DRIVER.format(repo=str(REPO)))
+    env = {**os.environ, "RAYSGD_TEST_ADDRESS": ray.get_runtime_context().gcs_address}
+    return subprocess.run(
+        [sys.executable, str(script), str(folder), str(marks), str(kill_after)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=env,
+        cwd=str(REPO),
+    )
+
+
+def _weights_of(run: subprocess.CompletedProcess) -> list:
+    line = next(line for line in run.stdout.splitlines() if line.startswith("WEIGHTS"))
+    return json.loads(line.split(" ", 1)[1])
+
+
+@pytest.mark.timeout(420)
+def test_a_run_whose_driver_was_killed_goes_on_at_its_row(ray_local: None, tmp_path: Path) -> None:
+    clean_marks, marks = tmp_path / "clean-rows", tmp_path / "rows"
+    clean_marks.mkdir()
+    marks.mkdir()
+    clean = _run_driver(tmp_path / "clean", clean_marks, 0)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+
+    # The driver dies with SIGKILL in the middle of epoch 2 (after 5 of its 8 steps).
+    killed = _run_driver(tmp_path / "ckpt", marks, 5 * GLOBAL_BATCH)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    newest = newest_complete(Storage(tmp_path / "ckpt"))
+    assert newest is not None and newest.epoch == 2 and newest.step > 8
+
+    # Started again: it loads the newest complete checkpoint and goes on at the row after it.
+    resumed = _run_driver(tmp_path / "ckpt", marks, 0)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "START 1" in resumed.stdout  # one epoch finished; the second goes on
+    rows = rows_by_epoch(marks)
+    assert sorted(set(rows[2])) == list(range(ROWS))  # every row of the interrupted epoch
+    twice = len(rows[2]) - ROWS
+    assert 0 <= twice <= 3 * GLOBAL_BATCH  # at most checkpoint_every steps trained again
+    assert sorted(rows[3]) == list(range(ROWS))
+    # A deterministic job: the same weights as the run that was never interrupted.
+    assert _weights_of(resumed) == pytest.approx(_weights_of(clean), abs=1e-6)

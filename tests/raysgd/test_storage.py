@@ -1,0 +1,438 @@
+"""Storage for checkpoints: local paths and fsspec URLs (S3 through moto's server, memory://,
+file://), credentials kept out of every text, and the "complete or invisible" checkpoint folders."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from raysgd._internal import storage as storage_module
+from raysgd._internal.checkpoint import (
+    MANIFEST_NAME,
+    CheckpointWriter,
+    Manifest,
+    checkpoint_name,
+    complete_checkpoints,
+    newest_complete,
+    prune,
+    read_manifest,
+    resolve_checkpoint,
+)
+from raysgd._internal.storage import Storage, StorageError
+
+pytestmark = pytest.mark.timeout(30)
+
+BACKENDS = ["local", "file-url", "memory", "s3"]
+
+
+@pytest.fixture(params=BACKENDS)
+def root(request, tmp_path) -> Storage:
+    """An empty location of each kind, unique to the test."""
+    kind = request.param
+    if kind == "local":
+        return Storage(tmp_path / "root")
+    if kind == "file-url":
+        return Storage(f"file://{tmp_path}/root")
+    if kind == "memory":
+        location = Storage(f"memory://raysgd-tests/{uuid.uuid4().hex}")
+        request.addfinalizer(location.remove)
+        return location
+    s3 = request.getfixturevalue("s3_server")
+    return Storage(s3.url(uuid.uuid4().hex), s3.storage_options)
+
+
+def write_checkpoint(root: Storage, epoch: int, step: int, parts=None, **meta):
+    writer = CheckpointWriter(root, kind="state", epoch=epoch, step=step)
+    for part, data in (parts or {"state.pt": b"x" * (epoch + 1)}).items():
+        writer.write(part, data)
+    return writer.commit(meta=meta)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# -- Storage --
+
+
+def test_file_operations(root):
+    assert not root.exists()
+    root.write_bytes("a.bin", b"1234")
+    root.write_bytes("sub/deeper/b.bin", b"xy")
+    assert root.exists() and root.exists("a.bin") and root.exists("sub/deeper")
+    assert root.read_bytes("a.bin") == b"1234"
+    with root.open_read("sub/deeper/b.bin") as handle:
+        assert handle.read() == b"xy"
+    assert root.size("a.bin") == 4
+    assert root.listdir() == ["a.bin", "sub"]
+    assert root.file_sizes() == {"a.bin": 4, "sub/deeper/b.bin": 2}
+    assert root.join("sub").file_sizes() == {"deeper/b.bin": 2}
+    root.write_bytes("a.bin", b"replaced")
+    assert root.read_bytes("a.bin") == b"replaced"
+    root.remove("sub")
+    assert not root.exists("sub")
+    root.remove("sub")  # nothing there: not an error
+    with pytest.raises(FileNotFoundError, match=r"missing\.bin"):
+        root.read_bytes("missing.bin")
+    root.check_access(write=True)
+    assert root.listdir() == ["a.bin"]  # the probe is gone
+    root.remove()
+    assert not root.exists()
+    assert root.file_sizes() == {}
+
+
+def test_relative_paths_stay_below_the_location(root):
+    for bad in ("../x", "/abs", "a//b", "a/./b", "a\\b"):
+        with pytest.raises(ValueError, match="relative path"):
+            root.read_bytes(bad)
+        with pytest.raises(ValueError, match="relative path"):
+            root.join(bad)
+    assert root.join("a", "b").url == root.join("a/b").url
+    assert Storage(root.join("a").url, root.storage_options) == root.join("a")
+
+
+def test_plain_path_is_an_ordinary_absolute_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    location = Storage("ckpts")
+    assert location.is_local and location.protocol == "file"
+    assert location.url == location.local_path == str(tmp_path / "ckpts") == str(location)
+    assert Storage(f"file://{tmp_path}/ckpts") == location
+    location.write_bytes("state.pt", b"data")
+    assert (tmp_path / "ckpts" / "state.pt").read_bytes() == b"data"
+    assert repr(location) == f"Storage({str(tmp_path / 'ckpts')!r})"
+
+
+def test_local_write_is_atomic(tmp_path, monkeypatch):
+    location = Storage(tmp_path)
+    location.write_bytes("state.pt", b"old")
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(StorageError, match="disk full"):
+        location.write_bytes("state.pt", b"new content")
+    monkeypatch.undo()
+    assert location.read_bytes("state.pt") == b"old"
+    assert sorted(os.listdir(tmp_path)) == ["state.pt"]  # no temp file left
+
+
+def test_remote_locations(s3_server):
+    s3 = Storage(s3_server.url("a/b/"), s3_server.storage_options)
+    assert (s3.protocol, s3.path, s3.url, s3.local_path) == (
+        "s3",
+        f"{s3_server.bucket}/a/b",
+        s3_server.url("a/b"),
+        None,
+    )
+    assert s3.name == "b" and not s3.is_local
+    memory = Storage("memory://x/y")
+    assert (memory.path, memory.url) == ("/x/y", "memory:///x/y")
+    assert Storage(memory.url) == memory
+    with pytest.raises(ValueError, match="needs a bucket"):
+        Storage("s3://")
+
+
+def test_unknown_protocol():
+    with pytest.raises(ValueError, match=r"unknown storage protocol 'nosuchfs'.*s3://"):
+        Storage("nosuchfs://bucket/x")
+    with pytest.raises(ValueError, match="chained"):
+        Storage("simplecache::s3://bucket/x")
+
+
+@pytest.mark.parametrize(
+    ("url", "library", "extra"),
+    [
+        ("gs://bucket/ckpts", "gcsfs", "gcs"),
+        ("gcs://bucket/ckpts", "gcsfs", "gcs"),
+        ("abfs://container/ckpts", "adlfs", "azure"),
+        ("az://container/ckpts", "adlfs", "azure"),
+        ("abfss://container/ckpts", "adlfs", "azure"),
+    ],
+)
+def test_missing_client_library_names_the_extra(url, library, extra):
+    if importlib.util.find_spec(library) is not None:
+        pytest.skip(f"{library} is installed here")
+    with pytest.raises(ImportError, match=rf"needs {library}.*pip install 'raysgd\[{extra}\]'"):
+        Storage(url)
+
+
+def test_storage_options_are_checked():
+    with pytest.raises(TypeError, match="dict"):
+        Storage("memory://x", storage_options=[("key", "v")])
+    with pytest.raises(TypeError, match=r"picklable.*'token'"):
+        Storage("memory://x", storage_options={"token": lambda: "secret-value"})
+    with pytest.raises(ValueError, match="storage_options, not in the URL"):
+        Storage("s3://user:hunter22@bucket/x")
+
+
+def test_pickled_storage_reaches_the_same_files(s3_server):
+    location = Storage(s3_server.url(uuid.uuid4().hex), s3_server.storage_options)
+    location.write_bytes("from-driver", b"1")  # the original has built its client
+    data = pickle.dumps(location)
+    assert b"S3FileSystem" not in data and len(data) < 1000  # no live client inside
+    copy = pickle.loads(data)
+    assert copy == location and copy.storage_options == location.storage_options
+    copy.write_bytes("from-worker", b"22")
+    assert copy.read_bytes("from-driver") == b"1"
+    assert location.file_sizes() == {"from-driver": 1, "from-worker": 2}
+
+
+def test_options_given_stay_as_given(s3_server):
+    options = {**s3_server.storage_options, "config_kwargs": {"retries": {"max_attempts": 2}}}
+    location = Storage(s3_server.url(uuid.uuid4().hex), options)
+    location.write_bytes("x", b"1")  # s3fs rewrites the config_kwargs it is given
+    assert location.storage_options == options
+    options["key"] = "changed"
+    assert location.storage_options["key"] == s3_server.key
+
+
+# -- credentials and reachability --
+
+
+def assert_no_secret(texts, secrets):
+    for text in texts:
+        for secret in secrets:
+            assert secret not in text, (secret, text)
+
+
+def test_check_access_wrong_bucket(s3_server, caplog):
+    caplog.set_level(logging.DEBUG)
+    secret = f"s3cr3t-{uuid.uuid4().hex}"
+    options = {**s3_server.storage_options, "secret": secret}
+    location = Storage(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/ckpts", options)
+    with pytest.raises(StorageError) as info:
+        location.check_access()
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"cannot access {location.url}: not found")
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert_no_secret([message, repr(location), str(location), caplog.text], [secret])
+    assert "secret" in repr(location)  # the option's name, not its value
+    # The bucket that is there, with nothing under the prefix yet, is fine.
+    Storage(s3_server.url(uuid.uuid4().hex, "ckpts"), options).check_access(write=True)
+
+
+@pytest.mark.parametrize("endpoint_from", ["storage_options", "environment"])
+def test_check_access_unreachable_endpoint(s3_server, monkeypatch, caplog, endpoint_from):
+    caplog.set_level(logging.DEBUG)
+    dead = f"http://127.0.0.1:{free_port()}"
+    secret = f"s3cr3t-{uuid.uuid4().hex}"
+    options = {
+        "key": s3_server.key,
+        "secret": secret,
+        # One attempt: botocore and s3fs would otherwise retry for about 12 s.
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+    }
+    if endpoint_from == "environment":
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", dead)  # botocore reads it when no endpoint_url
+    else:
+        options["endpoint_url"] = dead
+    location = Storage(s3_server.url("ckpts"), options)
+    with pytest.raises(StorageError) as info:
+        location.check_access()
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"cannot access {location.url}: endpoint unreachable")
+    assert "EndpointConnectionError" in message
+    # The client's text names the endpoint; it is a value of storage_options or of a variable
+    # of the environment that clients read, so it is left out like a credential would be.
+    assert_no_secret([message, repr(location), str(location)], [secret, dead])
+    # botocore's own debug lines name the endpoint, never the secret.
+    assert_no_secret([caplog.text], [secret])
+    with pytest.raises(StorageError, match=r"cannot write .*endpoint unreachable") as info:
+        location.write_bytes("x", b"1")
+    assert_no_secret([str(info.value)], [secret, dead])
+
+
+def test_error_texts_lose_environment_credentials(monkeypatch):
+    secret = f"from-env-{uuid.uuid4().hex}"
+    monkeypatch.setenv("AZURE_STORAGE_KEY", secret)
+    monkeypatch.setenv("MY_SERVICE_TOKEN", secret + "2")
+    text = storage_module._redact(f"failed with {secret} and {secret}2", {"a": "xyz12"})
+    assert secret not in text and text == "failed with *** and ***"
+
+
+# -- checkpoint folders --
+
+
+def test_manifest_is_written_last_and_a_folder_without_it_is_invisible(root):
+    writer = CheckpointWriter(root, kind="state", epoch=1, step=10)
+    writer.write("state.pt", b"abc")
+    assert not writer.location.exists(MANIFEST_NAME)
+    assert newest_complete(root) is None and complete_checkpoints(root) == []
+    with pytest.raises(FileNotFoundError, match="no complete raysgd checkpoint"):
+        resolve_checkpoint(root)
+    checkpoint = writer.commit(meta={"world_size": 2})
+    assert writer.location.exists(MANIFEST_NAME)
+    assert checkpoint.manifest.parts == {"state.pt": 3}
+    assert (checkpoint.epoch, checkpoint.step, checkpoint.kind) == (1, 10, "state")
+    found = newest_complete(root)
+    assert found == checkpoint and found.manifest.meta == {"world_size": 2}
+    with pytest.raises(RuntimeError, match="already committed"):
+        writer.write("late.pt", b"1")
+
+
+def test_commit_refuses_missing_parts(root):
+    writer = CheckpointWriter(root, kind="sharded", epoch=0, step=5)
+    writer.write("__0_0.distcp", b"rank0")
+    writer.expect("__1_0.distcp")  # a worker that never wrote its part
+    with pytest.raises(ValueError, match=r"'__1_0\.distcp' was not written"):
+        writer.commit()
+    assert not writer.location.exists(MANIFEST_NAME)
+    writer.location.write_bytes("__1_0.distcp", b"r1")
+    writer.expect("__1_0.distcp", size=5)
+    with pytest.raises(ValueError, match="has 2 bytes, expected 5"):
+        writer.commit()
+    empty = CheckpointWriter(root, kind="state", epoch=0, step=6)
+    with pytest.raises(ValueError, match="no part"):
+        empty.commit()
+    for bad in (MANIFEST_NAME, "../x", ".raysgd-tmp", ""):
+        with pytest.raises(ValueError, match="cannot be a part"):
+            empty.write(bad, b"1")
+
+
+def test_workers_write_parts_through_a_pickled_location(root):
+    writer = CheckpointWriter(root, kind="sharded", epoch=2, step=40)
+    for rank in range(2):
+        worker_copy = pickle.loads(pickle.dumps(writer.location))
+        worker_copy.write_bytes(f"__{rank}_0.distcp", b"p" * (rank + 1))
+    writer.write(".metadata", b"meta")
+    checkpoint = writer.commit()
+    assert checkpoint.manifest.parts == {".metadata": 4, "__0_0.distcp": 1, "__1_0.distcp": 2}
+    assert resolve_checkpoint(root) == checkpoint
+
+
+# What a worker does with the location it is sent: a process of its own, with no client yet.
+WORKER = """
+import pickle, sys
+location = pickle.loads(sys.stdin.buffer.read())
+assert location._fs is None
+location.write_bytes("__1_0.distcp", b"from another process")
+print(location.read_bytes("__0_0.distcp").decode())
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_process_writes_its_part_through_the_location(s3_server):
+    root = Storage(s3_server.url(uuid.uuid4().hex), s3_server.storage_options)
+    writer = CheckpointWriter(root, kind="sharded", epoch=0, step=1)
+    writer.write("__0_0.distcp", b"rank 0")
+    out = subprocess.run(
+        [sys.executable, "-c", WORKER],
+        input=pickle.dumps(writer.location),
+        capture_output=True,
+        check=True,
+        timeout=80,
+    )
+    assert out.stdout.decode().strip() == "rank 0"
+    writer.expect("__1_0.distcp", size=len(b"from another process"))
+    checkpoint = writer.commit()
+    assert resolve_checkpoint(root) == checkpoint
+
+
+def test_newest_complete_follows_training_progress(root):
+    later = write_checkpoint(root, 3, 300)
+    write_checkpoint(root, 1, 100)  # written after, but earlier in training
+    unfinished = CheckpointWriter(root, kind="state", epoch=4, step=400)
+    unfinished.write("state.pt", b"partial")
+    assert newest_complete(root) == later
+    assert [c.step for c in complete_checkpoints(root)] == [100, 300]
+    # Two complete attempts at one step: the later one.
+    again = write_checkpoint(root, 3, 300)
+    assert again.manifest.created >= later.manifest.created
+    assert newest_complete(root) == max([later, again], key=lambda c: (c.manifest.created, c.name))
+
+
+def test_torn_checkpoint_is_invisible(root):
+    older = write_checkpoint(root, 0, 10)
+    torn = write_checkpoint(root, 1, 20, parts={"model.pt": b"m", "optim.pt": b"oo"})
+    torn.location.remove("optim.pt")
+    assert newest_complete(root) == older
+    with pytest.raises(ValueError, match=r"incomplete: .*optim\.pt is missing"):
+        resolve_checkpoint(torn.location)
+    torn.location.write_bytes("optim.pt", b"ooo")  # another size than the manifest's
+    with pytest.raises(ValueError, match="has 3 bytes, the manifest says 2"):
+        resolve_checkpoint(torn.location)
+    assert newest_complete(root) == older
+
+
+def test_a_retry_writes_a_new_folder(root):
+    first = CheckpointWriter(root, kind="state", epoch=5, step=50)
+    first.write("state.pt", b"interrupted")
+    retry = CheckpointWriter(root, kind="state", epoch=5, step=50)
+    assert retry.location != first.location
+    retry.write("state.pt", b"done")
+    checkpoint = retry.commit()
+    assert first.location.read_bytes("state.pt") == b"interrupted"
+    assert newest_complete(root) == checkpoint
+    assert checkpoint_name(5, 50) != checkpoint_name(5, 50)
+    assert checkpoint.name.startswith("ckpt-e000005-s000000050-")
+    first.abort()  # the interrupted attempt, given up for good
+    assert not first.location.exists() and newest_complete(root) == checkpoint
+
+
+def test_resolve_checkpoint(root):
+    with pytest.raises(FileNotFoundError, match=r"no complete raysgd checkpoint.*" + root.name):
+        resolve_checkpoint(root)
+    old = write_checkpoint(root, 0, 1)
+    new = write_checkpoint(root, 0, 2)
+    assert resolve_checkpoint(root) == new
+    assert resolve_checkpoint(old.location) == old  # a folder given itself
+    # By URL and options, as a user gives them.
+    assert resolve_checkpoint(old.url, root.storage_options or None) == old
+    assert read_manifest(new.location) == new.manifest
+    assert read_manifest(root) is None
+
+
+def test_prune(root):
+    stale = CheckpointWriter(root, kind="state", epoch=0, step=5)  # an interrupted attempt
+    stale.write("state.pt", b"s")
+    assert prune(root, keep=1) == []  # nothing complete: nothing removed
+    done = [write_checkpoint(root, 0, step) for step in (10, 20, 30, 40)]
+    torn = write_checkpoint(root, 0, 25)
+    torn.location.remove("state.pt")
+    same_step = CheckpointWriter(root, kind="state", epoch=0, step=40)  # maybe in flight
+    same_step.write("state.pt", b"?")
+    in_flight = CheckpointWriter(root, kind="state", epoch=0, step=50)
+    in_flight.write("state.pt", b"?")
+    root.write_bytes("user-notes/readme.txt", b"not ours")
+    foreign = root.join(checkpoint_name(0, 1))
+    foreign.write_bytes(MANIFEST_NAME, b"{not json")
+
+    removed = prune(root, keep=2)
+
+    assert removed == sorted([done[0].name, done[1].name, stale.name, torn.name])
+    assert [c.step for c in complete_checkpoints(root)] == [30, 40]
+    left = set(root.listdir())
+    assert {same_step.name, in_flight.name, "user-notes", foreign.name} <= left
+    assert not left & set(removed)
+    assert prune(root, keep=2) == []
+    with pytest.raises(ValueError, match="keep must be a positive int"):
+        prune(root, keep=0)
+
+
+def test_manifest_format():
+    manifest = Manifest("state", 2, 30, {"state.pt": 12, "sub/x": 0}, meta={"a": [1]})
+    assert Manifest.from_bytes(manifest.to_bytes()) == manifest
+    for data, match in [
+        (b"\xff", "not JSON"),
+        (b"[]", "format"),
+        (b'{"format": "raysgd-checkpoint", "version": 1}', "kind"),
+        (manifest.to_bytes().replace(b'"path": "sub/x"', b'"path": "../x"'), "bad part"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            Manifest.from_bytes(data, source="m.json")
+    newer = manifest.to_bytes().replace(b'"version": 1', b'"version": 99')
+    with pytest.raises(ValueError, match="newer raysgd"):
+        Manifest.from_bytes(newer)
