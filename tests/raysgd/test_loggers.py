@@ -183,7 +183,13 @@ def _expected(kind: str, result: dict[str, Any]) -> dict[str, float]:
 def test_every_result_reaches_the_loggers_with_its_step_and_epoch(run: SimpleNamespace) -> None:
     calls = run.recording.calls
     assert calls[0][0] == "start" and calls[-1] == ("finish", None)
-    metrics = [c[1] for c in calls if c[0] == "metrics"]
+    logged = [c[1] for c in calls if c[0] == "metrics"]
+    metrics = [m for m in logged if m[0] != "goodput"]
+    # After every call the trainer's goodput so far follows its result.
+    goodputs = [m for m in logged if m[0] == "goodput"]
+    assert [m[0] for m in logged] == [k for m in metrics for k in (m[0], "goodput")]
+    assert all(0 < g[1]["goodput"] <= 1 and g[1]["wall_s"] > 0 for g in goodputs)
+    assert goodputs[-1][1]["failures"] == 1 and "lost_s/start" in goodputs[-1][1]
     # step: train() calls so far; a validate() shares the step of the train() before it.
     assert [(kind, step) for kind, _, _, step in metrics] == [
         ("train", 1),
@@ -224,7 +230,8 @@ def test_a_logger_that_raises_is_dropped_after_one_warning(run: SimpleNamespace)
     assert [m for m in run.warnings if "experiment logger" in m] == about_it
     # Training went on, and the other loggers saw every call.
     assert len(run.results) == 5
-    assert [c[0] for c in run.recording.calls].count("metrics") == 5
+    # (each result followed by the goodput so far)
+    assert [c[0] for c in run.recording.calls].count("metrics") == 2 * 5
 
 
 def test_mlflow_file_store_holds_metrics_params_and_events(run: SimpleNamespace) -> None:

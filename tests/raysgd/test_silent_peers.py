@@ -132,6 +132,13 @@ def _check_recovered(trainer: TorchTrainer, stats: dict, marker_dir: Path, pids:
     # Every row of the epoch once: the survivor's finished steps, the silent rank's finished
     # steps before it froze, and the rest re-split over the group that went on.
     assert sorted(rows_by_epoch(marker_dir)[1]) == list(range(NUM_SAMPLES))
+    # What it cost, by cause: the wait for the silent peer is detection, not the user's time.
+    report = trainer.goodput()
+    assert report["failures"] == 1 and report["steps_redone"] == 1
+    assert report["lost_s"]["detection"] > 0 and report["lost_s"]["start"] > 0
+    assert 0 < report["goodput"] < 1
+    lost = sum(report["lost_s"].values())
+    assert report["productive_s"] == pytest.approx(report["wall_s"] - lost, abs=1e-3)
 
 
 @pytest.mark.timeout(150)

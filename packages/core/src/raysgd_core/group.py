@@ -319,8 +319,10 @@ class WorkerGroup:
 
         Survivors keep their process and `WorkerContext.store`; ranks are renumbered in the old
         order, new workers come last. As many new workers are started as actually start within
-        `timeout_s` (the result may be smaller than `num_workers`, even 0). When keeping the
-        survivors fails, every remote worker is replaced ("full-restart").
+        `timeout_s` (the result may be smaller than `num_workers`, even 0). A worker lost while
+        the group re-forms raises `WorkerDiedError` and leaves the group needing recovery, the
+        others kept: call `recover` again. When keeping the survivors fails otherwise, every
+        remote worker is replaced ("full-restart").
         """
         if not self._started:
             raise RuntimeError("WorkerGroup is not started")

@@ -28,6 +28,7 @@ class Progress:
         in_batch: The worker was in the middle of a batch when its call stopped (that batch is
             redone: the one step a failure may cost).
         call: The `train()` call it was in, or last finished.
+        finished_at: When its last step finished (`time.time()`), None before the first.
     """
 
     step: int
@@ -35,6 +36,7 @@ class Progress:
     clean: bool
     in_batch: bool
     call: Optional[CallRecord] = None
+    finished_at: Optional[float] = None
 
 
 @dataclass(frozen=True)

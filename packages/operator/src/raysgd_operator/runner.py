@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import time
 from collections.abc import Hashable, Mapping
 from typing import Any, Callable
 
@@ -126,6 +127,7 @@ class OperatorRunner:
         # The operator's global_step as it was when the last step finished.
         self._global_step_at_step = 0
         self._call: CallRecord | None = None
+        self._finished_at: float | None = None
         self._meters: AverageMeterCollection | None = None
         #: The last `train_epoch` call stopped at a boundary on request (`request_stop`).
         self.yielded = False
@@ -246,6 +248,7 @@ class OperatorRunner:
     def _on_step(self, rows: int | None) -> None:
         """A training batch is finished (called by the stream)."""
         self.step += 1
+        self._finished_at = time.time()
         self._global_step_at_step = self.operator.global_step
         if self._call is not None:
             self._call = self._call.after_step(rows)
@@ -351,6 +354,7 @@ class OperatorRunner:
             clean=self.journal.rollback(),
             in_batch=self._train.in_flight,
             call=self._call,
+            finished_at=self._finished_at,
         )
 
     @property

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
@@ -22,6 +23,7 @@ from raysgd._internal.collective_bound import slow_bound
 from raysgd._internal.datasets import DatasetSplitter, check_datasets, warn_if_no_room_for_data
 from raysgd._internal.driver import RunnerRecipe, WorkerCalls
 from raysgd._internal.driver_copy import DEFAULT_LIMIT_MB, DriverCopy
+from raysgd._internal.goodput import GoodputMeter
 from raysgd._internal.preemption import Preemption
 from raysgd._internal.recovery import Recovery, in_one_form
 from raysgd._internal.run_loggers import RunLoggers, trainer_options
@@ -257,6 +259,9 @@ class TorchTrainer:
             ),
         )
         self._shut_down = False
+        self._goodput = GoodputMeter()
+        #: The workers' recent step time: bounds a joining worker's first collectives.
+        self._step_s = 0.0
         # Names each train() call, so that a call a failure interrupted is continued, not
         # started again.
         self._call_id = 0
@@ -342,11 +347,26 @@ class TorchTrainer:
         """
         self._check_alive()
         check_train_args(max_retries, checkpoint, num_steps)
+        with self._goodput.call():
+            result = self._train(num_steps, profile, max_retries, checkpoint, info)
+        return self._results("train", *result, reduce_results)
+
+    def _train(
+        self,
+        num_steps: Optional[int],
+        profile: bool,
+        max_retries: int,
+        checkpoint: Optional[Union[str, os.PathLike]],
+        info: Optional[dict[str, Any]],
+    ) -> tuple[list[dict[str, Any]], Optional[int]]:
+        """One `train()` call: (every worker's metrics, the rows of a call that went on after a
+        recovery)."""
         self._recovery.maybe_grow(max_retries=max_retries)
         self._preemption.handle(max_retries=max_retries)
         if checkpoint:
-            with self._recovery.guarded():
-                self._checkpoints.before_call(checkpoint)
+            started = time.perf_counter()
+            self._recovery.again_once(lambda: self._checkpoints.before_call(checkpoint))
+            self._goodput.lose("checkpoint", time.perf_counter() - started)
         self._call_id += 1
         call_id = self._call_id
         watch = [self._preemption.watch_spec()]
@@ -363,6 +383,7 @@ class TorchTrainer:
                 call_id,
                 watch[0],
                 self._checkpoints.plan(),
+                self._step_s,
             )
 
         while True:
@@ -375,9 +396,11 @@ class TorchTrainer:
         self._state.after_train(
             max(answer.step for answer in returned), max(answer.epochs for answer in returned)
         )
-        results = [answer.metrics for answer in returned]
+        self._goodput.lose("checkpoint", max(answer.blocked_s for answer in returned))
+        self._step_s = max(answer.step_s for answer in returned)
+        self._goodput.observe(self._recovery.events, self._step_s)
         rows = [answer.rows for answer in returned if answer.rows is not None]
-        return self._results("train", results, reduce_results, rows[0] if rows else None)
+        return [answer.metrics for answer in returned], rows[0] if rows else None
 
     def validate(
         self,
@@ -391,15 +414,16 @@ class TorchTrainer:
         self._check_alive()
         if num_steps is not None:
             check_int("num_steps", num_steps)
-        results = self._recovery.call(worker.validate, num_steps, profile, info)
-        return self._results("validate", results, reduce_results)
+        with self._goodput.call():
+            results = self._recovery.call(worker.validate, num_steps, profile, info)
+        self._goodput.observe(self._recovery.events, 0.0)
+        return self._results("validate", results, None, reduce_results)
 
     def state_dict(self) -> dict[str, Any]:
         """The full training state (`epoch`, `operator`, `models`, `optimizers`, `schedulers`,
         `precision`, position), on the CPU."""
         self._check_alive()
-        with self._recovery.guarded():
-            return self._state.state_dict()
+        return self._recovery.again_once(self._state.state_dict)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load `state` (from `state_dict()` or a checkpoint) into every worker."""
@@ -415,9 +439,12 @@ class TorchTrainer:
         """Write the state to `path` atomically; returns the absolute path. A worker on this
         machine writes it, so the state does not pass through the driver."""
         self._check_alive()
-        with self._recovery.guarded():
+
+        def write() -> str:
             self._checkpoints.finish()
             return self._state.save(path)
+
+        return self._recovery.again_once(write)
 
     def load(self, path: Union[str, os.PathLike]) -> None:
         """Load a checkpoint written by `save` into every worker. Never runs code from the file; a
@@ -519,6 +546,13 @@ class TorchTrainer:
         """The trainer's config; `config[BATCH_SIZE]` is the global batch actually used."""
         return self._workers.recipe.config
 
+    def goodput(self) -> dict[str, Any]:
+        """How much of the time inside `train()` and `validate()` went into work that was kept:
+        ``wall_s``, ``productive_s``, ``lost_s`` by cause (``detection``, ``start``,
+        ``restore``, ``redone``, ``checkpoint``, ``waiting``), ``steps_redone``, ``failures``
+        and ``goodput`` (productive over wall). How each part is measured: the raysgd README."""
+        return self._goodput.report(self.failures)
+
     @property
     def epoch(self) -> int:
         """Epochs trained to their end so far (a resumed run's included): a script that trains
@@ -562,7 +596,7 @@ class TorchTrainer:
             raise in_one_form(exc)  # noqa: B904 (its cause is the user's exception)
 
     def _results(
-        self, kind: str, results: list[dict], reduce_results: bool, call_rows: Optional[int] = None
+        self, kind: str, results: list[dict], call_rows: Optional[int], reduce_results: bool
     ) -> Any:
         reduced = reduce_worker_results(results) if reduce_results or self._loggers else None
         if reduced is not None and call_rows is not None:
@@ -573,6 +607,7 @@ class TorchTrainer:
             self._loggers.log(
                 kind, reduced, num_workers=self._workers.world_size, events=self._recovery.events
             )
+            self._loggers.log("goodput", self.goodput(), num_workers=self._workers.world_size)
         return reduced if reduce_results else results
 
     def _check_alive(self) -> None:

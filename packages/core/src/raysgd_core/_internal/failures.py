@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from raysgd_core._internal.runtime import Failure
+from raysgd_core._internal.runtime import Failure, is_collateral, is_peer_timeout
 from raysgd_core.errors import WorkerDiedError, WorkerError
 from raysgd_core.options import DEFAULT_PEER_GRACE_S
 
@@ -172,16 +172,21 @@ def raise_for(outcome: Outcome, node_of: Callable[[int], str]) -> None:
 
 
 def _failure_from_ray_error(rank: int, exc: Exception) -> Failure:
+    """A failure Ray reported as an error of the call itself (the group's own calls, such as
+    forming the process group, raise rather than return a `Failure`); one caused by a peer is
+    collateral as in `WorkerRuntime.run`."""
     cause = getattr(exc, "cause", None)
+    text = str(exc)
     return Failure(
         rank=rank,
         node_id="?",
         type_name=type(cause or exc).__qualname__,
-        message=_first_line(str(exc)),
-        traceback=str(exc),
+        message=_first_line(text),
+        traceback=text,
         exception_bytes=None,
-        collateral=False,
+        collateral=is_collateral(text),
         time=time.time(),
+        peer_timeout=is_peer_timeout(text),
     )
 
 

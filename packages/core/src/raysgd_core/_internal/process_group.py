@@ -16,6 +16,7 @@ from typing import Any, Optional
 __all__ = [
     "NCCL_ERROR_HANDLING_ENV",
     "destroy_process_group",
+    "forget_failed_group",
     "form_process_group",
     "make_master_store",
     "select_device",
@@ -84,13 +85,38 @@ def form_process_group(
             is_master=False,
             timeout=timedelta(seconds=formation_timeout_s),
         )
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    # Joining waits for every peer with the group's timeout: the short formation timeout, so that
+    # a peer lost while the group forms releases the others soon; the collectives then get the
+    # group's own.
+    try:
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=min(timeout_s, formation_timeout_s)),
+        )
+    except BaseException:
+        forget_failed_group()
+        raise
+    dist.group.WORLD.set_timeout(timedelta(seconds=timeout_s))
+
+
+def forget_failed_group() -> None:
+    """After a formation that failed (a peer lost while the group formed): let this process join
+    the next group like a new one.
+
+    torch names each group it forms in a process by a counter (the rendezvous keys start with
+    it), which `destroy_process_group` resets; a group that failed to form has counted but cannot
+    be destroyed, so this process would look for other keys than its new peers and never meet
+    them. torch has no public call for this: the counter is reset here, and only here
+    (`tests/core/test_failures.py` forms a group after a failed formation, and fails when torch
+    changes this).
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.distributed_c10d._world.group_count = 0
 
 
 def destroy_process_group() -> bool:

@@ -26,7 +26,7 @@ from raysgd_core._internal.workers import (
     run_hooks,
     spawn,
 )
-from raysgd_core.errors import WorkerError
+from raysgd_core.errors import WorkerDiedError, WorkerError
 from raysgd_core.info import RecoveryReport
 
 __all__ = ["recover"]
@@ -48,7 +48,11 @@ def recover(state: GroupState, num_workers: int, timeout_s: float) -> RecoveryRe
         kept, started = _keep_healthy(state, num_workers, deadline, timings)
         path = "keep-healthy"
     except Exception as exc:  # includes a failed re-formation; WorkerError from init_hook too
-        if isinstance(exc, WorkerError):
+        if isinstance(exc, (WorkerError, WorkerDiedError)):
+            # A worker lost meanwhile (a burst, a replacement that died while joining): the
+            # others are fine and keep their state; the group stays broken, and the next
+            # recover keeps them again. Restarting all of them would throw that state away.
+            state.broken = True
             raise
         logger.warning("keeping the healthy workers failed (%s); restarting all of them", exc)
         timings.clear()

@@ -24,6 +24,8 @@ __all__ = ["Failure", "WorkerRuntime", "is_collateral", "is_peer_timeout"]
 _TIMEOUT_MARKERS = (
     "Timed out waiting",
     "Watchdog caught collective operation timeout",
+    # The rendezvous store: a peer that never joined a forming group.
+    "wait timeout after",
 )
 
 # Errors a rank gets because a *peer* failed; the peer's own failure is the one to report.

@@ -14,7 +14,10 @@ from raysgd_core._internal.placement import SlotPool, make_bundle
 from raysgd_core._internal.workers import ActorSpec, Worker, form_group, kill_worker
 from raysgd_core.options import GroupOptions
 
-__all__ = ["GroupSpec", "GroupState"]
+__all__ = ["FORMATION_TIMEOUT_S", "GroupSpec", "GroupState"]
+
+#: The longest the rendezvous of a new process group may take (see `GroupSpec.formation_timeout_s`).
+FORMATION_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,10 @@ class GroupSpec:
 
     @property
     def formation_timeout_s(self) -> float:
-        """How long forming the process group may take (joining ranks wait this long)."""
-        return max(self.options.start_timeout_s, 10.0)
+        """How long forming the process group may take (joining ranks wait this long). The
+        workers are up by then: only the rendezvous is left, which takes well under a second; a
+        rank lost meanwhile leaves the others waiting this long before they can be re-formed."""
+        return min(self.options.start_timeout_s, FORMATION_TIMEOUT_S)
 
 
 @dataclass(eq=False)

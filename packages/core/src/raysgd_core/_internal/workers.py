@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from raysgd_core._internal.actor import remote_worker_class
-from raysgd_core._internal.failures import Outcome, collect, raise_for
+from raysgd_core._internal.failures import GRACE_S, Outcome, collect, raise_for
 from raysgd_core._internal.local import LocalWorker
 from raysgd_core._internal.placement import Slot
 
@@ -181,7 +181,14 @@ def form_group(
         local = head.local
         result = local.runtime.run(local.runtime.form, (), kwargs(head, local.gpu_index))
         record_local(outcome, 0, result)
-    collect(pending, outcome, kill=lambda r, ref: kill_worker(workers[r], unanswered=ref))
+    # A rank lost while the others join leaves them waiting in the rendezvous until its timeout:
+    # they fail on their own by then, keep their process and state, and are never killed for it.
+    collect(
+        pending,
+        outcome,
+        kill=lambda r, ref: kill_worker(workers[r], unanswered=ref),
+        grace_s=formation_timeout_s + GRACE_S,
+    )
     raise_for(outcome, node_of)
     for w in workers:
         w.device = outcome.results[w.rank]

@@ -122,6 +122,11 @@ class PeriodicCheckpoints:
         self._thread = threading.Thread(target=upload, name="raysgd-checkpoint", daemon=True)
         self._thread.start()
 
+    def take_blocked(self) -> float:
+        """The loop's waits at checkpoint steps since the last call of this (then reset)."""
+        blocked, self.blocked_s = self.blocked_s, 0.0
+        return blocked
+
     def finish(self, timeout_s: Optional[float] = None) -> Optional[Written]:
         """Wait for the upload in flight; the last checkpoint this worker finished."""
         thread = self._thread

@@ -12,11 +12,16 @@ the driver learns which rank did not answer (`raysgd_core.GroupOptions.peer_grac
 that never answers is the one lost.
 
 Everything that is not a measured step waits up to the slow bound, which is the process group's
-own timeout (`slow_bound`, what the trainer forms its group with): the first step of every call
-(data loader workers start, caches warm up), every step until a whole call has run with
+own timeout (`slow_bound`, what the trainer forms its group with): the steps before one was
+measured (caches warm up, DDP builds its buckets), every step until a whole call has run with
 ``compile=True`` (compiling, and recompiling for the epoch's last batch), validation, checkpoints
-and restores. A step's duration is the time between two step boundaries of one call, its data
-loading included.
+and restores. The first step of each later call (its data loader starts) waits up to
+`FIRST_STEP_MULTIPLE` x `peer_timeout_s`, or the step bound when that is longer. A step's duration is the time between two
+step boundaries of one call, its data loading included.
+
+A rank that fails does not release the peers waiting for it: the group's other references (DDP
+holds one) keep its connections open, so they wait out their bound; these bounds are what makes
+such a wait short.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from datetime import timedelta
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from raysgd_base import check_number
 from raysgd_core import get_context, set_collective_timeout
@@ -50,6 +55,8 @@ RECENT_STEPS = 20
 #: The slow bound is at least this (and `SLOW_MULTIPLE` x `peer_timeout_s`).
 SLOW_FLOOR_S = 120.0
 SLOW_MULTIPLE = 12.0
+#: The first step of a call after the first: this many times `peer_timeout_s` (or the step bound).
+FIRST_STEP_MULTIPLE = 3.0
 #: The bound is set again only when it moves by more than this fraction.
 _HYSTERESIS = 0.25
 
@@ -79,12 +86,21 @@ class CollectiveBound:
         self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
         self._last_boundary: Optional[float] = None
         self.current_s: Optional[float] = None
+        self._group: Any = None
         runner.add_step_hook(self._on_step)
 
-    def begin_call(self) -> None:
-        """A train call starts: its first step waits up to the slow bound."""
+    def begin_call(self, step_hint_s: float = 0.0) -> None:
+        """A train call starts: its first step waits up to the first-step bound once steps were
+        measured, else up to the slow bound. `step_hint_s`: the group's recent step time, as
+        the driver knows it, for a worker that has measured none (one that just joined)."""
         self._last_boundary = None
-        self._set(self.slow_s)
+        if not self._recent and step_hint_s > 0:
+            self._recent.append(step_hint_s)
+        bound = self.step_bound()
+        if bound is None:
+            self._set(self.slow_s)
+        else:
+            self._set(min(self.slow_s, max(FIRST_STEP_MULTIPLE * self.floor_s, bound)))
 
     def end_call(self, finished: bool) -> None:
         """A train call ended (`finished`: it ran to its end): back to the slow bound."""
@@ -97,8 +113,13 @@ class CollectiveBound:
         """The process group's own timeout, which the slow phases wait up to."""
         return float(get_context().timeout_s)
 
+    def mean_step_s(self) -> float:
+        """The mean of the recent steps' durations (0 before one was measured)."""
+        return sum(self._recent) / len(self._recent) if self._recent else 0.0
+
     def step_bound(self) -> Optional[float]:
-        """The bound of the next step's collectives (None: no step measured yet)."""
+        """The bound of the next step's collectives (None: no step measured yet, or a compiled
+        model before its first whole call)."""
         if not self._recent or not self._warm:
             return None
         return min(self.slow_s, max(self.floor_s, STEP_MULTIPLE * max(self._recent)))
@@ -113,7 +134,10 @@ class CollectiveBound:
             self._set(bound)
 
     def _set(self, seconds: float) -> None:
-        current = self.current_s
+        import torch.distributed as dist
+
+        group = dist.group.WORLD if dist.is_initialized() else None
+        current = self.current_s if group is self._group else None
         if current == seconds:
             return
         # Small moves of the step bound are not worth a call; going back to the slow bound is.
@@ -121,7 +145,8 @@ class CollectiveBound:
             if abs(seconds - current) <= _HYSTERESIS * current:
                 return
         if set_collective_timeout(seconds):
-            self.current_s = seconds
+            # A group formed since (a resize) starts with its own timeout: set it again there.
+            self.current_s, self._group = seconds, group
 
 
 def bound_for(runner: OperatorRunner) -> CollectiveBound:

@@ -227,10 +227,17 @@ class Recovery:
     def read(self, fn: Callable[..., T], *args: Any, rank: int = 0) -> T:
         """`fn(*args)` on `rank` for something the user asked to read (the state, the model): a
         worker lost meanwhile is replaced and the read done again once."""
+        return self.again_once(lambda: self.call(fn, *args, rank=rank))
+
+    def again_once(self, action: Callable[[], T]) -> T:
+        """`action()` (driver code that calls the workers: a checkpoint written, a state read),
+        guarded; when a worker is lost in it, done once more on the repaired group."""
         try:
-            return self.call(fn, *args, rank=rank)
+            with self.guarded():
+                return action()
         except WorkerDiedError:
-            return self.call(fn, *args, rank=rank)
+            with self.guarded():
+                return action()
 
     # ------------------------------------------------------------------------------- training
     def run(self, attempt: Callable[[], T], *, max_retries: int) -> T:
@@ -471,6 +478,7 @@ class Recovery:
             source=restored.source if restored is not None else None,
             steps_redone=report.steps_redone,
             report=report,
+            state_at=restored.finished_at if restored is not None else None,
         )
 
     def _after_user_error(self, err: WorkerError) -> None:
@@ -611,6 +619,7 @@ class Recovery:
             action=decision.action.value,
             num_workers_before=status.workers_alive,
             num_workers_after=decision.num_workers or None,
+            duration_s=decision.wait_s,
         )
         return decision
 

@@ -103,6 +103,9 @@ class RecoveryEvent:
             to say how far it got, a lower bound (the steps the driver knows of).
         report: For a resize, the worker group's `RecoveryReport`, with its `steps_redone`
             filled in.
+        state_at: For a resize, when the workers it restored from last finished a step
+            (`time.time()`): a failure recorded before it was detected that long after the
+            group's last progress.
     """
 
     kind: str
@@ -121,6 +124,7 @@ class RecoveryEvent:
     error: Optional[str] = None
     phases: dict[str, float] = field(default_factory=dict)
     report: Optional[RecoveryReport] = None
+    state_at: Optional[float] = None
 
 
 class RecoveryLog:

@@ -30,6 +30,7 @@ __all__ = [
     "RestorePlan",
     "SnapshotPlan",
     "StateLostError",
+    "last_finished",
     "missing_parts",
     "plan_from_peers",
     "plan_from_snapshots",
@@ -110,6 +111,8 @@ class RestorePlan:
         fallback: Neither found a state: what every worker loads instead (a checkpoint
             location, or the serialised state in the object store), chosen by the trainer.
         description: Where the state comes from, in words ("rank 1 at step 30", ...).
+        finished_at: When the surviving workers last finished a step (`time.time()`; None when
+            none did): the loss was detected that long after the group's last progress.
     """
 
     step: int
@@ -120,6 +123,7 @@ class RestorePlan:
     snapshot: Optional[SnapshotPlan] = None
     fallback: Any = None
     description: str = ""
+    finished_at: Optional[float] = None
 
     @property
     def found(self) -> bool:
@@ -147,11 +151,19 @@ class RestoreOutcome:
         source: Where the state came from, in words.
         step: The finished step training goes on from.
         steps_redone: Steps started before the failure that are done again.
+        finished_at: When the surviving workers last finished a step (see `RestorePlan`).
     """
 
     source: str
     step: int
     steps_redone: int
+    finished_at: Optional[float] = None
+
+
+def last_finished(progress: Iterable[Optional[Progress]]) -> Optional[float]:
+    """When any of the workers last finished a step (None when none did)."""
+    times = [p.finished_at for p in progress if p is not None and p.finished_at is not None]
+    return max(times, default=None)
 
 
 def reached(progress: Iterable[Optional[Progress]]) -> int:
@@ -167,7 +179,13 @@ def plan_from_peers(progress: Sequence[Optional[Progress]]) -> RestorePlan:
     worker holds the whole state."""
     clean = [(p.step, -rank) for rank, p in enumerate(progress) if p is not None and p.clean]
     if not clean:
-        return RestorePlan(0, 0, None, receivers=tuple(range(len(progress))))
+        return RestorePlan(
+            0,
+            0,
+            None,
+            receivers=tuple(range(len(progress))),
+            finished_at=last_finished(progress),
+        )
     step, negative_rank = max(clean)
     source = -negative_rank
     receivers = tuple(
@@ -183,6 +201,7 @@ def plan_from_peers(progress: Sequence[Optional[Progress]]) -> RestorePlan:
         source=source,
         receivers=receivers,
         description=f"rank {source} at step {step}",
+        finished_at=last_finished(progress),
     )
 
 
@@ -193,7 +212,7 @@ def plan_from_snapshots(holdings: Sequence[Holding], world_size: int) -> Restore
     call = next((p.call for p in progress if p is not None and p.call is not None), None)
     complete = _complete(holdings)
     if not complete:
-        return RestorePlan(0, 0, call)
+        return RestorePlan(0, 0, call, finished_at=last_finished(progress))
     step = max(complete)
     newest = complete[step]
     parts = newest["parts"]
@@ -219,6 +238,7 @@ def plan_from_snapshots(holdings: Sequence[Holding], world_size: int) -> Restore
         call,
         snapshot=SnapshotPlan(newest["metadata"], newest["state"], files, meters),
         description=f"the in-memory snapshot at step {step}",
+        finished_at=last_finished(progress),
     )
 
 

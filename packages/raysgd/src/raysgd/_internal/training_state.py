@@ -162,7 +162,7 @@ class TrainingState:
         if not self.whole:
             group.execute(worker.capture)  # every part has a copy again, in the new layout
         self.step = plan.step
-        return RestoreOutcome(plan.description, plan.step, plan.steps_redone)
+        return RestoreOutcome(plan.description, plan.step, plan.steps_redone, plan.finished_at)
 
     def _fall_back(self, plan: RestorePlan, holdings: Sequence[Any]) -> RestorePlan:
         """`plan` with the newest of the driver's copy and the last checkpoint; StateLostError

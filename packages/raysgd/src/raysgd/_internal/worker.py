@@ -82,6 +82,10 @@ class TrainAnswer(NamedTuple):
     yielded: bool
     #: Epochs finished (the one in progress not counted).
     epochs: int = 0
+    #: The mean duration of the recent steps, in seconds.
+    step_s: float = 0.0
+    #: Seconds the loop waited at checkpoint steps in this call (`checkpoint_every`).
+    blocked_s: float = 0.0
 
 
 class LoadAnswer(NamedTuple):
@@ -237,16 +241,18 @@ def train_epoch(
     call_id: Hashable = None,
     watch: Optional[WatchSpec] = None,
     checkpoints: Optional[CheckpointPlan] = None,
+    step_hint_s: float = 0.0,
 ) -> TrainAnswer:
     """One `train` call on this worker (`call_id` names it: see `OperatorRunner.train_epoch`),
     watching `watch`'s nodes for a drain (see `preemption`), its collectives bounded by the step
-    time (see `collective_bound`), writing the checkpoints `checkpoints` asks for in the background
-    (see `async_checkpoints`)."""
+    time (see `collective_bound`; `step_hint_s` is the group's recent step time, for a worker that
+    measured none), writing the checkpoints `checkpoints` asks for in the background (see
+    `async_checkpoints`)."""
     runner = current_runner()
     watch_for(runner, watch)
     periodic_for(worker_state(), checkpoints)
     bound = bound_for(runner)
-    bound.begin_call()
+    bound.begin_call(step_hint_s)
     finished = False
     try:
         metrics = runner.train_epoch(
@@ -257,7 +263,16 @@ def train_epoch(
         bound.end_call(finished)
     call = runner.call
     rows = call.rows if call is not None and call.recovered else None
-    return TrainAnswer(metrics, runner.step, rows, runner.yielded, runner.finished_epochs)
+    periodic = get_context().store.get(UPLOAD_KEY)
+    return TrainAnswer(
+        metrics,
+        runner.step,
+        rows,
+        runner.yielded,
+        runner.finished_epochs,
+        bound.mean_step_s(),
+        periodic.take_blocked() if periodic is not None else 0.0,
+    )
 
 
 def validate(num_steps: Optional[int], profile: bool, info: Optional[dict]) -> dict:

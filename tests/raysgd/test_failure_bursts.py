@@ -1,0 +1,213 @@
+"""Failures as they come on real clusters: in bursts, during a recovery, on consecutive steps, and
+while a checkpoint is written. Each loss is recovered (counted once in `failures`), nothing hangs,
+and every epoch trains every row once; the survivors keep their processes.
+
+Workers are killed for real: `os._exit` from the operator at a given step or while it is set up as
+a replacement, and SIGKILL from the test while a worker restores or writes a checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from tests._support.rows import record_rows, rows_by_epoch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from raysgd import TorchTrainer, TrainingOperator
+from raysgd.utils import BATCH_SIZE
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+ROWS = 192
+GLOBAL_BATCH = 24  # 8 steps an epoch
+
+
+class BurstOperator(TrainingOperator):
+    """A regression whose workers die as `config` says, each fault once (a marker file):
+
+    - ``kills``: ``(rank, global_step, name)``: that rank exits at that step;
+    - ``die_in_setup``: a replacement set up after the marker ``arm-setup-death`` exists exits;
+    - ``slow_setup``: a replacement set up after ``arm-slow-setup`` exists writes ``restoring``
+      and takes two seconds (the test kills another worker meanwhile).
+    """
+
+    def setup(self, config: dict[str, Any]) -> None:
+        marks = Path(config["marker_dir"])
+        if (marks / "arm-setup-death").exists() and _first(marks / "setup-died"):
+            os._exit(1)
+        if (marks / "arm-slow-setup").exists() and _first(marks / "restoring"):
+            time.sleep(2.0)
+        torch.manual_seed(0)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(ROWS, 4, generator=gen)
+        y = x.sum(dim=1, keepdim=True)
+        model = nn.Linear(4, 1)
+        if config.get("ballast"):  # state that is saved but never trained: a large checkpoint
+            model.ballast = nn.Parameter(torch.zeros(config["ballast"]), requires_grad=False)
+        self.model, self.optimizer, self.criterion = self.register(
+            models=model,
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.01),
+            criterion=nn.MSELoss(),
+        )
+        ids = torch.arange(ROWS)
+        loader = DataLoader(TensorDataset(x, y, ids), batch_size=config[BATCH_SIZE], shuffle=True)
+        self.register_data(train_loader=loader)
+
+    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        x, y, ids = batch
+        marks = Path(self.config["marker_dir"])
+        for rank, step, name in self.config.get("kills", ()):
+            if self.world_rank == rank and batch_info["global_step"] == step:
+                if _first(marks / name):
+                    os._exit(1)
+        metrics = super().train_batch((x, y), batch_info)
+        record_rows(str(marks), batch_info["epoch_idx"] + 1, ids)
+        return metrics
+
+
+def _first(marker: Path) -> bool:
+    """Create `marker`; whether this call created it (so each fault fires once)."""
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+
+def _trainer(marks: Path, num_workers: int = 3, **config: Any) -> TorchTrainer:
+    return TorchTrainer(
+        training_operator_cls=BurstOperator,
+        num_workers=num_workers,
+        num_cpus_per_worker=1 if num_workers < 4 else 0.5,
+        config={BATCH_SIZE: GLOBAL_BATCH, "marker_dir": str(marks), **config},
+        # The slow phases' bound (set-up, restores): what a rank waits for a peer lost while a
+        # replacement sets up, kept short here.
+        timeout_s=20,
+    )
+
+
+def _when(condition: Callable[[], bool], then: Callable[[], None], timeout_s: float = 60) -> None:
+    """Run `then()` in a thread as soon as `condition()` holds."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if condition():
+            then()
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _every_row_once(marks: Path, epochs: int) -> None:
+    rows = rows_by_epoch(marks)
+    for epoch in range(1, epochs + 1):
+        assert sorted(rows[epoch]) == list(range(ROWS)), f"epoch {epoch}"
+
+
+@pytest.mark.timeout(240)
+def test_two_workers_lost_half_a_second_apart_and_a_worker_lost_on_two_consecutive_steps(
+    tmp_path: Path,
+) -> None:
+    trainer = _trainer(tmp_path, kills=[(1, 3, "burst-1"), (1, 12, "again-1"), (1, 13, "again-2")])
+    try:
+        pids = [w.pid for w in trainer.worker_group.workers]
+        # A burst: rank 1 exits at step 3, rank 2 half a second later (during the recovery).
+        _when(lambda: (tmp_path / "burst-1").exists(), lambda: (time.sleep(0.5), _kill(pids[2])))
+        assert trainer.train()["num_samples"] == ROWS
+        assert trainer.failures == 2
+        assert trainer.worker_group.workers[0].pid == pids[0]  # the survivor was never killed
+        # Rank 1 exits at step 12, and again (its replacement) at step 13.
+        assert trainer.train()["num_samples"] == ROWS
+        assert trainer.failures == 4 and trainer.num_workers == 3
+        _every_row_once(tmp_path, 2)
+        report = trainer.goodput()
+        assert report["failures"] == 4 and report["steps_redone"] <= 4
+        failures = [e for e in trainer.recovery_events if e.kind in ("failure", "restart_failed")]
+        assert len(failures) == 4  # counted once each
+        assert not [e for e in trainer.recovery_events if e.kind == "user_error"]
+    finally:
+        trainer.shutdown(force=True)
+
+
+@pytest.mark.timeout(240)
+def test_a_replacement_and_the_state_source_lost_while_restoring(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, kills=[(2, 3, "first"), (2, 11, "second")])
+    try:
+        # Rank 2 exits at step 3; its replacement exits while it is set up: one more loss, and
+        # the next replacement restores.
+        (tmp_path / "arm-setup-death").touch()
+        assert trainer.train()["num_samples"] == ROWS
+        assert (tmp_path / "setup-died").exists() and trainer.failures == 2
+        # Rank 2 exits at step 11; while its replacement is set up, the survivor the state comes
+        # from (rank 0: both survivors are at the same step, the lowest rank gives) is killed. The
+        # other survivor still holds the state: the group restores from it.
+        (tmp_path / "arm-setup-death").unlink()
+        (tmp_path / "arm-slow-setup").touch()
+        _when(
+            lambda: (tmp_path / "restoring").exists(),
+            lambda: _kill(trainer.worker_group.workers[0].pid),
+        )
+        survivors = {w.pid for w in trainer.worker_group.workers[1:]}
+        assert trainer.train()["num_samples"] == ROWS
+        assert trainer.failures == 4
+        _every_row_once(tmp_path, 2)
+        # The survivor that was not killed kept its process through both restores.
+        assert survivors & {w.pid for w in trainer.worker_group.workers}
+        resizes = [e for e in trainer.recovery_events if e.kind == "resize"]
+        assert all("rank" in e.source for e in resizes)  # never a copy or a checkpoint
+    finally:
+        trainer.shutdown(force=True)
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_lost_while_a_checkpoint_is_written(tmp_path: Path) -> None:
+    marks, folder = tmp_path / "marks", tmp_path / "ckpt"
+    marks.mkdir()
+    folder.mkdir()
+    # A state of 64 MB: writing it takes long enough to be interrupted.
+    trainer = TorchTrainer(
+        training_operator_cls=BurstOperator,
+        num_workers=2,
+        config={BATCH_SIZE: GLOBAL_BATCH, "marker_dir": str(marks), "ballast": 2**24},
+        checkpoint_dir=str(folder),
+    )
+
+    def writing() -> bool:
+        return any(name.endswith(".tmp") for name in os.listdir(folder))
+
+    try:
+        trainer.train()
+        # The writer (rank 0, on this machine) is killed while it writes the auto checkpoint:
+        # the group is repaired, the checkpoint written again, and the call goes on.
+        writer = trainer.worker_group.workers[0].pid
+        _when(writing, lambda: _kill(writer))
+        assert trainer.train(checkpoint="auto")["num_samples"] == ROWS
+        assert trainer.failures == 1
+        auto = folder / "raysgd_checkpoint.pt"
+        assert torch.load(auto, weights_only=True)["epoch"] == 1  # complete: the state before
+        # The same for save(): killed while writing, written again on the repaired group.
+        writer = trainer.worker_group.workers[0].pid
+        _when(writing, lambda: _kill(writer))
+        saved = trainer.save(folder / "saved.pt")
+        assert trainer.failures == 2
+        assert torch.load(saved, weights_only=True)["epoch"] == 2
+        _every_row_once(marks, 2)
+    finally:
+        trainer.shutdown(force=True)
