@@ -1,7 +1,8 @@
-"""Smoke test of the benchmark harness: the torchrun side of the throughput benchmark, tiny sizes.
+"""Smoke tests of the benchmark harness, tiny sizes: the torchrun side of the throughput benchmark
+and the asynchronous raysgd side of the checkpoint benchmark.
 
-It checks that the harness runs end to end (child process, torchrun, the shared loop, the JSON) and
-yields a usable number; it asserts no time.
+They check that the harness runs end to end (child process, torchrun or a raysgd trainer, the
+shared loop, the JSON) and yields a usable number; they assert no time.
 """
 
 from __future__ import annotations
@@ -25,3 +26,18 @@ def test_throughput_torchrun_side_quick(tmp_path: Path) -> None:
     assert len(torchrun["values"]) == 1 and torchrun["median"] > 0
     assert payload["machine"]["cpu_count"] >= 1
     assert payload["workload"]["workload"]["batch_size"] == 8  # --quick sizes were used
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_raysgd_async_side_quick(tmp_path: Path) -> None:
+    from raysgd_examples.bench import checkpoint
+
+    checkpoint.main(["--quick", "--sides", "raysgd_async_local", "--out", str(tmp_path)])
+    payload = json.loads((tmp_path / "checkpoint.json").read_text())
+    assert (tmp_path / "checkpoint.png").exists()
+    blocked = next(m for m in payload["metrics"] if m["metric"] == "blocked per checkpoint, 0.1M")
+    side = blocked["sides"]["raysgd_async_local"]
+    assert "error" not in side, side
+    assert side["median"] > 0  # the copy to host memory takes some time
+    (run,) = payload["runs"]["raysgd_async_local@0.1M"]
+    assert run["checkpoints"] == 2 and run["samples_per_s"] > 0  # 40 steps, one every 20

@@ -1,11 +1,11 @@
 """Waiting for the ranks of one call and turning what went wrong into one typed error.
 
 The rule that keeps callers from hanging: results are awaited with `ray.wait`, so a dead actor is
-seen as soon as Ray knows (no collective timeout involved). Once any rank has failed, the others get
-a grace to finish or fail on their own: a failing rank destroys its process group, which makes gloo
-peers fail at once, and a rank waiting in a collective for a peer that went silent raises when the
-collective's bound runs out, so a caller that bounds its collectives gives a grace of that bound
-and no waiting rank is killed. Once a rank reports that a collective waited out its bound, the
+seen as soon as Ray knows (no collective timeout involved). Once a rank is lost, the others get a
+grace to finish or fail on their own: a rank waiting in a collective for a lost or silent peer
+raises when the collective's bound runs out, so a caller that bounds its collectives gives a grace
+of that bound and no waiting rank is killed. When user code raised instead, that rank is alive and
+holds the state: the peers it left waiting get only the short grace. Once a rank reports that a collective waited out its bound, the
 ranks that still have not answered a short while later are the silent ones: they are killed and
 reported lost, without waiting for Ray to notice (a frozen node stays "alive" for as long as its
 health checks take).
@@ -88,7 +88,7 @@ def collect(
                 kill(rank, ref)
                 outcome.killed.append(rank)
             break
-        timed_out = False
+        timed_out = own = False
         for ref in ready:
             rank = pending.pop(ref)
             try:
@@ -104,11 +104,17 @@ def collect(
                     value.rank = rank
                     outcome.add_failure(value)
                     timed_out = timed_out or value.peer_timeout
+                    own = own or not value.collateral
                 else:
                     outcome.results[rank] = value
         now = time.monotonic()
         if deadline is None and not outcome.ok:
             deadline = now + grace_s
+        if own:
+            # User code raised: that rank is alive and holds the state, so the peers blocked in
+            # a collective with it (it cannot release them: see `collectives`) are not waited for
+            # past the short grace.
+            deadline = min(deadline, now + min(grace_s, GRACE_S))
         if timed_out or outcome.silent:
             # The peers waiting in the same collective time out within moments of this one;
             # whoever is still running after that is the peer they were waiting for, and so is

@@ -31,6 +31,7 @@ __all__ = [
     "first_step_time",
     "maybe_kill",
     "recovery_from_timeline",
+    "steps_done_twice",
     "steps_redone_from_timeline",
     "throughput_from_times",
     "worker_loop",
@@ -89,6 +90,12 @@ def recovery_from_timeline(timeline: Timeline) -> float:
     return min(after) - min(kills)
 
 
+def steps_done_twice(timeline: Timeline) -> int:
+    """Steps stamped more than once (done again after a failure), counted each extra time."""
+    steps = [e["step"] for e in timeline.read() if e["event"] == "step"]
+    return len(steps) - len(set(steps))
+
+
 def steps_redone_from_timeline(timeline: Timeline) -> int:
     """Steps done again after the kill: from the first step stamped after it back to the step the
     worker died in (which was in flight), e.g. 1 when training went on from the step it had
@@ -105,8 +112,9 @@ def steps_redone_from_timeline(timeline: Timeline) -> int:
 def worker_loop(
     cfg: LoopConfig,
     wrap: Callable[[nn.Module], nn.Module],
-    report: Optional[Callable[[int], None]] = None,
+    report: Optional[Callable[..., None]] = None,
     batches: Optional[Iterable[Any]] = None,
+    resume: Optional[Callable[[], Optional[dict[str, Any]]]] = None,
 ) -> None:
     """Train ``cfg["warmup"] + cfg["steps"]`` steps; rank 0 writes step times to ``cfg["result"]``.
 
@@ -114,9 +122,17 @@ def worker_loop(
         cfg: ``workload`` (dict of `Workload`), ``warmup``, ``steps``, and optionally ``result``
             (JSON path), ``timeline`` (events path), ``kill_at``/``kill_rank``/``marker``.
         wrap: The framework's DDP wrapping (`DistributedDataParallel` or Ray's `prepare_model`).
-        report: Called after each step (Ray Train reports there), or None.
+        report: Called after each step (Ray Train reports there), or None; with
+            ``cfg["checkpoint"]``, called as ``report(step, state)`` with the state to save every
+            ``cfg["checkpoint"]["every"]`` steps.
         batches: ``(features, target)`` batches to train on instead of the workload's loader
             (a Ray Data shard's), or None.
+        resume: Returns the state saved last (``{"model", "optimizer", "step"}``) or None; the
+            default reads ``cfg["checkpoint"]["path"]``, which rank 0 writes every
+            ``cfg["checkpoint"]["every"]`` steps (torchrun's practice after a restart).
+
+    Every process stamps its pid in the timeline (``pid``, with its rank), so that a failure
+    injector can pick a worker.
     """
     workload = Workload(**cfg["workload"])
     torch.set_num_threads(workload.threads)
@@ -127,16 +143,51 @@ def worker_loop(
     criterion = nn.CrossEntropyLoss()
     loader = batches if batches is not None else make_loader(workload, total, rank, world_size)
     timeline = Timeline(cfg.get("timeline"))
+    timeline.mark("pid", rank=rank)
+    checkpoint = cfg.get("checkpoint") or {}
+    every = int(checkpoint.get("every") or 0)
+    first = 0
+    saved = (resume or (lambda: _read_checkpoint(checkpoint.get("path"))))() if every else None
+    if saved is not None:
+        getattr(model, "module", model).load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        first = int(saved["step"]) + 1
     times: list[float] = []
     model.train()
     for step, batch in enumerate(loader):
+        if step < first:
+            continue  # done before the restart, and kept in the checkpoint
         maybe_kill(cfg, rank, step, timeline)
         train_step(model, optimizer, criterion, batch)
         times.append(time.perf_counter())
+        due = every and (step + 1) % every == 0
         if report is not None:
-            report(step)
+            if due:
+                report(step, _state(model, optimizer, step))
+            else:
+                report(step)
+        elif due and rank == 0:
+            _write_checkpoint(checkpoint["path"], _state(model, optimizer, step))
         if rank == 0:
             timeline.mark("step", step=step)
     if rank == 0 and cfg.get("result"):
         with open(cfg["result"], "w", encoding="utf-8") as f:
             json.dump({"times": times, "world_size": world_size}, f)
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+    inner = getattr(model, "module", model)
+    return {"model": inner.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+
+
+def _write_checkpoint(path: str, state: dict[str, Any]) -> None:
+    """Rank 0 saves the state atomically (a temp file renamed over the last one)."""
+    tmp = f"{path}.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _read_checkpoint(path: Optional[str]) -> Optional[dict[str, Any]]:
+    if not path or not os.path.exists(path):
+        return None
+    return torch.load(path, map_location="cpu", weights_only=True)

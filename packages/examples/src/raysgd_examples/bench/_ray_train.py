@@ -6,6 +6,7 @@ Ray Train forms the gloo group and wraps the model with its own `prepare_model`;
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import uuid
@@ -39,12 +40,36 @@ def _train_fn(config: dict[str, Any]) -> None:
         size = cfg["workload"]["batch_size"]
         batches = ((b["image"], b["label"]) for b in shard.iter_torch_batches(batch_size=size))
     report = None
-    if cfg.get("report"):
+    resume = None
+    if (cfg.get("checkpoint") or {}).get("every"):
+        # Ray Train's practice: report a checkpoint every so many steps, resume from the newest.
+        def report(step: int, state: Any = None) -> None:
+            if state is None:
+                return
+            directory = tempfile.mkdtemp(prefix="raysgd_bench_ckpt_")
+            checkpoint = None
+            if dist.get_rank() == 0:
+                torch.save(state, os.path.join(directory, "state.pt"))
+                checkpoint = ray.train.Checkpoint.from_directory(directory)
+            ray.train.report({"step": step}, checkpoint=checkpoint)
+            shutil.rmtree(directory, ignore_errors=True)
+
+        def resume() -> Any:
+            checkpoint = ray.train.get_checkpoint()
+            if checkpoint is None:
+                return None
+            with checkpoint.as_directory() as directory:
+                path = os.path.join(directory, "state.pt")
+                return torch.load(path, map_location="cpu", weights_only=True)
+
+    elif cfg.get("report"):
         # ray.train.report is a barrier over the workers: only where a benchmark needs it.
-        def report(step: int) -> None:
+        def report(step: int, state: Any = None) -> None:
             ray.train.report({"step": step})
 
-    worker_loop(cfg, wrap=ray.train.torch.prepare_model, report=report, batches=batches)
+    worker_loop(
+        cfg, wrap=ray.train.torch.prepare_model, report=report, batches=batches, resume=resume
+    )
 
 
 def fit(

@@ -50,6 +50,7 @@ class BenchOperator(TrainingOperator):
             )
         self.bench_cfg = cfg
         self.timeline = Timeline(cfg.get("timeline"))
+        self.timeline.mark("pid", rank=self.world_rank)
         self.step_times: list[float] = []
 
     def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """What each `torchrun` process runs: ``-m raysgd_examples.bench._torchrun_worker <json config>``.
 
 ``{"mode": "allreduce"}`` only forms the gloo group and all-reduces once (the core start-up
-reference); any other config runs `worker_loop` under plain `DistributedDataParallel`.
+reference); ``{"mode": "checkpoint", ...}`` runs the checkpoint benchmark's MLP loop
+(`_checkpoint_loop.checkpoint_loop`); any other config runs `worker_loop`; both under plain
+`DistributedDataParallel`.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ def main(argv: list[str]) -> None:
             value = torch.ones(1)
             dist.all_reduce(value)
             assert value.item() == dist.get_world_size()
+        elif cfg.get("mode") == "checkpoint":
+            from raysgd_examples.bench._checkpoint_loop import checkpoint_loop
+
+            checkpoint_loop(cfg, wrap=DistributedDataParallel)
         else:
             worker_loop(cfg, wrap=DistributedDataParallel)
         # Both ranks leave together: tearing gloo down while a peer still sends aborts the process.

@@ -28,7 +28,15 @@ from raysgd_examples.bench._common import child_env, gpu_count, machine_info
 
 __all__ = ["BENCHMARKS", "chart", "main", "markdown_table"]
 
-BENCHMARKS = ("core_startup", "throughput", "startup", "recovery", "amp", "tune_overhead")
+BENCHMARKS = (
+    "core_startup",
+    "throughput",
+    "startup",
+    "recovery",
+    "amp",
+    "tune_overhead",
+    "checkpoint",
+)
 #: Run by default only where a GPU is visible (its own script, `bench:gpu`, says so otherwise).
 GPU_BENCHMARKS = ("gpu",)
 

@@ -28,17 +28,38 @@ import resource
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from raysgd_examples.bench import _common
 
-__all__ = ["SIZES", "main", "measure"]
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["SIZES", "main", "make_mlp", "measure", "mlp_parameters"]
 
 #: Model sizes (parameters) by name: an MLP of `depth` layers, the first `depth - 1` square of
 #: `width` (width * width + width parameters each) and a last one to 10 classes.
 SIZES = {"0.1M": (128, 7), "25M": (2048, 7), "100M": (4096, 7)}
 _MODULE = "raysgd_examples.bench.scale"
 _ROWS = 64  # rows of the synthetic data set: enough for a few steps of 8 rows per worker
+
+
+def make_mlp(width: int, depth: int) -> nn.Module:
+    """The MLP of `SIZES` (seeded): `depth - 1` square layers of `width` with ReLUs, then a
+    linear layer to 10 classes. Only torch is imported (the torchrun sides build it too)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def mlp_parameters(width: int, depth: int) -> int:
+    """The parameters of ``make_mlp(width, depth)``, without building it."""
+    return (width * width + width) * (depth - 1) + width * 10 + 10
 
 
 def _make_operator(width: int, depth: int) -> type:
@@ -51,11 +72,7 @@ def _make_operator(width: int, depth: int) -> type:
 
     class MLPOperator(TrainingOperator):
         def setup(self, config: dict[str, Any]) -> None:
-            torch.manual_seed(0)
-            layers: list[nn.Module] = []
-            for _ in range(depth - 1):
-                layers += [nn.Linear(width, width), nn.ReLU()]
-            model = nn.Sequential(*layers, nn.Linear(width, 10))
+            model = make_mlp(width, depth)
             x = torch.randn(_ROWS, width)
             y = torch.randint(0, 10, (_ROWS,))
             loader = DataLoader(TensorDataset(x, y), batch_size=config[BATCH_SIZE])
@@ -119,7 +136,7 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
             trainer.shutdown()
     driver_peak = _peak_rss_mb()
     return {
-        "parameters": (width * width + width) * (depth - 1) + width * 10 + 10,
+        "parameters": mlp_parameters(width, depth),
         "bare_s": statistics.median(bare),
         "guarded_s": statistics.median(guarded),
         "guarded_over_bare": statistics.median(guarded) / statistics.median(bare),

@@ -1,0 +1,287 @@
+"""Goodput under a failure rate: the same job with and without failures, raysgd beside torchrun and
+Ray Train.
+
+The job: the benchmark CNN (`workload.py`), 2 workers, `--steps` steps. Each side runs it once
+without failures (its own 1.0 line) and once per failure schedule; goodput is the clean run's wall
+time over the run's (the share of the time that went into work that was kept, as Meta's effective
+training time ratio counts it). Also reported: the steps done again, and the recoveries.
+
+Schedules:
+
+- ``kill30`` / ``kill60``: a random worker is killed (SIGKILL) every 30 / 60 seconds (any
+  ``kill<seconds>`` works);
+- ``freeze``: one worker is stopped (SIGSTOP) once, at a third of the job: alive, connections
+  open, never answering, as a frozen or partitioned machine (it is killed after `--freeze-for`
+  seconds, as a machine that comes back rebooted would be).
+
+Sides:
+
+- raysgd: ``train(num_steps=steps, max_retries=100)``: survivors keep their state, the lost
+  worker is replaced, the interrupted call goes on from the last finished step. No checkpoint is
+  needed for that.
+- torchrun: ``torchrun --max-restarts=100``, its documented practice: every process restarts after
+  a failure and resumes from a checkpoint rank 0 writes every `--checkpoint-every` steps.
+- ray_train: Ray Train's `TorchTrainer` with ``FailureConfig(max_failures=100)``, reporting a
+  checkpoint every `--checkpoint-every` steps and resuming from ``ray.train.get_checkpoint()``.
+
+Goal: raysgd's goodput at least 0.9 at one failure a minute, and at least 1.5 x Ray Train's on the
+same schedule.
+
+    hatch run bench:goodput [--quick] [--steps N] [--schedules kill30,kill60,freeze]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from raysgd_examples.bench import _common
+
+__all__ = ["SCHEDULES", "SIDES", "main", "measure"]
+
+SIDES = ("raysgd", "torchrun", "ray_train")
+SCHEDULES = ("clean", "kill30", "kill60", "freeze")
+_MODULE = "raysgd_examples.bench.goodput"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+class Injector:
+    """Kills (or freezes) a worker on a schedule, from a thread of the measuring process.
+
+    Args:
+        schedule: One of `SCHEDULES`.
+        pids: Returns the worker processes' pids now.
+        job_s: The clean run's wall time (the freeze comes at a third of it).
+        freeze_for: Seconds a frozen worker stays stopped before it is killed.
+        seed: The random choice of the worker.
+    """
+
+    def __init__(
+        self,
+        schedule: str,
+        pids: Callable[[], list[int]],
+        job_s: float,
+        freeze_for: float,
+        seed: int = 0,
+    ) -> None:
+        self.schedule, self.pids = schedule, pids
+        self.job_s, self.freeze_for = job_s, freeze_for
+        self.rng = random.Random(seed)
+        self.injected = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Injector:
+        if self.schedule != "clean":
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+
+    def _victim(self) -> Optional[int]:
+        alive = [pid for pid in self.pids() if _alive(pid)]
+        return self.rng.choice(alive) if alive else None
+
+    def _run(self) -> None:
+        if self.schedule == "freeze":
+            if self._stop.wait(self.job_s / 3):
+                return
+            pid = self._victim()
+            if pid is None:
+                return
+            os.kill(pid, signal.SIGSTOP)
+            self.injected += 1
+            self._stop.wait(self.freeze_for)
+            os.kill(pid, signal.SIGKILL)
+            return
+        every = float(self.schedule.removeprefix("kill"))
+        while not self._stop.wait(every):
+            pid = self._victim()
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                self.injected += 1
+
+
+def _timeline_pids(path: str) -> Callable[[], list[int]]:
+    """The newest pid of every rank, as the workers stamp them in the timeline."""
+    from raysgd_examples.bench.workload import Timeline
+
+    def read() -> list[int]:
+        newest: dict[int, int] = {}
+        for event in Timeline(path).read():
+            if event["event"] == "pid":
+                newest[int(event["rank"])] = int(event["pid"])
+        return list(newest.values())
+
+    return read
+
+
+def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One side through every schedule (in a child process): wall time, steps done again and
+    recoveries per schedule."""
+    from raysgd_examples.bench._loop import steps_done_twice
+    from raysgd_examples.bench.workload import Timeline, Workload
+
+    workload = Workload.quick() if args.quick else Workload()
+    result: dict[str, Any] = {}
+    clean_s: Optional[float] = None
+    for schedule in ["clean", *args.schedule_list]:
+        with tempfile.TemporaryDirectory(prefix="raysgd_bench_goodput_") as tmp:
+            cfg = {
+                "workload": workload.to_dict(),
+                "warmup": 0,
+                "steps": args.steps,
+                "timeline": os.path.join(tmp, "timeline.jsonl"),
+                "checkpoint": {
+                    "path": os.path.join(tmp, "checkpoint.pt"),
+                    "every": args.checkpoint_every,
+                },
+            }
+            job_s = clean_s or 60.0
+            started = time.perf_counter()
+            recoveries = _run_side(side, schedule, cfg, args, job_s)
+            wall = time.perf_counter() - started
+            if schedule == "clean":
+                clean_s = wall
+            result[schedule] = {
+                "wall_s": wall,
+                "goodput": (clean_s or wall) / wall,
+                "steps_redone": steps_done_twice(Timeline(cfg["timeline"])),
+                "recoveries": recoveries,
+            }
+            print(f"    {side} {schedule}: {result[schedule]}", flush=True)
+    return result
+
+
+def _run_side(
+    side: str, schedule: str, cfg: dict[str, Any], args: argparse.Namespace, job_s: float
+) -> int:
+    """Run the job once under `schedule`; the failures injected."""
+    if side == "raysgd":
+        from raysgd_examples.bench import _raysgd
+
+        with _common.local_ray(num_cpus=4, settle=True, raysgd=True):
+            trainer = _raysgd.make_trainer({**cfg, "checkpoint": None}, num_workers=2)
+            try:
+                pids = lambda: [w.pid for w in trainer.worker_group.workers]  # noqa: E731
+                with Injector(schedule, pids, job_s, args.freeze_for) as injector:
+                    trainer.train(num_steps=cfg["steps"], max_retries=100)
+                return injector.injected
+            finally:
+                trainer.shutdown(force=True)
+    pids = _timeline_pids(cfg["timeline"])
+    with Injector(schedule, pids, job_s, args.freeze_for) as injector:
+        if side == "torchrun":
+            _common.run_torchrun(
+                "raysgd_examples.bench._torchrun_worker",
+                [json.dumps(cfg)],
+                nproc=2,
+                extra=["--max-restarts=100"],
+                timeout=args.timeout,
+            )
+        elif side == "ray_train":
+            from raysgd_examples.bench import _ray_train
+
+            with _common.local_ray(settle=True):
+                _ray_train.fit({**cfg, "report": True}, num_workers=2, max_failures=100)
+        else:
+            raise ValueError(f"unknown side {side!r}")
+    return injector.injected
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; print the table; write ``<out>/goodput.json`` and a chart."""
+    parser = _common.bench_parser(__doc__.splitlines()[0], sides=SIDES, repeats=1)
+    parser.add_argument("--schedules", default="kill30,kill60,freeze")
+    parser.add_argument("--checkpoint-every", type=int, default=25)
+    parser.add_argument("--freeze-for", type=float, default=120.0)
+    args = _common.parse_args(parser, argv, steps=1500, quick_steps=60)
+    args.schedule_list = [s for s in args.schedules.split(",") if s]
+    unknown = [
+        s
+        for s in args.schedule_list
+        if s not in SCHEDULES and not (s.startswith("kill") and s[4:].isdigit())
+    ]
+    if unknown:
+        parser.error(f"--schedules: unknown {unknown} (kill<seconds>, freeze)")
+    if args.timeout == 600.0:
+        args.timeout = 3600.0
+    runs = _common.dispatch(_MODULE, measure, args, SIDES)
+    if runs is None:
+        return {}
+    table: dict[str, dict[str, Any]] = {}
+    print(f"\ngoodput (clean wall time / wall time; {args.steps} steps, 2 workers)")
+    header = "".join(f"{s:>22}" for s in args.schedule_list)
+    print(f"  {'side':<12}{header}")
+    for side, side_runs in runs.items():
+        run = side_runs[0]
+        if "error" in run:
+            print(f"  {side:<12} error: {run['error'].splitlines()[0][:100]}")
+            continue
+        table[side] = run
+        cells = []
+        for schedule in args.schedule_list:
+            r = run[schedule]
+            cells.append(
+                f"{r['goodput']:.2f} ({r['recoveries']}x, {r['steps_redone']} redone)".rjust(22)
+            )
+        print(f"  {side:<12}{''.join(cells)}")
+    ratios = {}
+    if "raysgd" in table and "ray_train" in table:
+        for schedule in args.schedule_list:
+            ratios[schedule] = table["raysgd"][schedule]["goodput"] / max(
+                1e-9, table["ray_train"][schedule]["goodput"]
+            )
+        print("  raysgd / ray_train: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    metric = {"metric": "goodput", "sides": table, "raysgd_vs_ray_train": ratios}
+    _common.write_results(args.out, "goodput", [metric], args, steps=args.steps)
+    _chart(table, args)
+    return metric
+
+
+def _chart(table: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    """goodput.png: goodput per schedule, one bar per side."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    schedules = args.schedule_list
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / max(1, len(table))
+    for i, (side, run) in enumerate(table.items()):
+        xs = [j + i * width for j in range(len(schedules))]
+        ax.bar(xs, [run[s]["goodput"] for s in schedules], width, label=side)
+    ax.set_xticks([j + width * (len(table) - 1) / 2 for j in range(len(schedules))])
+    ax.set_xticklabels(schedules)
+    ax.set_ylabel("goodput (clean time / time)")
+    ax.set_ylim(0, 1.05)
+    ax.axhline(0.9, color="grey", linewidth=0.8, linestyle="--")
+    ax.legend()
+    ax.set_title(f"goodput, {args.steps} steps, 2 workers")
+    fig.tight_layout()
+    path = os.path.join(args.out, "goodput.png")
+    os.makedirs(args.out, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
