@@ -220,16 +220,6 @@ class TrainingState:
         self.last_checkpoint = (location, self.step)
         return written
 
-    def save_into(self, folder: Storage, epoch: int) -> None:
-        """Write the state as a checkpoint folder `folder` (parts, then the manifest)."""
-        if self.whole:
-            self._workers.group.execute_single(0, worker.save, folder)
-            write_manifest(folder, WHOLE, epoch, self.step, expected={WHOLE_FILE: None})
-        else:
-            self._write_parts(folder)
-            write_manifest(folder, SHARDED, epoch, self.step)
-        self.last_checkpoint = (folder, self.step)
-
     def _save_file(self, location: Storage) -> str:
         """One file, written by a worker that can reach it (an object store; the local disk of
         a worker on this node or of one that shares it), else through the driver."""
