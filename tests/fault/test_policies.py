@@ -88,61 +88,6 @@ def test_default_retries_when_room_appears_during_backoff() -> None:
     assert (d.action, d.num_workers) == (Action.RETRY, 2)
 
 
-# ---- DefaultPolicy: "grow" phase at the start of train() -------------------------------------
-
-
-def test_default_grows_to_what_fits() -> None:
-    d = DefaultPolicy().decide(status(failures=0, phase="grow", workers_alive=2, workers_fitting=1))
-    assert (d.action, d.num_workers) == (Action.RETRY, 3)
-    assert "grow from 2 to 3" in d.reason
-
-
-def test_default_grow_caps_at_wanted() -> None:
-    d = DefaultPolicy().decide(status(phase="grow", workers_alive=3, workers_fitting=5))
-    assert (d.action, d.num_workers) == (Action.RETRY, 4)
-
-
-def test_default_grow_keeps_when_nothing_fits() -> None:
-    d = DefaultPolicy().decide(status(phase="grow", workers_alive=2, workers_fitting=0))
-    assert (d.action, d.num_workers) == (Action.RETRY, 2)
-    assert d.reason.startswith("keep 2 of 4")
-
-
-def test_default_grow_ignores_retry_budget() -> None:
-    # A grow is not a failure: a spent budget in an earlier call must not stop the next train().
-    d = DefaultPolicy().decide(
-        status(
-            failures=0,
-            total_failures=9,
-            max_retries=0,
-            phase="grow",
-            workers_alive=1,
-            workers_fitting=3,
-        )
-    )
-    assert (d.action, d.num_workers) == (Action.RETRY, 4)
-
-
-def test_default_grow_cooldown_keeps_group() -> None:
-    policy = DefaultPolicy(grow_cooldown_s=10.0)
-    recent = status(
-        phase="grow", workers_alive=2, workers_fitting=2, seconds_since_last_failure=3.0
-    )
-    d = policy.decide(recent)
-    assert (d.action, d.num_workers) == (Action.RETRY, 2) and "cooldown" in d.reason
-    later = status(
-        phase="grow", workers_alive=2, workers_fitting=2, seconds_since_last_failure=30.0
-    )
-    assert policy.decide(later).num_workers == 4
-
-
-def test_default_grow_with_no_workers_behaves_like_a_restart() -> None:
-    d = DefaultPolicy().decide(status(failures=0, phase="grow", workers_alive=0, workers_fitting=0))
-    assert d.action is Action.WAIT and d.wait_s == 1.0
-    d = DefaultPolicy().decide(status(failures=0, phase="grow", workers_alive=0, workers_fitting=3))
-    assert (d.action, d.num_workers) == (Action.RETRY, 3)
-
-
 # ---- ElasticPolicy ---------------------------------------------------------------------------
 
 
@@ -172,19 +117,6 @@ def test_elastic_minimum_clamped_to_wanted() -> None:
     assert (d.action, d.num_workers) == (Action.RETRY, 4)
 
 
-def test_elastic_grow_only_to_minimum_or_more() -> None:
-    policy = ElasticPolicy(min_workers=3)
-    # 2 running, 1 fits: 3 >= minimum, grow.
-    d = policy.decide(status(phase="grow", workers_alive=2, workers_fitting=1))
-    assert (d.action, d.num_workers) == (Action.RETRY, 3)
-    # 3 running, nothing fits: keep.
-    d = policy.decide(status(phase="grow", workers_alive=3, workers_fitting=0))
-    assert (d.action, d.num_workers) == (Action.RETRY, 3)
-    # 1 running (below minimum), cannot reach it: wait rather than train on too few.
-    d = policy.decide(status(phase="grow", workers_alive=1, workers_fitting=1))
-    assert d.action is Action.WAIT
-
-
 # ---- NeverRetryPolicy ------------------------------------------------------------------------
 
 
@@ -192,16 +124,6 @@ def test_never_gives_up_at_once() -> None:
     d = NeverRetryPolicy().decide(status(failures=1, workers_fitting=4, error="boom"))
     assert d.action is Action.GIVE_UP
     assert "never" in d.reason and "1 failure(s)" in d.reason and "boom" in d.reason
-
-
-def test_never_keeps_group_on_grow() -> None:
-    d = NeverRetryPolicy().decide(status(phase="grow", workers_alive=2, workers_fitting=2))
-    assert (d.action, d.num_workers) == (Action.RETRY, 2)
-
-
-def test_never_grow_with_nobody_alive_gives_up() -> None:
-    d = NeverRetryPolicy().decide(status(phase="grow", workers_alive=0, workers_fitting=2))
-    assert d.action is Action.GIVE_UP
 
 
 # ---- common ----------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ from raysgd_fault import Action, Decision, FailureStatus, describe
 def test_status_defaults_total_failures_to_failures() -> None:
     status = FailureStatus(failures=2, max_retries=3, workers_wanted=4)
     assert status.total_failures == 2
-    assert status.phase == "failure"
     assert status.workers_alive == 0 and status.workers_fitting == 0 and status.attempt == 0
 
 
@@ -35,7 +34,6 @@ def test_status_is_frozen() -> None:
         ("total_failures", 0, ValueError),  # fewer than failures (1)
         ("seconds_since_last_failure", -0.5, ValueError),
         ("seconds_since_last_failure", float("nan"), ValueError),
-        ("phase", "shrink", ValueError),
         ("failures", 1.0, TypeError),
         ("workers_wanted", True, TypeError),
         ("seconds_since_last_failure", "1", TypeError),

@@ -188,13 +188,11 @@ def test_each_epoch_sees_every_row_once_over_the_workers(
 
 
 class ShrinkThenGrowPolicy(FailurePolicy):
-    """On a loss keep only the survivors; grow back later."""
+    """On a loss keep only the survivors; grow back later (the default scaling policy)."""
 
     name = "shrink-then-grow"
 
     def decide(self, status: FailureStatus) -> Decision:
-        if status.phase == "grow":
-            return Decision(Action.RETRY, num_workers=status.workers_wanted, reason="grow back")
         if status.failures > status.max_retries:
             return Decision(Action.GIVE_UP, reason="retries exhausted")
         size = status.workers_alive or status.workers_wanted

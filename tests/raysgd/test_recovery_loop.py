@@ -13,12 +13,21 @@ from typing import Any, Optional
 
 import pytest
 
-from raysgd._internal.elastic import LoopState
+from raysgd._internal.elastic import Stage
 from raysgd._internal.preemption import Preemption
 from raysgd._internal.recovery import Recovery
 from raysgd._internal.restore_plan import RestoreOutcome
 from raysgd_core import RecoveryReport, WorkerDiedError, WorkerError
-from raysgd_fault import Action, Decision, DefaultPolicy, FailurePolicy, FailureStatus
+from raysgd_fault import (
+    Action,
+    Decision,
+    DefaultPolicy,
+    FailurePolicy,
+    FailureStatus,
+    GrowWhenRoom,
+    ScalingDecision,
+    ScalingStatus,
+)
 
 
 class FakeGroup:
@@ -111,7 +120,7 @@ def test_retry_replaces_the_lost_worker_and_redoes_the_attempt() -> None:
     assert loop.run(attempt, max_retries=3) == "done"
     assert attempt.calls == 2 and group.recover_calls == [2] and group.world_size == 2
     assert [r.started for r in restored] == [[1]]  # the restore callback saw the new worker
-    assert loop.failures == 1 and loop.state is LoopState.SUCCEEDED
+    assert loop.failures == 1 and loop.stage is Stage.SUCCEEDED
     assert [e.kind for e in loop.events] == ["failure", "decision", "resize", "recovered"]
     phases = loop.events[2].phases  # the group's own phases, plus the restore's
     assert phases["start_s"] == 0.25 and phases["form_s"] == 0.125 and phases["restore_s"] >= 0
@@ -149,7 +158,7 @@ def test_gives_up_when_the_policy_says_the_budget_is_spent() -> None:
         loop.run(attempt, max_retries=1)
     assert isinstance(excinfo.value.__cause__, WorkerDiedError)
     assert str(excinfo.value).count("rank(s) [1] on node(s)") == 2  # every loss is named
-    assert attempt.calls == 2 and loop.failures == 2 and loop.state is LoopState.GAVE_UP
+    assert attempt.calls == 2 and loop.failures == 2 and loop.stage is Stage.GAVE_UP
 
 
 def test_gives_up_after_fruitless_attempts() -> None:
@@ -249,37 +258,44 @@ def test_repair_after_a_call_other_than_train_goes_through_the_loop() -> None:
     # A repair that cannot re-form the group leaves it to the next run(), which starts there.
     group.needs_recovery = True
     group.recover_errors.append(died(group, [0]))
-    assert loop.repair() is False and loop.state is LoopState.FAILED
+    assert loop.repair() is False and loop.stage is Stage.FAILED
     assert loop.failures == 2  # the worker lost while re-forming is a loss too
     assert loop.run(Script(), max_retries=3) == "done" and group.world_size == 2
     assert loop.repair() is True  # nothing to do on a healthy group
     assert group.recover_calls == [2, 2, 2, 2]
 
 
-def test_grow_back_to_the_requested_size_with_the_callers_budget() -> None:
+def test_grow_back_is_sized_by_the_scaling_policy_not_the_failure_policy() -> None:
     group = FakeGroup(size=1, room=3)
-    seen: list[FailureStatus] = []
+    seen: list[Any] = []
 
     class Recording(DefaultPolicy):
         def decide(self, status: FailureStatus) -> Decision:
             seen.append(status)
             return super().decide(status)
 
+    class RecordingScaling(GrowWhenRoom):
+        def decide(self, status: ScalingStatus) -> ScalingDecision:
+            seen.append(status)
+            return super().decide(status)
+
     loop, restored, _ = make_loop(group, 3, Recording())
-    assert loop.maybe_grow(max_retries=5) is True
+    loop.scaling = RecordingScaling()
+    assert loop.maybe_grow() is True
     assert group.recover_calls == [3] and group.world_size == 3 and len(restored) == 1
-    assert seen[0].phase == "grow" and seen[0].max_retries == 5
-    assert loop.maybe_grow(max_retries=5) is False  # at the requested size: nothing asked
-    assert len(seen) == 1
+    assert seen == [ScalingStatus("grow", workers_wanted=3, workers_running=1, workers_fitting=2)]
+    assert loop.maybe_grow() is False  # at the requested size: nothing asked
+    assert len(seen) == 1 and loop.failures == 0
+    assert "scaling 'grow' (grow: wanted 3, running 1, fitting 2)" in loop.events[-2].message
 
 
 def test_grow_that_starts_nobody_backs_off() -> None:
     group = FakeGroup(size=1, room=1)
     group.estimate_fitting = lambda: 1  # type: ignore[method-assign]  # a promise not kept
     loop, _, _ = make_loop(group, 2)
-    assert loop.maybe_grow(max_retries=3) is False
+    assert loop.maybe_grow() is False
     assert group.recover_calls == [2]
-    assert loop.maybe_grow(max_retries=3) is False  # within the backoff: not even tried
+    assert loop.maybe_grow() is False  # within the backoff: not even tried
     assert group.recover_calls == [2]
     assert "not trying again" in loop.events[-1].message
 
@@ -302,7 +318,7 @@ def test_a_move_off_a_draining_node_is_no_failure_and_reports_what_was_redone() 
         hand_over=lambda leaving: handed.append("x"),
         local_checkpoint=lambda: None,
     )
-    assert moves.move_off([1], {"drained": None}, max_retries=0)
+    assert moves.move_off([1], {"drained": None})
     assert handed == ["x"] and group.recover_calls == [2] and group.world_size == 2
     assert loop.failures == 0
     (move,) = [e for e in loop.events if e.kind == "preemption"]
@@ -313,7 +329,7 @@ def test_a_move_off_a_draining_node_is_no_failure_and_reports_what_was_redone() 
     # Every worker on the draining node: replacements join first, and the state is made
     # restorable before they do (and again before the leaving workers go).
     handed.clear()
-    assert moves.move_off([0, 1], {"drained": None}, max_retries=0)
+    assert moves.move_off([0, 1], {"drained": None})
     assert handed == ["x", "x"] and group.recover_calls == [2, 4, 2]
     move = [e for e in loop.events if e.kind == "preemption"][-1]
     assert move.steps_redone == 2 and "2 step(s) redone" in move.message
@@ -332,7 +348,7 @@ def test_a_node_lost_during_a_move_is_a_preemption_recovered_by_the_next_run() -
         hand_over=hand_over,
         local_checkpoint=lambda: None,
     )
-    moved = moves.move_off([1], {"node": 1e12}, max_retries=3)
+    moved = moves.move_off([1], {"node": 1e12})
     assert moved is False and group.needs_recovery
     assert loop.failures == 1
     (lost,) = [e for e in loop.events if e.kind == "restart_failed"]

@@ -11,7 +11,7 @@ from raysgd_core._internal import lifecycle, spares
 from raysgd_core._internal.failures import Outcome, collect, raise_for
 from raysgd_core._internal.placement import estimate_fitting
 from raysgd_core._internal.regroup import recover as _recover
-from raysgd_core._internal.state import GroupSpec, GroupState
+from raysgd_core._internal.running import GroupSpec, RunningGroup
 from raysgd_core._internal.workers import kill_worker, record_local
 from raysgd_core.info import RecoveryReport, WorkerInfo
 from raysgd_core.options import GroupOptions
@@ -46,7 +46,7 @@ class WorkerGroup:
         self._options = GroupOptions.build(options, **fields)
         self._num_workers = num_workers
         self._spec = GroupSpec.from_options(self._options)
-        self._state = GroupState(self._spec)
+        self._running = RunningGroup(self._spec)
         self._put_values: dict[str, Any] = {}  # ObjectRef hex -> the object `put` stored
         self._started = False
 
@@ -96,9 +96,9 @@ class WorkerGroup:
             raise RuntimeError("WorkerGroup.start() was already called")
         ensure_ray()
         try:
-            lifecycle.start(self._state, self._num_workers, self._resolve_placement_group())
+            lifecycle.start(self._running, self._num_workers, self._resolve_placement_group())
         except BaseException:
-            lifecycle.teardown(self._state, force=True)
+            lifecycle.teardown(self._running, force=True)
             raise
         self._started = True
         return self
@@ -125,7 +125,7 @@ class WorkerGroup:
         actors are killed and the placement groups removed. It returns once Ray reports the groups
         removed (bounded wait), so their resources are back in `ray.available_resources()`.
         """
-        lifecycle.teardown(self._state, force=force)
+        lifecycle.teardown(self._running, force=force)
         self._started = False
 
     # ------------------------------------------------------------------------------ properties
@@ -139,7 +139,7 @@ class WorkerGroup:
     @property
     def world_size(self) -> int:
         """Number of ranks in the current process group: the live size."""
-        return self._state.world_size
+        return self._running.world_size
 
     @property
     def workers(self) -> list[WorkerInfo]:
@@ -155,7 +155,7 @@ class WorkerGroup:
                 device=w.device,
                 is_local=w.local is not None,
             )
-            for w in self._state.workers
+            for w in self._running.workers
         ]
 
     @property
@@ -172,18 +172,18 @@ class WorkerGroup:
                 pid=w.info.get("pid", -1),
                 device="?",
             )
-            for w in spares.ready(self._state)
+            for w in spares.ready(self._running)
         ]
 
     @property
     def healthy(self) -> bool:
         """Started, and no failure since the last (re-)formation of the process group."""
-        return self._started and not self._state.broken
+        return self._started and not self._running.broken
 
     @property
     def needs_recovery(self) -> bool:
         """A worker raised or died: call `recover(n)` before running collectives again."""
-        return self._started and self._state.broken
+        return self._started and self._running.broken
 
     # ------------------------------------------------------------------------------- execution
     def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
@@ -198,13 +198,13 @@ class WorkerGroup:
         """
         self._check_usable()
         ship_by_value(fn, args, kwargs)
-        remote = [w for w in self._state.workers if w.local is None]
+        remote = [w for w in self._running.workers if w.local is None]
         pending = {w.actor.run.remote(fn, *args, **kwargs): w.rank for w in remote}
         outcome = Outcome()
-        if self._state.local is not None:
+        if self._running.local is not None:
             self._run_local(outcome, fn, args, kwargs)
         self._finish(pending, outcome)
-        return [outcome.results[r] for r in range(len(self._state.workers))]
+        return [outcome.results[r] for r in range(len(self._running.workers))]
 
     def put(self, value: Any, *, by_value: tuple[Any, ...] = ()) -> Any:
         """Store `value` once in Ray's object store and return its `ObjectRef`, for `execute` calls.
@@ -228,10 +228,10 @@ class WorkerGroup:
     def execute_single(self, rank: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run `fn(*args, **kwargs)` on one rank and return its result (errors as in `execute`)."""
         self._check_usable()
-        if not 0 <= rank < len(self._state.workers):
-            raise ValueError(f"rank must be in [0, {len(self._state.workers)}), got {rank}")
+        if not 0 <= rank < len(self._running.workers):
+            raise ValueError(f"rank must be in [0, {len(self._running.workers)}), got {rank}")
         ship_by_value(fn, args, kwargs)
-        worker = self._state.workers[rank]
+        worker = self._running.workers[rank]
         outcome = Outcome()
         pending = {}
         if worker.local is not None:
@@ -251,7 +251,7 @@ class WorkerGroup:
         ship_by_value(fn, args, kwargs)
         return [
             w.actor.run_raising.remote(fn, *args, **kwargs)
-            for w in self._state.workers
+            for w in self._running.workers
             if w.local is None
         ]
 
@@ -264,9 +264,9 @@ class WorkerGroup:
         queues behind it. The local rank (`use_local=True`) cannot be called this way.
         """
         self._check_usable()
-        if not 0 <= rank < len(self._state.workers):
-            raise ValueError(f"rank must be in [0, {len(self._state.workers)}), got {rank}")
-        worker = self._state.workers[rank]
+        if not 0 <= rank < len(self._running.workers):
+            raise ValueError(f"rank must be in [0, {len(self._running.workers)}), got {rank}")
+        worker = self._running.workers[rank]
         if worker.local is not None:
             raise ValueError(f"rank {rank} runs in this process: call it with execute_single")
         ship_by_value(fn, args, kwargs)
@@ -277,7 +277,7 @@ class WorkerGroup:
     ) -> None:
         import ray
 
-        assert self._state.local is not None
+        assert self._running.local is not None
 
         def resolve(value: Any) -> Any:
             if not isinstance(value, ray.ObjectRef):
@@ -287,10 +287,10 @@ class WorkerGroup:
 
         args = tuple(resolve(a) for a in args)
         kwargs = {k: resolve(v) for k, v in kwargs.items()}
-        record_local(outcome, 0, self._state.local.runtime.run(fn, args, kwargs))
+        record_local(outcome, 0, self._running.local.runtime.run(fn, args, kwargs))
 
     def _finish(self, pending: dict, outcome: Outcome) -> None:
-        by_rank = {w.rank: w for w in self._state.workers}
+        by_rank = {w.rank: w for w in self._running.workers}
         collect(
             pending,
             outcome,
@@ -298,7 +298,7 @@ class WorkerGroup:
             grace_s=self._options.peer_grace_s,
         )
         if not outcome.ok:
-            self._state.broken = True
+            self._running.broken = True
             for r in outcome.died:
                 by_rank[r].alive = False
             raise_for(outcome, lambda r: by_rank[r].node_id if r in by_rank else "?")
@@ -308,7 +308,7 @@ class WorkerGroup:
             raise RuntimeError(
                 "WorkerGroup is not started (call start() or use it as a context manager)"
             )
-        if self._state.broken:
+        if self._running.broken:
             raise RuntimeError(
                 "WorkerGroup needs recovery after a worker failure: call recover(n) (or shutdown())"
             )
@@ -328,7 +328,7 @@ class WorkerGroup:
             raise RuntimeError("WorkerGroup is not started")
         check_int("num_workers", num_workers, minimum=1 if self.use_local else 0)
         self._num_workers = num_workers
-        return _recover(self._state, num_workers, timeout_s)
+        return _recover(self._running, num_workers, timeout_s)
 
     def retire(self, ranks: Sequence[int]) -> None:
         """Stop healthy workers on purpose, e.g. because their node is about to be reclaimed.
@@ -339,7 +339,7 @@ class WorkerGroup:
         """
         if not self._started:
             raise RuntimeError("WorkerGroup is not started")
-        workers = self._state.workers
+        workers = self._running.workers
         bad = [r for r in ranks if not 0 <= r < len(workers)]
         if bad:
             raise ValueError(f"ranks {bad} are not in [0, {len(workers)})")
@@ -347,20 +347,20 @@ class WorkerGroup:
             raise ValueError("rank 0 runs in this process (use_local=True) and cannot be retired")
         nodes = {workers[r].node_id for r in ranks}
         for r in ranks:
-            self._state.drop(workers[r])
-        spares.discard_on(self._state, nodes)
-        self._state.broken = True
+            self._running.drop(workers[r])
+        spares.discard_on(self._running, nodes)
+        self._running.broken = True
 
     def replace_spares_on(self, nodes: Iterable[str]) -> None:
         """Drop the spares on `nodes` (about to go away) and start new ones elsewhere."""
         if not self._started:
             raise RuntimeError("WorkerGroup is not started")
-        spares.discard_on(self._state, set(nodes))
-        spares.replenish(self._state)
+        spares.discard_on(self._running, set(nodes))
+        spares.replenish(self._running)
 
     def estimate_fitting(self) -> int:
         """A cheap guess of how many more workers the cluster has room for right now (spares that
         are up count: `recover` promotes them)."""
-        return estimate_fitting(self._spec.bundle, self._state.pool) + len(
-            spares.ready(self._state)
+        return estimate_fitting(self._spec.bundle, self._running.pool) + len(
+            spares.ready(self._running)
         )

@@ -10,10 +10,12 @@ the decision; the policy only decides, so it is tested without Ray::
     decision = policy.decide(FailureStatus(failures=1, max_retries=3, workers_wanted=4,
                                            workers_alive=2, workers_fitting=1))
     print(decision)  # RETRY with 3 worker(s): ...
+
+When no worker was lost (the start of `train()` below the wanted size, a move off a draining
+node) the policy's `scaling` (a `ScalingPolicy`) sizes the group instead: sizing is not a failure.
 """
 
 from raysgd_fault.decision import (
-    PHASES,
     Action,
     Decision,
     FailureStatus,
@@ -27,18 +29,31 @@ from raysgd_fault.registry import (
     get_policy,
     register_policy,
 )
+from raysgd_fault.scaling import (
+    MOMENTS,
+    FixedSize,
+    GrowWhenRoom,
+    ScalingDecision,
+    ScalingPolicy,
+    ScalingStatus,
+)
 
 __version__ = "0.1.0"
 __all__ = [
     "ENTRY_POINT_GROUP",
-    "PHASES",
+    "MOMENTS",
     "Action",
     "Decision",
     "DefaultPolicy",
     "ElasticPolicy",
     "FailurePolicy",
     "FailureStatus",
+    "FixedSize",
+    "GrowWhenRoom",
     "NeverRetryPolicy",
+    "ScalingDecision",
+    "ScalingPolicy",
+    "ScalingStatus",
     "available_policies",
     "check_max_retries",
     "describe",

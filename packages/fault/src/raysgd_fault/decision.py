@@ -12,10 +12,7 @@ from typing import Optional
 
 from raysgd_base import check_int, check_number
 
-__all__ = ["PHASES", "Action", "Decision", "FailureStatus", "check_max_retries", "describe"]
-
-#: "failure": workers were just lost; "grow": start of `train()` with fewer workers than wanted.
-PHASES = ("failure", "grow", "preemption")
+__all__ = ["Action", "Decision", "FailureStatus", "check_max_retries", "describe"]
 
 
 def check_max_retries(max_retries: object) -> int:
@@ -26,7 +23,7 @@ def check_max_retries(max_retries: object) -> int:
 
 @dataclass(frozen=True)
 class FailureStatus:
-    """Everything a policy may look at when deciding what to do after a loss (or before a grow).
+    """Everything a policy may look at when deciding what to do after a loss.
 
     Attributes:
         failures: Worker losses so far in the current `train()` call.
@@ -38,11 +35,6 @@ class FailureStatus:
         total_failures: Worker losses over the trainer's lifetime; defaults to `failures`.
         seconds_since_last_failure: Time since the last loss, or None if there was none.
         error: Short text of the last failure (shown in reasons and give-up errors).
-        phase: "failure" right after a loss, "grow" at the start of `train()` when fewer workers
-            than wanted are running, "preemption" when workers are moving off a node that is
-            about to be reclaimed (`workers_alive` counts those that stay; not a failure, so
-            `failures` is 0): RETRY n starts replacements elsewhere up to n, anything else
-            goes on with the workers that stay.
     """
 
     failures: int
@@ -54,7 +46,6 @@ class FailureStatus:
     total_failures: Optional[int] = None
     seconds_since_last_failure: Optional[float] = None
     error: str = ""
-    phase: str = "failure"
 
     def __post_init__(self) -> None:
         check_max_retries(self.max_retries)
@@ -80,8 +71,6 @@ class FailureStatus:
             check_number("seconds_since_last_failure", self.seconds_since_last_failure)
         if not isinstance(self.error, str):
             raise TypeError(f"error must be a str, got {type(self.error).__name__}")
-        if self.phase not in PHASES:
-            raise ValueError(f"phase must be one of {PHASES}, got {self.phase!r}")
 
 
 class Action(str, enum.Enum):
@@ -101,8 +90,7 @@ class Decision:
 
     Attributes:
         action: RETRY, WAIT or GIVE_UP.
-        num_workers: For RETRY, the group size to ask for (>= 1). In the "grow" phase a value equal
-            to `workers_alive` means "keep the group as it is". 0 for WAIT and GIVE_UP.
+        num_workers: For RETRY, the group size to ask for (>= 1); 0 for WAIT and GIVE_UP.
         wait_s: For WAIT, seconds to sleep before asking again; 0 otherwise.
         reason: Human-readable why; never empty.
     """

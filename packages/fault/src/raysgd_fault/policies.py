@@ -2,6 +2,8 @@
 
 The trainer owns every side effect (killing, starting, sleeping, logging at INFO); a policy only
 decides. That keeps the policies testable without Ray and lets users swap them by name or instance.
+Each failure policy names the scaling policy (`scaling.py`) that sizes the group beside it when no
+worker was lost, so that one choice (`failure_policy="elastic"`, say) configures both.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 from raysgd_base import check_int, check_number
 from raysgd_fault.decision import Action, Decision, FailureStatus
+from raysgd_fault.scaling import FixedSize, GrowWhenRoom, ScalingPolicy
 
 __all__ = ["DefaultPolicy", "ElasticPolicy", "FailurePolicy", "NeverRetryPolicy"]
 
@@ -19,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 class FailurePolicy(abc.ABC):
-    """Decides what the trainer does after losing workers, and whether to grow back.
+    """Decides what the trainer does after losing workers.
 
     Subclasses implement `decide`; it must not block, sleep or touch Ray: the trainer performs the
     decision (RETRY: resize to `num_workers`; WAIT: sleep `wait_s` then ask again with
@@ -35,6 +38,12 @@ class FailurePolicy(abc.ABC):
     def decide(self, status: FailureStatus) -> Decision:
         """Return the decision for `status`; `Decision.reason` says why."""
 
+    @property
+    def scaling(self) -> ScalingPolicy:
+        """The scaling policy beside this one: growing back at the start of `train()` and
+        replacing workers that leave a draining node. `GrowWhenRoom()` unless overridden."""
+        return GrowWhenRoom()
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 
@@ -49,23 +58,14 @@ def _check_status(status: object) -> FailureStatus:
     return status
 
 
-def _keep(status: FailureStatus, why: str) -> Decision:
-    # "Keep" is a RETRY to the current size: the trainer sees there is nothing to change.
-    return Decision(
-        Action.RETRY,
-        num_workers=status.workers_alive,
-        reason=f"keep {status.workers_alive} of {status.workers_wanted} worker(s): {why}",
-    )
-
-
 class DefaultPolicy(FailurePolicy):
     """RaySGD's behaviour: retry with as many workers as fit, back off while none does.
 
     After a loss: give up once `failures > max_retries`; otherwise ask for
     ``min(workers_wanted, workers_alive + workers_fitting)`` workers (at least one). When not even
     one fits, wait ``base_wait_s * 2**attempt`` seconds (capped at `max_wait_s`) and give up after
-    `max_attempts` fruitless attempts. At the start of `train()` ("grow" phase), grow to as many as
-    fit when that is more than are running, else keep the group.
+    `max_attempts` fruitless attempts. Its scaling policy grows back to as many as fit
+    (`GrowWhenRoom`), not within `grow_cooldown_s` of a failure.
 
     Args:
         max_attempts: Consecutive restart attempts that start no worker before giving up.
@@ -109,12 +109,14 @@ class DefaultPolicy(FailurePolicy):
     def decide(self, status: FailureStatus) -> Decision:
         """See the class docstring."""
         status = _check_status(status)
-        if status.phase == "grow" and status.workers_alive > 0:
-            decision = self._grow(status)
-        else:
-            decision = self._recover(status)
+        decision = self._recover(status)
         logger.debug("%s policy: %s -> %s", self.name, status, decision)
         return decision
+
+    @property
+    def scaling(self) -> ScalingPolicy:
+        """`GrowWhenRoom` from one worker, with this policy's `grow_cooldown_s`."""
+        return GrowWhenRoom(min_workers=1, cooldown_s=self.grow_cooldown_s)
 
     def _recover(self, status: FailureStatus) -> Decision:
         seen = f"{status.failures} failure(s) in this train() call"
@@ -124,29 +126,6 @@ class DefaultPolicy(FailurePolicy):
                 reason=f"{seen} exceed max_retries={status.max_retries}{_last_error(status)}",
             )
         return self._start_or_wait(status, seen)
-
-    def _grow(self, status: FailureStatus) -> Decision:
-        since = status.seconds_since_last_failure
-        if since is not None and since < self.grow_cooldown_s:
-            return _keep(
-                status,
-                f"last failure {since:.1f} s ago, within the {self.grow_cooldown_s:g} s cooldown",
-            )
-        target = min(status.workers_wanted, status.workers_alive + status.workers_fitting)
-        minimum = min(self.min_workers(status), status.workers_wanted)
-        if target > status.workers_alive and target >= minimum:
-            return Decision(
-                Action.RETRY,
-                num_workers=target,
-                reason=(
-                    f"grow from {status.workers_alive} to {target} of "
-                    f"{status.workers_wanted} worker(s) ({status.workers_fitting} more fit)"
-                ),
-            )
-        if status.workers_alive >= minimum:
-            return _keep(status, f"{status.workers_fitting} more fit")
-        # Fewer than the minimum are running and not enough can be added: same as after a loss.
-        return self._start_or_wait(status, f"{status.total_failures} failure(s) so far")
 
     def _start_or_wait(self, status: FailureStatus, seen: str) -> Decision:
         minimum = min(self.min_workers(status), status.workers_wanted)
@@ -210,27 +189,34 @@ class ElasticPolicy(DefaultPolicy):
         """The configured minimum."""
         return self._min_workers
 
+    @property
+    def scaling(self) -> ScalingPolicy:
+        """`GrowWhenRoom` from `min_workers`, with this policy's `grow_cooldown_s`."""
+        return GrowWhenRoom(min_workers=self._min_workers, cooldown_s=self.grow_cooldown_s)
+
     def __repr__(self) -> str:
         return super().__repr__().replace("(", f"(min_workers={self._min_workers}, ", 1)
 
 
 class NeverRetryPolicy(FailurePolicy):
-    """Never recovers: the first loss ends `train()`. At a "grow" it keeps the group as it is."""
+    """Never recovers: the first loss ends `train()`; the group is never resized (`FixedSize`)."""
 
     name = "never"
 
     def decide(self, status: FailureStatus) -> Decision:
-        """GIVE_UP after a loss; keep the running group in the "grow" phase."""
+        """GIVE_UP."""
         status = _check_status(status)
-        if status.phase == "grow" and status.workers_alive > 0:
-            decision = _keep(status, "the 'never' policy does not resize")
-        else:
-            decision = Decision(
-                Action.GIVE_UP,
-                reason=(
-                    f"retries are disabled by the 'never' policy; {status.failures} failure(s) "
-                    f"in this train() call{_last_error(status)}"
-                ),
-            )
+        decision = Decision(
+            Action.GIVE_UP,
+            reason=(
+                f"retries are disabled by the 'never' policy; {status.failures} failure(s) "
+                f"in this train() call{_last_error(status)}"
+            ),
+        )
         logger.debug("%s policy: %s -> %s", self.name, status, decision)
         return decision
+
+    @property
+    def scaling(self) -> ScalingPolicy:
+        """`FixedSize`: the 'never' policy does not resize."""
+        return FixedSize()

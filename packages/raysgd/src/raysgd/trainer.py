@@ -361,8 +361,8 @@ class TorchTrainer:
     ) -> tuple[list[dict[str, Any]], Optional[int]]:
         """One `train()` call: (every worker's metrics, the rows of a call that went on after a
         recovery)."""
-        self._recovery.maybe_grow(max_retries=max_retries)
-        self._preemption.handle(max_retries=max_retries)
+        self._recovery.maybe_grow()
+        self._preemption.handle()
         if checkpoint:
             started = time.perf_counter()
             self._recovery.again_once(lambda: self._checkpoints.before_call(checkpoint))
@@ -391,7 +391,7 @@ class TorchTrainer:
             if not any(answer.yielded for answer in returned):
                 break
             # The workers stopped together at a step boundary: a node of theirs is draining.
-            self._preemption.handle(max_retries=max_retries)
+            self._preemption.handle()
             watch[0] = self._preemption.watch_spec()
         self._state.after_train(
             max(answer.step for answer in returned), max(answer.epochs for answer in returned)

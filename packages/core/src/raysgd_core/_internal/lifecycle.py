@@ -1,4 +1,4 @@
-"""Starting and stopping the workers of a `GroupState` (`WorkerGroup.start` / `shutdown`)."""
+"""Starting and stopping the workers of a `RunningGroup` (`WorkerGroup.start` / `shutdown`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from raysgd_core._internal.placement import (
     describe_request,
     wait_removed,
 )
-from raysgd_core._internal.state import GroupState
+from raysgd_core._internal.running import RunningGroup
 from raysgd_core._internal.workers import (
     Worker,
     await_started,
@@ -33,19 +33,19 @@ logger = logging.getLogger("raysgd_core")
 REMOVE_WAIT_S = 10.0
 
 
-def start(state: GroupState, num_workers: int, borrowed: Any) -> None:
+def start(running: RunningGroup, num_workers: int, borrowed: Any) -> None:
     """Place, start and hook `num_workers` workers and form their process group; on any error the
-    caller tears the state down. `borrowed`: a placement group to place the workers in, or None."""
-    spec = state.spec
+    caller tears the running group down. `borrowed`: a placement group to place the workers in, or None."""
+    spec = running.spec
     t0 = time.monotonic()
-    state.pool = pool = SlotPool(spec.bundle, spec.options.placement_strategy, borrowed)
+    running.pool = pool = SlotPool(spec.bundle, spec.options.placement_strategy, borrowed)
     n_remote = num_workers - (1 if spec.options.use_local else 0)
     waits = []
     if spec.options.use_local:
-        state.local = local = LocalWorker()
+        running.local = local = LocalWorker()
         if spec.actor.keep_freed_memory:
             host_memory.keep_freed_memory()
-        state.workers = [Worker(local=local, info=local.runtime.describe())]
+        running.workers = [Worker(local=local, info=local.runtime.describe())]
         if borrowed is None:
             pg = local.reserve(spec.bundle, spec.options.start_timeout_s)
             if pg is not None:
@@ -56,7 +56,7 @@ def start(state: GroupState, num_workers: int, borrowed: Any) -> None:
     # Actors are created before the placement group is ready: Ray starts each one the moment
     # its bundle is reserved, with no round trip in between.
     spawned = spawn(slots, spec.actor)
-    state.workers += spawned
+    running.workers += spawned
     request = describe_request(num_workers, spec.bundle, spec.options.placement_strategy)
     if not wait_ready(waits, spec.options.start_timeout_s):
         raise ResourcesUnavailableError(
@@ -64,8 +64,8 @@ def start(state: GroupState, num_workers: int, borrowed: Any) -> None:
             f"the cluster has {describe_free_resources()}."
         )
     t_pg = time.monotonic()
-    if state.local is not None:
-        state.local.learn_gpu(spec.actor.num_gpus)
+    if running.local is not None:
+        running.local.learn_gpu(spec.actor.num_gpus)
     started, missing = await_started(spawned, spec.options.start_timeout_s)
     died = [w.info["start_error"] for w in missing if "start_error" in w.info]
     if died:
@@ -79,12 +79,12 @@ def start(state: GroupState, num_workers: int, borrowed: Any) -> None:
         )
     t_actors = time.monotonic()
     run_hooks(
-        started, state.local, spec.actor.init_hook, first_rank=state.world_size - len(started)
+        started, running.local, spec.actor.init_hook, first_rank=running.world_size - len(started)
     )
-    state.form()
+    running.form()
     t_done = time.monotonic()
     # After the group is formed, so that the spares' start does not slow the workers' own.
-    spares.replenish(state)
+    spares.replenish(running)
     logger.info(
         "WorkerGroup of %d ready in %.2fs (placement %.2fs, actors %.2fs, process group %.2fs)",
         num_workers,
@@ -95,31 +95,31 @@ def start(state: GroupState, num_workers: int, borrowed: Any) -> None:
     )
 
 
-def teardown(state: GroupState, force: bool) -> None:
+def teardown(running: RunningGroup, force: bool) -> None:
     """Stop every worker and remove the placement groups; returns once Ray reports them removed
     (bounded by `REMOVE_WAIT_S`), so that their resources are free when the caller goes on."""
     import ray
 
     if not ray.is_initialized():  # Ray already shut down: its actors and groups went with it
-        state.workers, state.spares = [], []
-        if state.local is not None:
-            state.local.runtime.destroy()
-            state.local.forget_reservation()
-            state.local.close()
-            state.local = None
+        running.workers, running.spares = [], []
+        if running.local is not None:
+            running.local.runtime.destroy()
+            running.local.forget_reservation()
+            running.local.close()
+            running.local = None
         return
-    remote = [w for w in state.workers if w.actor is not None and w.alive]
+    remote = [w for w in running.workers if w.actor is not None and w.alive]
     if not force and remote:
         refs = [w.actor.destroy_process_group.remote() for w in remote]
         ray.wait(refs, num_returns=len(refs), timeout=5.0)
-    for w in state.workers:
+    for w in running.workers:
         kill_worker(w)
-    state.workers = []
-    spares.discard(state)
+    running.workers = []
+    spares.discard(running)
     removed = []
-    if state.pool is not None:
-        removed += state.pool.remove_all()
-    if state.local is not None:
-        removed += state.local.close()
-        state.local = None
+    if running.pool is not None:
+        removed += running.pool.remove_all()
+    if running.local is not None:
+        removed += running.local.close()
+        running.local = None
     wait_removed(removed, REMOVE_WAIT_S)

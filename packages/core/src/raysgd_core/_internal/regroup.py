@@ -8,7 +8,7 @@ workers that are up replace lost ones before any new actor is started. If that f
 "full-restart": kill every remote worker (and the spares) and start all of them anew. Either way
 the spares are started again once the group is formed.
 
-Everything here works on a `GroupState` (what runs) and its `GroupSpec` (what to run).
+Everything here works on a `RunningGroup` (what runs) and its `GroupSpec` (what to run).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 
 from raysgd_core._internal import spares
 from raysgd_core._internal.failures import Outcome, collect, raise_for
-from raysgd_core._internal.state import GroupState
+from raysgd_core._internal.running import RunningGroup
 from raysgd_core._internal.workers import (
     Worker,
     await_started,
@@ -37,146 +37,146 @@ logger = logging.getLogger("raysgd_core")
 PING_TIMEOUT_S = 5.0
 
 
-def recover(state: GroupState, num_workers: int, timeout_s: float) -> RecoveryReport:
+def recover(running: RunningGroup, num_workers: int, timeout_s: float) -> RecoveryReport:
     """See `WorkerGroup.recover`."""
     t0 = time.monotonic()
     deadline = t0 + timeout_s
-    old = list(state.workers)
+    old = list(running.workers)
     rank_before = {id(w): w.rank for w in old}
     timings: dict[str, float] = {}
     try:
-        kept, started = _keep_healthy(state, num_workers, deadline, timings)
+        kept, started = _keep_healthy(running, num_workers, deadline, timings)
         path = "keep-healthy"
     except Exception as exc:  # includes a failed re-formation; WorkerError from init_hook too
         if isinstance(exc, (WorkerError, WorkerDiedError)):
             # A worker lost meanwhile (a burst, a replacement that died while joining): the
             # others are fine and keep their state; the group stays broken, and the next
             # recover keeps them again. Restarting all of them would throw that state away.
-            state.broken = True
+            running.broken = True
             raise
         logger.warning("keeping the healthy workers failed (%s); restarting all of them", exc)
         timings.clear()
-        kept, started = _full_restart(state, num_workers, deadline, timings)
+        kept, started = _full_restart(running, num_workers, deadline, timings)
         path = "full-restart"
     kept_ids = {id(k) for k in kept}
     report = RecoveryReport(
         path=path,
         kept={rank_before[id(w)]: w.rank for w in kept},
         started=[w.rank for w in started],
-        world_size=state.world_size,
+        world_size=running.world_size,
         duration_s=time.monotonic() - t0,
         lost=sorted(rank_before[id(w)] for w in old if id(w) not in kept_ids),
         timings=timings,
     )
     logger.info("recovered (%s) to %d workers in %.2fs", path, report.world_size, report.duration_s)
-    spares.replenish(state)
+    spares.replenish(running)
     return report
 
 
 def _keep_healthy(
-    state: GroupState, target: int, deadline: float, timings: dict[str, float]
+    running: RunningGroup, target: int, deadline: float, timings: dict[str, float]
 ) -> tuple[list, list]:
-    workers = state.workers
+    workers = running.workers
     t0 = time.monotonic()
-    spares_up = spares.ready(state)
+    spares_up = spares.ready(running)
     alive = _ping(workers + spares_up)
     timings["ping_s"] = time.monotonic() - t0
     for w in workers:
         if w not in alive:
-            state.drop(w)
+            running.drop(w)
     survivors = [w for w in workers if w in alive]
     for w in survivors[target:]:  # shrinking: drop the highest ranks
-        state.drop(w)
+        running.drop(w)
     survivors = survivors[:target]
-    if not state.broken and len(survivors) == len(workers) == target:
+    if not running.broken and len(survivors) == len(workers) == target:
         return survivors, []  # nothing to do: the old group is intact
     # Replacements start first: their process start and imports (the slow part) overlap with the
     # survivors leaving the old group. Spares that are up go first: they have paid for all that.
     t_spawn = time.monotonic()
-    spawned = spares.take(state, spares_up, alive, target - len(survivors))
-    spawned += _spawn(state, target - len(survivors) - len(spawned))
+    spawned = spares.take(running, spares_up, alive, target - len(survivors))
+    spawned += _spawn(running, target - len(survivors) - len(spawned))
     try:
         # Leave the old group everywhere; a survivor that cannot do that is not healthy.
         refs = {
             w.actor.destroy_process_group.remote(): i for i, w in enumerate(survivors) if w.actor
         }
         outcome = Outcome()
-        if state.local is not None:
-            state.local.runtime.destroy()
-        collect(refs, outcome, kill=lambda i, ref: _drop_stuck(state, survivors[i], ref))
+        if running.local is not None:
+            running.local.runtime.destroy()
+        collect(refs, outcome, kill=lambda i, ref: _drop_stuck(running, survivors[i], ref))
         raise_for(outcome, lambda i: survivors[i].node_id)
         timings["leave_s"] = time.monotonic() - t_spawn
-        state.workers = survivors
-        new = _await_new(state, spawned, deadline)
+        running.workers = survivors
+        new = _await_new(running, spawned, deadline)
         timings["start_s"] = time.monotonic() - t_spawn
     except BaseException:
         for w in spawned:
-            state.drop(w)
+            running.drop(w)
         raise
-    _form(state, survivors + new, timings)
+    _form(running, survivors + new, timings)
     return survivors, new
 
 
 def _full_restart(
-    state: GroupState, target: int, deadline: float, timings: dict[str, float]
+    running: RunningGroup, target: int, deadline: float, timings: dict[str, float]
 ) -> tuple[list, list]:
-    for w in state.workers:
-        state.drop(w)
-    spares.discard(state)  # removing the placement groups below would kill them anyway
-    assert state.pool is not None
-    state.pool.remove_all()
+    for w in running.workers:
+        running.drop(w)
+    spares.discard(running)  # removing the placement groups below would kill them anyway
+    assert running.pool is not None
+    running.pool.remove_all()
     kept: list[Worker] = []
-    if state.local is not None:
-        state.local.runtime.destroy()
-        kept = [w for w in state.workers if w.local is not None][:1]
-    state.workers = list(kept)
+    if running.local is not None:
+        running.local.runtime.destroy()
+        kept = [w for w in running.workers if w.local is not None][:1]
+    running.workers = list(kept)
     t_spawn = time.monotonic()
-    spawned = _spawn(state, target - len(kept))
-    new = _await_new(state, spawned, max(deadline, time.monotonic() + 5.0))
+    spawned = _spawn(running, target - len(kept))
+    new = _await_new(running, spawned, max(deadline, time.monotonic() + 5.0))
     timings["start_s"] = time.monotonic() - t_spawn
-    _form(state, kept + new, timings)
+    _form(running, kept + new, timings)
     return kept, new
 
 
-def _form(state: GroupState, workers: list[Worker], timings: dict[str, float]) -> None:
+def _form(running: RunningGroup, workers: list[Worker], timings: dict[str, float]) -> None:
     """Form the new process group over `workers` (rank = position)."""
-    state.workers = workers
-    state.broken = True  # until the new group is formed
+    running.workers = workers
+    running.broken = True  # until the new group is formed
     t0 = time.monotonic()
-    state.form()
+    running.form()
     timings["form_s"] = time.monotonic() - t0
 
 
-def _drop_stuck(state: GroupState, worker: Worker, unanswered: object) -> None:
+def _drop_stuck(running: RunningGroup, worker: Worker, unanswered: object) -> None:
     """Drop a survivor that did not leave the old group in time (its slot waits for it to go)."""
     kill_worker(worker, unanswered=unanswered)
-    state.drop(worker)
+    running.drop(worker)
 
 
-def _spawn(state: GroupState, count: int) -> list[Worker]:
+def _spawn(running: RunningGroup, count: int) -> list[Worker]:
     """Create `count` new actors without waiting for them (`_await_new` collects them)."""
     if count <= 0:
         return []
-    assert state.pool is not None
-    return spawn([state.pool.acquire() for _ in range(count)], state.spec.actor)
+    assert running.pool is not None
+    return spawn([running.pool.acquire() for _ in range(count)], running.spec.actor)
 
 
-def _await_new(state: GroupState, spawned: list[Worker], deadline: float) -> list[Worker]:
+def _await_new(running: RunningGroup, spawned: list[Worker], deadline: float) -> list[Worker]:
     """Keep the spawned workers that come up before the deadline (less a reserve for forming the
-    group) and whose init hook succeeds; they will be ranked after `state.workers`."""
+    group) and whose init hook succeeds; they will be ranked after `running.workers`."""
     if not spawned:
         return []
     reserve = min(10.0, 0.3 * (deadline - time.monotonic()))
     started, missing = await_started(spawned, max(0.5, deadline - time.monotonic() - reserve))
     for w in missing:
-        state.drop(w)
+        running.drop(w)
     if missing:
         logger.info("%d of %d new workers did not start in time", len(missing), len(spawned))
     try:
-        run_hooks(started, None, state.spec.actor.init_hook, first_rank=state.world_size)
+        run_hooks(started, None, running.spec.actor.init_hook, first_rank=running.world_size)
     except BaseException:
         for w in started:
-            state.drop(w)
+            running.drop(w)
         raise
     return started
 

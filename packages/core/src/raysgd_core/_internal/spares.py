@@ -7,7 +7,7 @@ reserved like any worker's, so it computes on its own CPUs or GPU once promoted.
 the spares that are up before it starts new actors, and starts the next spares once the group is
 formed again.
 
-Every function works on a `GroupState`; the spares live in `state.spares`, not in `state.workers`.
+Every function works on a `RunningGroup`; the spares live in `running.spares`, not in `running.workers`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from raysgd_core._internal.placement import (
     estimate_fitting,
     format_resources,
 )
-from raysgd_core._internal.state import GroupState
+from raysgd_core._internal.running import RunningGroup
 from raysgd_core._internal.workers import Worker, spawn
 
 __all__ = ["discard", "discard_on", "ready", "replenish", "take", "warm_up"]
@@ -45,39 +45,39 @@ def warm_up(extra: tuple[str, ...] = ()) -> None:
             logger.warning("a spare worker could not import %s: %s", name, exc)
 
 
-def replenish(state: GroupState) -> None:
+def replenish(running: RunningGroup) -> None:
     """Start spares until `spec.options.spare_workers` exist (those still starting count).
 
     Never raises: a spare is an optimisation, and a cluster without room for one leaves it pending
     (it starts when resources free up) without holding anything else up."""
-    missing = state.spec.options.spare_workers - len(state.spares)
-    if missing <= 0 or state.pool is None:
+    missing = running.spec.options.spare_workers - len(running.spares)
+    if missing <= 0 or running.pool is None:
         return
     try:
-        room = estimate_fitting(state.spec.bundle, state.pool)
+        room = estimate_fitting(running.spec.bundle, running.pool)
         if room < missing:
             logger.warning(
                 "%d spare worker(s) will wait for resources (%s each): the cluster has %s",
                 missing - room,
-                format_resources(state.spec.bundle),
+                format_resources(running.spec.bundle),
                 describe_free_resources(),
             )
-        new = spawn([state.pool.acquire() for _ in range(missing)], state.spec.actor)
+        new = spawn([running.pool.acquire() for _ in range(missing)], running.spec.actor)
         for w in new:
-            w.info["warm_ref"] = w.actor.run.remote(warm_up, state.spec.options.spare_imports)
-        state.spares += new
+            w.info["warm_ref"] = w.actor.run.remote(warm_up, running.spec.options.spare_imports)
+        running.spares += new
     except Exception:
         logger.warning("could not start a spare worker", exc_info=True)
 
 
-def ready(state: GroupState) -> list[Worker]:
+def ready(running: RunningGroup) -> list[Worker]:
     """The spares that are started and warmed up, without waiting for the others.
 
     Their `info` (node, pid, ...) is filled in; one that died while starting is dropped. Whether
     the others are still alive is not checked."""
     import ray
 
-    pending = [w for w in state.spares if all(k in w.info for k in _PENDING)]
+    pending = [w for w in running.spares if all(k in w.info for k in _PENDING)]
     refs = [w.info[k] for w in pending for k in _PENDING]
     done, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
     done_set = set(done)
@@ -89,16 +89,16 @@ def ready(state: GroupState) -> list[Worker]:
             w.info.update(ray.get(w.info["describe_ref"]))
         except Exception as exc:  # died while starting: `replenish` starts another
             logger.warning("a spare worker died while starting: %s", exc)
-            state.drop(w)
-            state.spares.remove(w)
+            running.drop(w)
+            running.spares.remove(w)
             continue
         up.append(w)
     return up
 
 
-def take(state: GroupState, up: list[Worker], alive: list[Worker], count: int) -> list[Worker]:
+def take(running: RunningGroup, up: list[Worker], alive: list[Worker], count: int) -> list[Worker]:
     """Promote up to `count` spares: those of `up` (from `ready`) that are in `alive` (answered a
-    ping) and not on a node Ray is draining. They leave `state.spares` and are joined like newly
+    ping) and not on a node Ray is draining. They leave `running.spares` and are joined like newly
     spawned workers. Spares of `up` that did not answer or sit on a draining node are dropped
     (their slot is freed; `replenish` starts others elsewhere); those still starting stay spares."""
     from raysgd_core.drains import draining_nodes
@@ -107,28 +107,28 @@ def take(state: GroupState, up: list[Worker], alive: list[Worker], count: int) -
     usable = [w for w in up if w in alive and w.node_id not in draining]
     taken = usable[: max(0, count)]
     for w in up:
-        if w not in usable and w in state.spares:
-            state.drop(w)
-            state.spares.remove(w)
+        if w not in usable and w in running.spares:
+            running.drop(w)
+            running.spares.remove(w)
     for w in taken:
-        state.spares.remove(w)
+        running.spares.remove(w)
         w.info.pop("warm_ref", None)
     if taken:
         logger.info("promoting %d spare worker(s)", len(taken))
     return taken
 
 
-def discard(state: GroupState) -> None:
+def discard(running: RunningGroup) -> None:
     """Kill every spare and free its slot."""
-    for w in state.spares:
-        state.drop(w)
-    state.spares = []
+    for w in running.spares:
+        running.drop(w)
+    running.spares = []
 
 
-def discard_on(state: GroupState, nodes: set[str]) -> None:
+def discard_on(running: RunningGroup, nodes: set[str]) -> None:
     """Kill the spares on `nodes` (about to go away) and free their slots; `replenish` starts new
     ones elsewhere."""
-    leaving = [w for w in state.spares if w.node_id in nodes]
+    leaving = [w for w in running.spares if w.node_id in nodes]
     for w in leaving:
-        state.drop(w)
-        state.spares.remove(w)
+        running.drop(w)
+        running.spares.remove(w)

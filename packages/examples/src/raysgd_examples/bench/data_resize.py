@@ -72,13 +72,14 @@ def _operator() -> type:
 
 
 def _shrink_policy() -> Any:
-    from raysgd_fault import Action, Decision, FailurePolicy, FailureStatus
+    from raysgd_fault import Action, Decision, FailurePolicy, FailureStatus, FixedSize
 
     class SurvivorsOnly(FailurePolicy):
         name = "survivors-only"
+        scaling = FixedSize()  # never grows back
 
         def decide(self, status: FailureStatus) -> Decision:
-            if status.phase == "grow" or status.failures > status.max_retries:
+            if status.failures > status.max_retries:
                 return Decision(Action.GIVE_UP, reason="one recovery only")
             return Decision(Action.RETRY, num_workers=max(1, status.workers_alive), reason="shrink")
 

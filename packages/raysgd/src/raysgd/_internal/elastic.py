@@ -1,4 +1,4 @@
-"""The recovery loop's view of a worker group (`ElasticGroup`) and its named states (`LoopState`)."""
+"""The recovery loop's view of a worker group (`ElasticGroup`) and its named stages (`Stage`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Protocol
 from raysgd_core import RecoveryReport
 from raysgd_fault import Action
 
-__all__ = ["NEXT_STATE", "ElasticGroup", "LoopState", "on_live_nodes"]
+__all__ = ["NEXT_STAGE", "ElasticGroup", "Stage", "on_live_nodes"]
 
 
 class ElasticGroup(Protocol):
@@ -33,7 +33,7 @@ class ElasticGroup(Protocol):
         """Stop healthy workers on purpose (their node is going away); `recover` follows."""
 
 
-class LoopState(str, enum.Enum):
+class Stage(str, enum.Enum):
     """Where the recovery loop is in one `run()` call (see the module docstring)."""
 
     RUNNING = "running"
@@ -44,11 +44,11 @@ class LoopState(str, enum.Enum):
     GAVE_UP = "gave_up"
 
 
-#: The state each policy action leads to.
-NEXT_STATE = {
-    Action.RETRY: LoopState.RESTARTING,
-    Action.WAIT: LoopState.WAITING,
-    Action.GIVE_UP: LoopState.GAVE_UP,
+#: The stage each policy action leads to.
+NEXT_STAGE = {
+    Action.RETRY: Stage.RESTARTING,
+    Action.WAIT: Stage.WAITING,
+    Action.GIVE_UP: Stage.GAVE_UP,
 }
 
 

@@ -13,7 +13,7 @@ a step boundary, so that no step is redone and no row trained twice; a move is n
 - The driver (`Preemption`) looks at the start of every `train()` call and after a yielded one, and
   moves the workers off the draining nodes with one resize of the recovery loop: the state of this
   boundary is handed over (a sharded state's parts go to workers that stay), the leaving workers
-  are retired, and the policy sizes the group ("preemption" phase): spares or new workers
+  are retired, and the scaling policy sizes the group: spares or new workers
   elsewhere take over, or the group shrinks where there is no room. When every worker is on a
   draining node, replacements join first, while the state is still there to give them.
 
@@ -165,7 +165,7 @@ class Preemption:
         nodes = {w.node_id for w in self._group.workers} - self.unmovable
         return WatchSpec(frozenset(nodes), WATCH_INTERVAL_S) if nodes else None
 
-    def handle(self, *, max_retries: int) -> bool:
+    def handle(self) -> bool:
         """Move every worker and spare off the draining nodes it is on; True if any moved."""
         group = self._group
         draining = draining_nodes()
@@ -183,18 +183,16 @@ class Preemption:
             group.replace_spares_on(notices)
             logger.info("replaced the spare worker(s) on draining node(s) %s", list(notices))
             return False
-        moved = self.move_off(leaving, notices, max_retries=max_retries)
+        moved = self.move_off(leaving, notices)
         if not moved:
             # Not again for these nodes: their loss, when it comes, is recovered like any other.
             self.unmovable |= set(notices)
         return moved
 
-    def move_off(
-        self, ranks: Sequence[int], nodes: dict[str, Optional[float]], *, max_retries: int
-    ) -> bool:
+    def move_off(self, ranks: Sequence[int], nodes: dict[str, Optional[float]]) -> bool:
         """Move the workers of `ranks` off `nodes` (draining: node -> deadline, None for none)
         before the deadline; every worker has stopped at the same step boundary. Not a failure:
-        neither counted nor charged to `max_retries`, and recorded as a "preemption" event with
+        neither counted nor charged to any retry budget, and recorded as a "preemption" event with
         the steps its resizes redid (0 unless a worker was lost meanwhile).
 
         Returns False when the workers could not be moved: nothing started in their place (they
@@ -233,7 +231,7 @@ class Preemption:
                 staying = self._group.world_size - len(leaving)
                 resizes.append(
                     recovery.resize(
-                        lambda: recovery.size_for_move(max_retries=max_retries, alive=staying),
+                        lambda: recovery.size_for_move(alive=staying),
                         "preemption",
                         timeout_s=timeout_s,
                         leaving=leaving,

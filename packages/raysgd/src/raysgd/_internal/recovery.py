@@ -1,6 +1,6 @@
 """The recovery loop: every resize of the trainer's group, and every call guarded by it.
 
-The loop is a small state machine (`LoopState`) over a narrow view of the worker group
+The loop moves through named stages (`Stage`) over a narrow view of the worker group
 (`ElasticGroup`: its live size, whether it needs recovery, `recover`, `estimate_fitting`,
 `retire`), the training state's restore and a failure policy (`raysgd_fault`). It knows nothing
 else of the trainer.
@@ -23,7 +23,7 @@ Every change of the group is one transaction, `resize(num_workers, reason)`: wor
 purpose hand their state over and go, the group keeps its healthy workers and starts the rest
 (`WorkerGroup.recover`), the training state is restored on the new group, and a `ResizeResult`
 says what happened; the events of the log are derived from it. Its callers: a loss in `run`, a
-grow at the start of `train()` (`maybe_grow`, sized by the policy's "grow" phase), `repair` after
+grow at the start of `train()` (`maybe_grow`, sized by the policy's scaling policy), `repair` after
 any other call failed, and a move off a draining node (`preemption`).
 
 Calls other than `train()` run inside `guarded()`: a group found broken is repaired first, and a
@@ -42,7 +42,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar, Union
 
-from raysgd._internal.elastic import NEXT_STATE, ElasticGroup, LoopState, on_live_nodes
+from raysgd._internal.elastic import NEXT_STAGE, ElasticGroup, Stage, on_live_nodes
 from raysgd._internal.recovery_log import (
     EventKind,
     FailureRecord,
@@ -57,7 +57,15 @@ from raysgd._internal.recovery_log import (
 from raysgd._internal.restore_plan import RestoreOutcome, StateLostError
 from raysgd_base import check_number
 from raysgd_core import RecoveryReport, WorkerDiedError, WorkerError, preempted_nodes
-from raysgd_fault import Action, Decision, FailurePolicy, FailureStatus
+from raysgd_fault import (
+    Action,
+    Decision,
+    FailurePolicy,
+    FailureStatus,
+    ScalingDecision,
+    ScalingPolicy,
+    ScalingStatus,
+)
 
 __all__ = [
     "DEFAULT_RESTART_TIMEOUT_S",
@@ -134,7 +142,9 @@ class Recovery:
             of the re-formed group ready to go on with the interrupted work; it may return a
             `RestoreOutcome` (recorded in the resize event). An exception there counts as a loss
             during the restart, except `StateLostError`, which ends the call.
-        policy: The failure policy deciding retry / wait / give up and the group size.
+        policy: The failure policy deciding retry / wait / give up and the size after a loss.
+        scaling: Sizes the group when no worker was lost (a grow, a move off a draining node);
+            by default the failure policy's `scaling`.
         restart_timeout_s: Bound on one ``group.recover`` call (see `DEFAULT_RESTART_TIMEOUT_S`).
         sleep: How WAIT decisions sleep (injectable so that an embedding driver can interrupt waits).
         reclaimable: How many of the given nodes (one entry per lost worker) are still alive, so
@@ -148,6 +158,7 @@ class Recovery:
         num_workers: int,
         restore: Callable[[RecoveryReport], Any],
         policy: FailurePolicy,
+        scaling: Optional[ScalingPolicy] = None,
         restart_timeout_s: float = DEFAULT_RESTART_TIMEOUT_S,
         sleep: Callable[[float], None] = time.sleep,
         reclaimable: Optional[Callable[[Sequence[str]], int]] = None,
@@ -157,6 +168,7 @@ class Recovery:
         self._num_workers = int(num_workers)
         self._restore = restore
         self.policy = policy
+        self.scaling = scaling if scaling is not None else policy.scaling
         self._restart_timeout_s = float(restart_timeout_s)
         self._sleep = sleep
         self._reclaimable = reclaimable or on_live_nodes
@@ -170,7 +182,7 @@ class Recovery:
         self._next_grow_at = 0.0
         #: The nodes being moved off (set by `preemption`): a loss there is a preemption.
         self.draining: frozenset[str] = frozenset()
-        self.state = LoopState.SUCCEEDED
+        self.stage = Stage.SUCCEEDED
         self._guarding = False
 
     @property
@@ -254,9 +266,9 @@ class Recovery:
         alive, reclaimable, fruitless = self._world_size(), 0, 0
         decision: Optional[Decision] = None
         # An earlier repair failed: the group must be re-formed before anything runs on it.
-        self.state = LoopState.FAILED if self._group.needs_recovery else LoopState.RUNNING
+        self.stage = Stage.FAILED if self._group.needs_recovery else Stage.RUNNING
         while True:
-            if self.state is LoopState.RUNNING:
+            if self.stage is Stage.RUNNING:
                 try:
                     result = attempt()
                 except WorkerError as err:
@@ -269,45 +281,44 @@ class Recovery:
                     answered = [n for r, n in zip(err.ranks, err.nodes) if r not in err.silent]
                     reclaimable, fruitless = self._reclaimable_count(answered), 0
                     self.count_loss(err, during_restart=False, alive=alive)
-                    self.state = LoopState.FAILED
+                    self.stage = Stage.FAILED
                     continue
-                self.state = LoopState.SUCCEEDED
+                self.stage = Stage.SUCCEEDED
                 if detected_at is not None:
                     self._note_recovered(time.monotonic() - detected_at)
                     self._mark_preempted()
                 return result
-            if self.state is LoopState.FAILED:
+            if self.stage is Stage.FAILED:
                 decision = self._decide(
                     max_retries,
                     alive=alive,
                     fitting=self._fitting() + reclaimable,
-                    phase="failure",
                     attempt=fruitless,
                 )
-                self.state = NEXT_STATE[decision.action]
-            elif self.state is LoopState.WAITING:
+                self.stage = NEXT_STAGE[decision.action]
+            elif self.stage is Stage.WAITING:
                 assert decision is not None
                 self._sleep(decision.wait_s)
                 fruitless += 1
-                self.state = LoopState.FAILED
-            elif self.state is LoopState.RESTARTING:
+                self.stage = Stage.FAILED
+            elif self.stage is Stage.RESTARTING:
                 assert decision is not None
                 losses = self.failures_this_call
                 if self._resize_counting(decision.num_workers, "failure").ok:
-                    self.state = LoopState.RUNNING
+                    self.stage = Stage.RUNNING
                     continue
                 # The recover call released the lost workers' slots (the group's own estimate
                 # counts them from now on), and the group may have shrunk meanwhile.
                 reclaimable, alive = 0, min(alive, self._world_size())
                 if self.failures_this_call == losses:
                     fruitless += 1  # nothing started and nothing died: room is still missing
-                self.state = LoopState.FAILED
+                self.stage = Stage.FAILED
             else:  # GAVE_UP
                 assert decision is not None
                 self._give_up(decision.reason, max_retries)
 
-    def maybe_grow(self, *, max_retries: int) -> bool:
-        """At the start of `train()`: grow back towards `num_workers` if the policy says so.
+    def maybe_grow(self) -> bool:
+        """At the start of `train()`: grow back towards `num_workers` if the scaling policy says so.
 
         Returns True if the group grew (the new workers took the state of the others). A grow that fails is logged and the group is put back to its
         old size; one that starts no new worker (the room the cluster reported was not real) makes
@@ -321,8 +332,8 @@ class Recovery:
         fitting = self._fitting()
         if fitting <= 0:
             return False  # nothing to ask the policy: the cheap check keeps train() fast
-        decision = self._decide(max_retries, alive=current, fitting=fitting, phase="grow")
-        if decision.action is not Action.RETRY or decision.num_workers <= current:
+        decision = self._size("grow", running=current, fitting=fitting)
+        if decision.num_workers <= current:
             return False
         if not self._resize_counting(decision.num_workers, "grow").ok:
             # A new worker failed while joining; the old members may have left their process group
@@ -369,11 +380,11 @@ class Recovery:
             self.count_loss(error, during_restart=False, alive=alive)
         if not self._group.needs_recovery:
             return True
-        self.state = LoopState.RESTARTING
+        self.stage = Stage.RESTARTING
         repaired = self._resize_counting(
             max(1, self._world_size()), "repair after a failed call"
         ).ok
-        self.state = LoopState.SUCCEEDED if repaired else LoopState.FAILED
+        self.stage = Stage.SUCCEEDED if repaired else Stage.FAILED
         if not repaired:
             logger.warning(
                 "the worker group could not be repaired after a failed call; the next train() "
@@ -577,18 +588,43 @@ class Recovery:
             num_workers_after=self._world_size(),
         )
 
-    def size_for_move(self, *, max_retries: int, alive: int) -> int:
+    def size_for_move(self, *, alive: int) -> int:
         """How many workers to run after moving off a draining node, `alive` of them staying:
-        the policy's size in its "preemption" phase (the workers that stay when it keeps the
-        group)."""
-        decision = self._decide(
-            max_retries, alive=alive, fitting=self._fitting(), phase="preemption"
-        )
-        return decision.num_workers if decision.action is Action.RETRY else alive
+        the scaling policy's size (never fewer than those that stay)."""
+        return self._size("preemption", running=alive, fitting=self._fitting()).num_workers
 
-    def _decide(
-        self, max_retries: int, *, alive: int, fitting: int, phase: str, attempt: int = 0
-    ) -> Decision:
+    def _size(self, moment: str, *, running: int, fitting: int) -> ScalingDecision:
+        """Ask the scaling policy for the group's size at `moment`, logged as a decision."""
+        wanted = self._num_workers
+        since = None
+        if self._last_failure_at is not None:
+            since = time.monotonic() - self._last_failure_at
+        running = max(0, min(running, wanted))
+        status = ScalingStatus(
+            moment=moment,
+            workers_wanted=wanted,
+            workers_running=running,
+            workers_fitting=max(0, fitting),
+            seconds_since_last_failure=since,
+        )
+        decision = self.scaling.decide(status)
+        if not isinstance(decision, ScalingDecision):
+            raise TypeError(
+                f"{type(self.scaling).__name__}.decide must return a ScalingDecision, "
+                f"got {type(decision).__name__}"
+            )
+        size = max(running, min(wanted, decision.num_workers))
+        self.log.record(
+            EventKind.DECISION,
+            f"scaling {self.scaling.name!r} ({moment}: wanted {wanted}, running {running}, "
+            f"fitting {status.workers_fitting}) -> {decision}",
+            action=Action.RETRY.value,
+            num_workers_before=running,
+            num_workers_after=size,
+        )
+        return dataclasses.replace(decision, num_workers=size)
+
+    def _decide(self, max_retries: int, *, alive: int, fitting: int, attempt: int = 0) -> Decision:
         wanted = self._num_workers
         since = None
         if self._last_failure_at is not None:
@@ -603,7 +639,6 @@ class Recovery:
             total_failures=self._total_failures,
             seconds_since_last_failure=since,
             error=self._call_failures[-1].error if self._call_failures else "",
-            phase=phase,
         )
         decision = self.policy.decide(status)
         if not isinstance(decision, Decision):
@@ -613,7 +648,7 @@ class Recovery:
             )
         self.log.record(
             EventKind.DECISION,
-            f"policy {getattr(self.policy, 'name', type(self.policy).__name__)!r} ({phase}: wanted "
+            f"policy {getattr(self.policy, 'name', type(self.policy).__name__)!r} (wanted "
             f"{wanted}, alive {status.workers_alive}, fitting {status.workers_fitting}, failures "
             f"{status.failures}, attempt {attempt}) -> {decision}",
             action=decision.action.value,

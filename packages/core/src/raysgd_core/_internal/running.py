@@ -1,6 +1,6 @@
-"""What a `WorkerGroup` runs (`GroupSpec`) kept apart from what runs now (`GroupState`).
+"""What a `WorkerGroup` runs (`GroupSpec`) kept apart from what runs now (`RunningGroup`).
 
-`WorkerGroup` is the public face; starting, recovering and stopping all work on one `GroupState`,
+`WorkerGroup` is the public face; starting, recovering and stopping all work on one `RunningGroup`,
 so that `recovery.py` needs neither the group class nor its private fields.
 """
 
@@ -14,7 +14,7 @@ from raysgd_core._internal.placement import SlotPool, make_bundle
 from raysgd_core._internal.workers import ActorSpec, Worker, form_group, kill_worker
 from raysgd_core.options import GroupOptions
 
-__all__ = ["FORMATION_TIMEOUT_S", "GroupSpec", "GroupState"]
+__all__ = ["FORMATION_TIMEOUT_S", "GroupSpec", "RunningGroup"]
 
 #: The longest the rendezvous of a new process group may take (see `GroupSpec.formation_timeout_s`).
 FORMATION_TIMEOUT_S = 10.0
@@ -62,7 +62,7 @@ class GroupSpec:
 
 
 @dataclass(eq=False)
-class GroupState:
+class RunningGroup:
     """The running part of a group: its workers in rank order, their slots and its health."""
 
     spec: GroupSpec
