@@ -17,7 +17,6 @@ import pytest
 from raysgd._internal import storage as storage_module
 from raysgd._internal.checkpoint import (
     MANIFEST_NAME,
-    CheckpointWriter,
     Manifest,
     checkpoint_name,
     complete_checkpoints,
@@ -25,6 +24,7 @@ from raysgd._internal.checkpoint import (
     prune,
     read_manifest,
     resolve_checkpoint,
+    write_manifest,
 )
 from raysgd._internal.storage import Storage, StorageError
 
@@ -49,11 +49,19 @@ def root(request, tmp_path) -> Storage:
     return Storage(s3.url(uuid.uuid4().hex), s3.storage_options)
 
 
+def attempt(root: Storage, epoch: int, step: int, parts=None) -> Storage:
+    """A new attempt's folder with its parts written, as the workers write them (no manifest)."""
+    folder = root.join(checkpoint_name(epoch, step))
+    for part, data in (parts or {}).items():
+        folder.write_bytes(part, data)
+    return folder
+
+
 def write_checkpoint(root: Storage, epoch: int, step: int, parts=None, **meta):
-    writer = CheckpointWriter(root, kind="state", epoch=epoch, step=step)
-    for part, data in (parts or {"state.pt": b"x" * (epoch + 1)}).items():
-        writer.write(part, data)
-    return writer.commit(meta=meta)
+    parts = parts or {"state.pt": b"x" * (epoch + 1)}
+    folder = attempt(root, epoch, step, parts)
+    sizes = {part: len(data) for part, data in parts.items()}
+    return write_manifest(folder, "state", epoch, step, expected=sizes, meta=meta)
 
 
 def free_port() -> int:
@@ -267,48 +275,43 @@ def test_error_texts_lose_environment_credentials(monkeypatch):
 
 
 def test_manifest_is_written_last_and_a_folder_without_it_is_invisible(root):
-    writer = CheckpointWriter(root, kind="state", epoch=1, step=10)
-    writer.write("state.pt", b"abc")
-    assert not writer.location.exists(MANIFEST_NAME)
+    folder = attempt(root, 1, 10, {"state.pt": b"abc"})
+    assert not folder.exists(MANIFEST_NAME)
     assert newest_complete(root) is None and complete_checkpoints(root) == []
     with pytest.raises(FileNotFoundError, match="no complete raysgd checkpoint"):
         resolve_checkpoint(root)
-    checkpoint = writer.commit(meta={"world_size": 2})
-    assert writer.location.exists(MANIFEST_NAME)
+    checkpoint = write_manifest(folder, "state", 1, 10, meta={"world_size": 2})
+    assert folder.exists(MANIFEST_NAME)
     assert checkpoint.manifest.parts == {"state.pt": 3}
     assert (checkpoint.epoch, checkpoint.step, checkpoint.kind) == (1, 10, "state")
     found = newest_complete(root)
     assert found == checkpoint and found.manifest.meta == {"world_size": 2}
-    with pytest.raises(RuntimeError, match="already committed"):
-        writer.write("late.pt", b"1")
 
 
-def test_commit_refuses_missing_parts(root):
-    writer = CheckpointWriter(root, kind="sharded", epoch=0, step=5)
-    writer.write("__0_0.distcp", b"rank0")
-    writer.expect("__1_0.distcp")  # a worker that never wrote its part
+def test_the_manifest_refuses_missing_parts(root):
+    folder = attempt(root, 0, 5, {"__0_0.distcp": b"rank0"})
+    # A worker that never wrote its part.
     with pytest.raises(ValueError, match=r"'__1_0\.distcp' was not written"):
-        writer.commit()
-    assert not writer.location.exists(MANIFEST_NAME)
-    writer.location.write_bytes("__1_0.distcp", b"r1")
-    writer.expect("__1_0.distcp", size=5)
+        write_manifest(folder, "sharded", 0, 5, expected={"__1_0.distcp": None})
+    assert not folder.exists(MANIFEST_NAME)
+    folder.write_bytes("__1_0.distcp", b"r1")
     with pytest.raises(ValueError, match="has 2 bytes, expected 5"):
-        writer.commit()
-    empty = CheckpointWriter(root, kind="state", epoch=0, step=6)
+        write_manifest(folder, "sharded", 0, 5, expected={"__1_0.distcp": 5})
+    assert not folder.exists(MANIFEST_NAME)
     with pytest.raises(ValueError, match="no part"):
-        empty.commit()
-    for bad in (MANIFEST_NAME, "../x", ".raysgd-tmp", ""):
-        with pytest.raises(ValueError, match="cannot be a part"):
-            empty.write(bad, b"1")
+        write_manifest(attempt(root, 0, 6), "state", 0, 6)
+    with pytest.raises(TypeError, match="not JSON serializable"):  # before anything is written
+        write_manifest(folder, "sharded", 0, 5, meta={"bad": object()})
+    assert not folder.exists(MANIFEST_NAME)
 
 
 def test_workers_write_parts_through_a_pickled_location(root):
-    writer = CheckpointWriter(root, kind="sharded", epoch=2, step=40)
+    folder = attempt(root, 2, 40)
     for rank in range(2):
-        worker_copy = pickle.loads(pickle.dumps(writer.location))
+        worker_copy = pickle.loads(pickle.dumps(folder))
         worker_copy.write_bytes(f"__{rank}_0.distcp", b"p" * (rank + 1))
-    writer.write(".metadata", b"meta")
-    checkpoint = writer.commit()
+    folder.write_bytes(".metadata", b"meta")
+    checkpoint = write_manifest(folder, "sharded", 2, 40)
     assert checkpoint.manifest.parts == {".metadata": 4, "__0_0.distcp": 1, "__1_0.distcp": 2}
     assert resolve_checkpoint(root) == checkpoint
 
@@ -326,26 +329,24 @@ print(location.read_bytes("__0_0.distcp").decode())
 @pytest.mark.timeout(90)
 def test_a_worker_process_writes_its_part_through_the_location(s3_server):
     root = Storage(s3_server.url(uuid.uuid4().hex), s3_server.storage_options)
-    writer = CheckpointWriter(root, kind="sharded", epoch=0, step=1)
-    writer.write("__0_0.distcp", b"rank 0")
+    folder = attempt(root, 0, 1, {"__0_0.distcp": b"rank 0"})
     out = subprocess.run(
         [sys.executable, "-c", WORKER],
-        input=pickle.dumps(writer.location),
+        input=pickle.dumps(folder),
         capture_output=True,
         check=True,
         timeout=80,
     )
     assert out.stdout.decode().strip() == "rank 0"
-    writer.expect("__1_0.distcp", size=len(b"from another process"))
-    checkpoint = writer.commit()
+    sizes = {"__0_0.distcp": 6, "__1_0.distcp": len(b"from another process")}
+    checkpoint = write_manifest(folder, "sharded", 0, 1, expected=sizes)
     assert resolve_checkpoint(root) == checkpoint
 
 
 def test_newest_complete_follows_training_progress(root):
     later = write_checkpoint(root, 3, 300)
     write_checkpoint(root, 1, 100)  # written after, but earlier in training
-    unfinished = CheckpointWriter(root, kind="state", epoch=4, step=400)
-    unfinished.write("state.pt", b"partial")
+    attempt(root, 4, 400, {"state.pt": b"partial"})  # unfinished
     assert newest_complete(root) == later
     assert [c.step for c in complete_checkpoints(root)] == [100, 300]
     # Two complete attempts at one step: the later one.
@@ -368,18 +369,15 @@ def test_torn_checkpoint_is_invisible(root):
 
 
 def test_a_retry_writes_a_new_folder(root):
-    first = CheckpointWriter(root, kind="state", epoch=5, step=50)
-    first.write("state.pt", b"interrupted")
-    retry = CheckpointWriter(root, kind="state", epoch=5, step=50)
-    assert retry.location != first.location
-    retry.write("state.pt", b"done")
-    checkpoint = retry.commit()
-    assert first.location.read_bytes("state.pt") == b"interrupted"
+    first = attempt(root, 5, 50, {"state.pt": b"interrupted"})
+    checkpoint = write_checkpoint(root, 5, 50, {"state.pt": b"done"})
+    assert checkpoint.location != first
+    assert first.read_bytes("state.pt") == b"interrupted"
     assert newest_complete(root) == checkpoint
     assert checkpoint_name(5, 50) != checkpoint_name(5, 50)
     assert checkpoint.name.startswith("ckpt-e000005-s000000050-")
-    first.abort()  # the interrupted attempt, given up for good
-    assert not first.location.exists() and newest_complete(root) == checkpoint
+    # A name derived from the attempt's token: every worker of the attempt finds the same folder.
+    assert checkpoint_name(5, 50, token="a1") == checkpoint_name(5, 50, token="a1")
 
 
 def test_resolve_checkpoint(root):
@@ -396,16 +394,13 @@ def test_resolve_checkpoint(root):
 
 
 def test_prune(root):
-    stale = CheckpointWriter(root, kind="state", epoch=0, step=5)  # an interrupted attempt
-    stale.write("state.pt", b"s")
+    stale = attempt(root, 0, 5, {"state.pt": b"s"})  # an interrupted attempt
     assert prune(root, keep=1) == []  # nothing complete: nothing removed
     done = [write_checkpoint(root, 0, step) for step in (10, 20, 30, 40)]
     torn = write_checkpoint(root, 0, 25)
     torn.location.remove("state.pt")
-    same_step = CheckpointWriter(root, kind="state", epoch=0, step=40)  # maybe in flight
-    same_step.write("state.pt", b"?")
-    in_flight = CheckpointWriter(root, kind="state", epoch=0, step=50)
-    in_flight.write("state.pt", b"?")
+    same_step = attempt(root, 0, 40, {"state.pt": b"?"})  # maybe in flight
+    in_flight = attempt(root, 0, 50, {"state.pt": b"?"})
     root.write_bytes("user-notes/readme.txt", b"not ours")
     foreign = root.join(checkpoint_name(0, 1))
     foreign.write_bytes(MANIFEST_NAME, b"{not json")

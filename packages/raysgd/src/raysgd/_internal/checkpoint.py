@@ -15,8 +15,8 @@ A checkpoint is complete or invisible. A file is replaced atomically (a local te
 over it; an object store's single put). Object stores have no rename, so a folder cannot be
 written aside and moved into place: under a root of checkpoints each one is a folder of its own,
 named per attempt (`checkpoint_name`: epoch, step, a random suffix), so that a retry never writes
-into the folder of an interrupted attempt; its parts come first and the manifest last
-(`CheckpointWriter`). A folder counts as a checkpoint only when its manifest is there and every
+into the folder of an interrupted attempt; its parts come first (each worker writes its own) and
+the manifest last (`write_manifest`, which checks the parts it was told to expect). A folder counts as a checkpoint only when its manifest is there and every
 part it lists is there with the size it lists; `newest_complete`, `resolve_checkpoint` and
 `prune` see nothing else.
 
@@ -40,7 +40,7 @@ from typing import Any, NoReturn, Optional, Union
 
 import torch
 
-from raysgd._internal.storage import SCRATCH_PREFIX, PathLike, Storage, as_storage, is_scratch
+from raysgd._internal.storage import PathLike, Storage, as_storage, is_scratch
 from raysgd_base import check_int
 from raysgd_operator import load_failure_reason, read_dcp_metadata
 
@@ -55,7 +55,6 @@ __all__ = [
     "WHOLE",
     "WHOLE_FILE",
     "Checkpoint",
-    "CheckpointWriter",
     "Manifest",
     "checkpoint_name",
     "complete_checkpoints",
@@ -283,83 +282,6 @@ class Checkpoint:
     def kind(self) -> str:
         """The manifest's kind (what the parts are, for the loader)."""
         return self.manifest.kind
-
-
-class CheckpointWriter:
-    """One attempt at one checkpoint under `root`: a new folder (`location`), the parts, and the
-    manifest last (`commit`).
-
-    Workers may write their own parts straight to `location` (a `Storage`: send it to them);
-    `commit` then lists the folder, so the manifest names every part that is there, and checks
-    the parts this writer wrote or was told of with `expect`. Until `commit` the folder is
-    invisible; an attempt that fails leaves an invisible folder, which `prune` removes later
-    (or `abort` now).
-    """
-
-    def __init__(
-        self,
-        root: Union[Storage, PathLike],
-        *,
-        kind: str,
-        epoch: int,
-        step: int,
-        storage_options: Optional[Mapping[str, Any]] = None,
-    ) -> None:
-        if not isinstance(kind, str) or not kind:
-            raise ValueError(f"kind must be a non-empty string, got {kind!r}")
-        self.root = as_storage(root, storage_options)
-        self.kind = kind
-        self.epoch = epoch
-        self.step = step
-        self.name = checkpoint_name(epoch, step)
-        #: The folder of this attempt.
-        self.location = self.root.join(self.name)
-        self._expected: dict[str, Optional[int]] = {}
-        self._done = False
-
-    def write(self, part: str, data: bytes) -> None:
-        """Write one part (a path inside the folder) whole."""
-        self._check_part(part)
-        self.location.write_bytes(part, data)
-        self._expected[part] = len(data)
-
-    def expect(self, part: str, size: Optional[int] = None) -> None:
-        """Tell the writer of a part written elsewhere (a worker): `commit` fails unless it is
-        there, with `size` bytes when given."""
-        self._check_part(part)
-        if size is not None:
-            check_int("size", size, minimum=0)
-        self._expected[part] = size
-
-    def commit(self, *, meta: Optional[Mapping[str, Any]] = None) -> Checkpoint:
-        """Write the manifest, after every part is there: from now on the checkpoint is visible.
-
-        Raises:
-            ValueError: no part at all, or a part written or expected is missing or has another
-                size (no manifest is written: the attempt stays invisible).
-        """
-        if self._done:
-            raise RuntimeError(f"checkpoint {self.location} was already committed or aborted")
-        checkpoint = write_manifest(
-            self.location, self.kind, self.epoch, self.step, expected=self._expected, meta=meta
-        )
-        self._done = True
-        return checkpoint
-
-    def abort(self) -> None:
-        """Give the attempt up: remove its folder (it was invisible already)."""
-        if not self._done:
-            self._done = True
-            self.location.remove()
-
-    def _check_part(self, part: str) -> None:
-        if self._done:
-            raise RuntimeError(f"checkpoint {self.location} was already committed or aborted")
-        if not _is_part_name(part) or part == MANIFEST_NAME or is_scratch(part):
-            raise ValueError(
-                f"{part!r} cannot be a part's name (a relative path, not {MANIFEST_NAME!r} and not "
-                f"starting with {SCRATCH_PREFIX!r})"
-            )
 
 
 def write_manifest(
