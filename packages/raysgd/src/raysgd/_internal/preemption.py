@@ -31,15 +31,17 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import ray
 import torch
 
-from raysgd._internal.recovery import Recovery
 from raysgd._internal.recovery_log import EventKind, short_node
 from raysgd_core import WorkerGroup, draining_nodes, get_context
 from raysgd_operator import OperatorRunner
+
+if TYPE_CHECKING:  # the driver's side only: a worker importing its watch loads no recovery loop
+    from raysgd._internal.recovery import Recovery
 
 __all__ = [
     "WATCH_INTERVAL_S",
