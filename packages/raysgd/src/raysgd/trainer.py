@@ -280,7 +280,6 @@ class TorchTrainer:
                 ),
                 options=self._options,
                 user_config=dict(config or {}),
-                config=dict(config or {}),
                 datasets=DatasetSplitter(given_datasets),
             )
             # The parts, built top-down: each gets what it calls, nothing calls back up.
@@ -543,8 +542,9 @@ class TorchTrainer:
     # ----------------------------------------------------------------------------- properties
     @property
     def config(self) -> dict[str, Any]:
-        """The trainer's config; `config[BATCH_SIZE]` is the global batch actually used."""
-        return self._workers.recipe.config
+        """The trainer's config; `config[BATCH_SIZE]` is the global batch actually used (a
+        multiple of the live number of workers)."""
+        return self._workers.recipe.config_for(self._workers.world_size)
 
     def goodput(self) -> dict[str, Any]:
         """How much of the time inside `train()` and `validate()` went into work that was kept:

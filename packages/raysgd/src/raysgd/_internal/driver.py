@@ -2,7 +2,7 @@
 
 `WorkerCalls` starts the `WorkerGroup` and builds one runner per worker from a `RunnerRecipe`
 (the operator class, shipped once; the options; the user's config and the datasets split over the
-live size, which also keeps `trainer.config[BATCH_SIZE]`), and stops them. It makes plain calls:
+live size), and stops them. It makes plain calls:
 repairing the group after a failed call and giving user errors their one form is the recovery
 loop's (`recovery.Recovery.guarded`), which wraps the trainer's calls from above.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -45,23 +46,28 @@ class RunnerRecipe:
             cells as they are then).
         options: The workers' `TrainingOptions`.
         user_config: The config as the user gave it.
-        config: The trainer's config (`TorchTrainer.config`): `config[BATCH_SIZE]` is the global
-            batch actually used, rounded to a multiple of the live size.
         datasets: Splits `datasets=` over the group (a split belongs to the group it was made for).
     """
 
     operator_ref: Any
     options: TrainingOptions
     user_config: dict[str, Any]
-    config: dict[str, Any]
     datasets: DatasetSplitter
 
     def args(self, size: int) -> RunnerArgs:
-        """The runners' arguments for a group of `size`; updates `config[BATCH_SIZE]`."""
-        worker_config, global_batch = split_batch_size(self.user_config, size)
-        if global_batch is not None:
-            self.config[BATCH_SIZE] = global_batch
+        """The runners' arguments for a group of `size`."""
+        worker_config, _ = split_batch_size(self.user_config, size)
         return RunnerArgs(self.operator_ref, worker_config, self.options, self.datasets.split(size))
+
+    def config_for(self, size: int) -> dict[str, Any]:
+        """The trainer's config for a group of `size` (`TorchTrainer.config`): `config[BATCH_SIZE]`
+        is the global batch that group trains with, a multiple of `size`."""
+        config = dict(self.user_config)
+        if size > 0 and BATCH_SIZE in config:
+            with warnings.catch_warnings():  # the start of that group warned already
+                warnings.simplefilter("ignore")
+                _, config[BATCH_SIZE] = split_batch_size(self.user_config, size)
+        return config
 
 
 class WorkerCalls:
