@@ -33,9 +33,11 @@ __all__ = [
     "metric",
     "parse_args",
     "print_metric",
+    "pyplot",
     "run_child",
     "run_rounds",
     "run_torchrun",
+    "save_figure",
     "selected_sides",
     "write_results",
 ]
@@ -327,3 +329,22 @@ def gpu_count() -> int:
     except ImportError:
         return 0
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files only (a benchmark machine has no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lay `fig` out, write it to `path` (its folder made if missing) and close it."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+    return path

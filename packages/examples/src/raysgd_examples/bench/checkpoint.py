@@ -560,10 +560,7 @@ def chart(
     ratio_sides = [s for s in ratio_sides if any((s, size) in ratios for size in sizes)]
     if not rows and not ratio_sides:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on a benchmark machine
-    import matplotlib.pyplot as plt
+    plt = _common.pyplot()
 
     def bars(ax: Any, names: list[str], values: dict[tuple[str, str], float]) -> None:
         width = 0.8 / max(1, len(names))
@@ -605,11 +602,7 @@ def chart(
         "throughput with checkpoints / without, same framework (higher is better)", fontsize=9
     )
     right.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _common.save_figure(fig, path)
 
 
 # -------------------------------------------------------------------------------------- main

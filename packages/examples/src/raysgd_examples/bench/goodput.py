@@ -40,6 +40,7 @@ import signal
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from raysgd_examples.bench import _common
@@ -256,13 +257,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _chart(table: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     """goodput.png: goodput per schedule, one bar per side."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    plt = _common.pyplot()
     schedules = args.schedule_list
     fig, ax = plt.subplots(figsize=(7, 3.5))
     width = 0.8 / max(1, len(table))
@@ -276,11 +271,7 @@ def _chart(table: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     ax.axhline(0.9, color="grey", linewidth=0.8, linestyle="--")
     ax.legend()
     ax.set_title(f"goodput, {args.steps} steps, 2 workers")
-    fig.tight_layout()
-    path = os.path.join(args.out, "goodput.png")
-    os.makedirs(args.out, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    print(f"wrote {_common.save_figure(fig, Path(args.out) / 'goodput.png')}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,13 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from raysgd_examples.bench._common import child_env, gpu_count, machine_info
+from raysgd_examples.bench._common import (
+    child_env,
+    gpu_count,
+    machine_info,
+    pyplot,
+    save_figure,
+)
 
 __all__ = ["BENCHMARKS", "chart", "main", "markdown_table"]
 
@@ -87,10 +93,7 @@ def markdown_table(results: dict[str, Any], machine: dict[str, Any]) -> str:
 
 def chart(results: dict[str, Any], path: Path) -> Optional[Path]:
     """A horizontal bar per side and metric: its median over the reference's (1.0 = same)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on a benchmark machine
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     panels = []
     for name, payload in results.items():
@@ -112,11 +115,7 @@ def chart(results: dict[str, Any], path: Path) -> Optional[Path]:
         ax.set_title(f"{title}\n(ratio to {reference}; {better} is better)", fontsize=9)
         for y, side in enumerate(sides):
             ax.text(ratios[side], y, f" {ratios[side]:.2f}", va="center", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _run_one(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:

@@ -185,10 +185,7 @@ def chart(rows: list[dict[str, Any]], path: Path) -> Optional[Path]:
     good = [r for r in rows if "error" not in r]
     if not good:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on a benchmark machine
-    import matplotlib.pyplot as plt
+    plt = _common.pyplot()
 
     labels = [f"{r['parameters'] / 1e6:.1f}M" for r in good]
     fig, (ratio, validate, memory) = plt.subplots(1, 3, figsize=(12, 3.4))
@@ -210,11 +207,7 @@ def chart(rows: list[dict[str, Any]], path: Path) -> Optional[Path]:
     memory.set_title("driver peak memory, MB", fontsize=9)
     for ax in (ratio, validate, memory):
         ax.set_xlabel("parameters", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _common.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
