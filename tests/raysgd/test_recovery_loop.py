@@ -40,6 +40,7 @@ class FakeGroup:
         self.dead = 0  # workers lost since the last recover (still counted in `world_size`)
         self.recover_calls: list[int] = []
         self.recover_errors: list[BaseException] = []  # raised by the next recover calls
+        self.spare_waits: list[float] = []  # a move's waits for starting spares
 
     def recover(self, num_workers: int, *, timeout_s: float) -> RecoveryReport:
         self.recover_calls.append(num_workers)
@@ -64,6 +65,10 @@ class FakeGroup:
     def retire(self, ranks: Sequence[int]) -> None:
         self.needs_recovery = True
         self.dead += len(ranks)
+
+    def await_spares(self, timeout_s: float) -> int:
+        self.spare_waits.append(timeout_s)
+        return 0
 
 
 def died(group: FakeGroup, ranks: Sequence[int]) -> WorkerDiedError:
@@ -321,6 +326,7 @@ def test_a_move_off_a_draining_node_is_no_failure_and_reports_what_was_redone() 
     assert moves.move_off([1], {"drained": None})
     assert handed == ["x"] and group.recover_calls == [2] and group.world_size == 2
     assert loop.failures == 0
+    assert group.spare_waits == [10.0]  # spares still starting are waited for, within bounds
     (move,) = [e for e in loop.events if e.kind == "preemption"]
     assert move.steps_redone == 0 and "no deadline" in move.message
     resize = next(e for e in loop.events if e.kind == "resize")

@@ -175,6 +175,11 @@ class WorkerGroup:
             for w in spares.ready(self._running)
         ]
 
+    def await_spares(self, timeout_s: float) -> int:
+        """Wait up to `timeout_s` for the spares still starting; how many are up then. A move
+        with time before its deadline waits for them rather than shrink the group."""
+        return len(spares.ready(self._running, wait_s=max(0.0, float(timeout_s))))
+
     @property
     def healthy(self) -> bool:
         """Started, and no failure since the last (re-)formation of the process group."""

@@ -70,8 +70,9 @@ def replenish(running: RunningGroup) -> None:
         logger.warning("could not start a spare worker", exc_info=True)
 
 
-def ready(running: RunningGroup) -> list[Worker]:
-    """The spares that are started and warmed up, without waiting for the others.
+def ready(running: RunningGroup, wait_s: float = 0.0) -> list[Worker]:
+    """The spares that are started and warmed up, after waiting up to `wait_s` for those still
+    starting (0: not at all).
 
     Their `info` (node, pid, ...) is filled in; one that died while starting is dropped. Whether
     the others are still alive is not checked."""
@@ -79,7 +80,7 @@ def ready(running: RunningGroup) -> list[Worker]:
 
     pending = [w for w in running.spares if all(k in w.info for k in _PENDING)]
     refs = [w.info[k] for w in pending for k in _PENDING]
-    done, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s) if refs else ([], [])
     done_set = set(done)
     up = []
     for w in pending:

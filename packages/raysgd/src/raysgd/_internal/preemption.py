@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # the driver's side only: a worker importing its watch loads 
     from raysgd._internal.recovery import Recovery
 
 __all__ = [
+    "SPARE_WAIT_S",
     "WATCH_INTERVAL_S",
     "WATCH_KEY",
     "DrainWatch",
@@ -58,6 +59,8 @@ logger = logging.getLogger("raysgd.recovery")
 WATCH_INTERVAL_S = 1.0
 #: Key of this worker's `DrainWatch` in its store.
 WATCH_KEY = "raysgd.drain_watch"
+#: The longest a move waits for spare workers still starting before it sizes the group.
+SPARE_WAIT_S = 10.0
 
 
 # ------------------------------------------------------------------------------ on the workers
@@ -212,6 +215,9 @@ class Preemption:
         leaving = sorted(ranks)
         hand_over = lambda: self._hand_over(leaving)  # noqa: E731
         timeout_s = _until(deadline, recovery.restart_timeout_s)
+        # A spare still starting (a group formed moments ago) is room the scaling policy should
+        # see: wait for it, within a part of the time the notice leaves.
+        self._group.await_spares(min(SPARE_WAIT_S, timeout_s / 3))
         resizes = []
         recovery.draining = frozenset(nodes)
         try:
