@@ -1,7 +1,9 @@
 """Every example runs end to end, as a user would start it: `python -m raysgd_examples.<name>`.
 
-Each one runs in its own subprocess with its own local Ray cluster (started and shut down by the
-example itself), with `--smoke` so that it finishes in seconds. The assertions check what the example
+Each one runs in its own subprocess, with `--smoke` so that it finishes in seconds. Most join the
+test session's Ray cluster as a user joins a running one (`RAY_ADDRESS`, or `--address` where the
+example takes it), which spares each the seconds of starting and stopping a cluster of its own; the
+Tune examples start their own, sized for their trials. The assertions check what the example
 promises its reader: the demo's accuracy, the line's coefficients, the recovered failure, the files.
 """
 
@@ -23,18 +25,31 @@ import torch
 pytestmark = pytest.mark.timeout(240)
 
 
-def run_example(name: str, *args: str, timeout_s: float = 180) -> str:
+@pytest.fixture(scope="module")
+def cluster(ray_local_module: None) -> str:
+    """The address of the test session's Ray cluster, for the examples to join."""
+    import ray
+
+    return ray.get_runtime_context().gcs_address
+
+
+def run_example(name: str, *args: str, address: str | None = None, timeout_s: float = 180) -> str:
     """Run `python -m raysgd_examples.<name> *args`; return its output, failing on a non-zero exit."""
-    return run_python(["-m", f"raysgd_examples.{name}", *args], name, timeout_s)
+    return run_python(["-m", f"raysgd_examples.{name}", *args], name, address, timeout_s)
 
 
-def run_python(argv: list[str], name: str, timeout_s: float = 180) -> str:
+def run_python(
+    argv: list[str], name: str, address: str | None = None, timeout_s: float = 180
+) -> str:
     """Run this interpreter with `argv`; return stdout and stderr together, failing on an error.
 
+    With `address` the process joins that Ray cluster (`RAY_ADDRESS`), else it starts its own.
     Progress bars' carriage returns become line breaks, so that each printed row is a line.
     """
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
-    env.pop("RAY_ADDRESS", None)  # each example starts its own local Ray, never joins another
+    env.pop("RAY_ADDRESS", None)
+    if address is not None:
+        env["RAY_ADDRESS"] = address
     # A session of its own, so that a hung example can be stopped with everything it started.
     proc = subprocess.Popen(
         [sys.executable, *argv],
@@ -70,8 +85,8 @@ def assert_learned_line(output: str) -> None:
     assert float(match.group(2)) == pytest.approx(5.0, abs=0.2)
 
 
-def test_demo_full_run_reaches_95_percent(tmp_path: Path) -> None:
-    output = run_example("demo", "--out-dir", str(tmp_path))
+def test_demo_full_run_reaches_95_percent(tmp_path: Path, cluster: str) -> None:
+    output = run_example("demo", "--out-dir", str(tmp_path), address=cluster)
 
     assert number_after("final validation accuracy:", output) >= 0.95
     # The table has a header and one row per epoch (10 by default).
@@ -88,14 +103,14 @@ def test_demo_full_run_reaches_95_percent(tmp_path: Path) -> None:
     assert number_after("scores", output) >= 0.95
 
 
-def test_linear_learns_the_line() -> None:
-    output = run_example("linear", "--smoke")
+def test_linear_learns_the_line(cluster: str) -> None:
+    output = run_example("linear", "--smoke", address=cluster)
 
     assert_learned_line(output)
 
 
-def test_ray_data_example_reads_every_row_each_epoch_and_learns_the_line() -> None:
-    output = run_example("ray_data", "--smoke")
+def test_ray_data_example_reads_every_row_each_epoch_and_learns_the_line(cluster: str) -> None:
+    output = run_example("ray_data", "--smoke", "--address", cluster, address=cluster)
 
     # Each epoch is one pass over the Parquet file's 4096 rows, over both workers together.
     epochs = re.findall(r"^epoch (\d+): (\d+) rows, loss ([0-9.]+)", output, re.M)
@@ -104,8 +119,8 @@ def test_ray_data_example_reads_every_row_each_epoch_and_learns_the_line() -> No
     assert_learned_line(output)
 
 
-def test_fsdp_example_resumes_its_checkpoint_on_fewer_workers() -> None:
-    output = run_example("fsdp", "--smoke")
+def test_fsdp_example_resumes_its_checkpoint_on_fewer_workers(cluster: str) -> None:
+    output = run_example("fsdp", "--smoke", address=cluster)
 
     # The sharded checkpoint of 2 workers, loaded into 1, validates to the same numbers.
     metrics = [ast.literal_eval(line) for line in output.splitlines() if line.startswith("{")]
@@ -118,16 +133,16 @@ def test_fsdp_example_resumes_its_checkpoint_on_fewer_workers() -> None:
     assert abs(after["val_accuracy"] - before["val_accuracy"]) <= 1 / before["num_samples"]
 
 
-def test_digits_trains_above_chance() -> None:
-    output = run_example("digits", "--smoke")
+def test_digits_trains_above_chance(cluster: str) -> None:
+    output = run_example("digits", "--smoke", address=cluster)
 
     assert "epoch 2:" in output
     assert number_after("val_accuracy=", output) > 0.5
 
 
-def test_dcgan_trains_two_models_and_draws_samples(tmp_path: Path) -> None:
+def test_dcgan_trains_two_models_and_draws_samples(tmp_path: Path, cluster: str) -> None:
     # --fp16: the custom loop's backward/step helpers under mixed precision (bf16 on CPU).
-    output = run_example("dcgan", "--smoke", "--fp16", "--out-dir", str(tmp_path))
+    output = run_example("dcgan", "--smoke", "--fp16", "--out-dir", str(tmp_path), address=cluster)
 
     assert "epoch 2:" in output
     for metric in ("loss_g=", "loss_d="):
@@ -136,8 +151,8 @@ def test_dcgan_trains_two_models_and_draws_samples(tmp_path: Path) -> None:
     assert (tmp_path / "dcgan_samples.png").stat().st_size > 0
 
 
-def test_fault_demo_recovers_from_a_killed_worker() -> None:
-    output = run_example("fault_demo", "--smoke")
+def test_fault_demo_recovers_from_a_killed_worker(cluster: str) -> None:
+    output = run_example("fault_demo", "--smoke", address=cluster)
 
     assert "rank 1" in output and "exiting at batch" in output
     assert number_after("failures survived:", output) == 1
@@ -146,8 +161,8 @@ def test_fault_demo_recovers_from_a_killed_worker() -> None:
     assert number_after("val_accuracy=", output) > 0.5
 
 
-def test_migrated_raysgd_script_runs_unchanged() -> None:
-    output = run_example("migrate", "--smoke", "--num-workers", "2", "--address", "local")
+def test_migrated_raysgd_script_runs_unchanged(cluster: str) -> None:
+    output = run_example("migrate", "--smoke", "--num-workers", "2", "--address", cluster)
 
     assert "success!" in output
     assert number_after("trained weight:", output) == pytest.approx(2.0, abs=0.3)
@@ -199,14 +214,14 @@ def test_pbt_runs_a_population() -> None:
     assert 0.0 < number_after("val_accuracy=", output) <= 1.0
 
 
-def test_readme_example_runs(tmp_path: Path) -> None:
+def test_readme_example_runs(tmp_path: Path, cluster: str) -> None:
     readme = Path(__file__).resolve().parents[2] / "README.md"
     code = re.search(r"```python\n(.*?)```", readme.read_text(), re.S).group(1)
     checkpoint = tmp_path / "line.pt"
     script = tmp_path / "readme_example.py"
     script.write_text(code.replace('"/tmp/line.pt"', repr(str(checkpoint))))
 
-    output = run_python([str(script)], "the README example")
+    output = run_python([str(script)], "the README example", cluster)
     weight = re.search(r"tensor\(\[\[(-?[0-9.]+)\]\]", output)
     assert weight, output[-4000:]
     assert float(weight.group(1)) == pytest.approx(2.0, abs=0.2)

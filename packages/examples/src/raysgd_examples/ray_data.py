@@ -56,10 +56,18 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--smoke", action="store_true", help="fewer rows and epochs, for CI")
+    parser.add_argument(
+        "--address",
+        default="local",
+        help='Ray cluster to join: "auto" (the one `ray start` runs here) or host:port; '
+        "default: start a private local one",
+    )
     args = parser.parse_args()
     epochs, rows = (2, 4096) if args.smoke else (args.epochs, args.rows)
 
-    if not ray.is_initialized():
+    if args.address != "local":
+        ray.init(address=args.address)
+    else:
         # Ray Data runs its read and map tasks on CPUs the workers leave free: ask for two more.
         # address="local": a new instance even where another process left a cluster running.
         ray.init(address="local", num_cpus=args.num_workers + 2, include_dashboard=False)
