@@ -99,8 +99,10 @@ def _reclaim_at_step(
         until = time.monotonic() + 120
         while not (folder / f"step-{step}").exists() and time.monotonic() < until:
             time.sleep(0.02)
-        _drain(cluster, node.node_id, deadline_s)
+        # Taken before the command: the notice is acted on (and the call may end) before the
+        # command's process exits, and the deadline counts from a moment later than this one.
         times["drained"] = time.time()
+        _drain(cluster, node.node_id, deadline_s)
         time.sleep(remove_after_s)
         cluster.remove_node(node)
         times["removed"] = time.time()
