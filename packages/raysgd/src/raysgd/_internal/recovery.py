@@ -596,16 +596,13 @@ class Recovery:
     def _size(self, moment: str, *, running: int, fitting: int) -> ScalingDecision:
         """Ask the scaling policy for the group's size at `moment`, logged as a decision."""
         wanted = self._num_workers
-        since = None
-        if self._last_failure_at is not None:
-            since = time.monotonic() - self._last_failure_at
         running = max(0, min(running, wanted))
         status = ScalingStatus(
             moment=moment,
             workers_wanted=wanted,
             workers_running=running,
             workers_fitting=max(0, fitting),
-            seconds_since_last_failure=since,
+            seconds_since_last_failure=self._since_last_failure(),
         )
         decision = self.scaling.decide(status)
         if not isinstance(decision, ScalingDecision):
@@ -626,9 +623,6 @@ class Recovery:
 
     def _decide(self, max_retries: int, *, alive: int, fitting: int, attempt: int = 0) -> Decision:
         wanted = self._num_workers
-        since = None
-        if self._last_failure_at is not None:
-            since = time.monotonic() - self._last_failure_at
         status = FailureStatus(
             failures=self.failures_this_call,
             max_retries=max_retries,
@@ -637,7 +631,7 @@ class Recovery:
             workers_fitting=max(0, fitting),
             attempt=attempt,
             total_failures=self._total_failures,
-            seconds_since_last_failure=since,
+            seconds_since_last_failure=self._since_last_failure(),
             error=self._call_failures[-1].error if self._call_failures else "",
         )
         decision = self.policy.decide(status)
@@ -657,6 +651,12 @@ class Recovery:
             duration_s=decision.wait_s,
         )
         return decision
+
+    def _since_last_failure(self) -> Optional[float]:
+        """Seconds since the last loss (None before the first): what both policies are told."""
+        if self._last_failure_at is None:
+            return None
+        return time.monotonic() - self._last_failure_at
 
     def _give_up(self, reason: str, max_retries: int) -> None:
         message = give_up_message(self._call_failures, reason, max_retries=max_retries)
