@@ -153,8 +153,12 @@ def test_a_replacement_and_the_state_source_lost_while_restoring(tmp_path: Path)
         # Rank 2 exits at step 3; its replacement exits while it is set up: one more loss, and
         # the next replacement restores.
         (tmp_path / "arm-setup-death").touch()
+        pids = [w.pid for w in trainer.worker_group.workers]
         assert trainer.train()["num_samples"] == ROWS
         assert (tmp_path / "setup-died").exists() and trainer.failures == 2
+        # Both survivors kept their processes: the one giving the state waited for the lost
+        # replacement no longer than the others did, and was not taken for a silent rank.
+        assert [w.pid for w in trainer.worker_group.workers[:2]] == pids[:2]
         # Rank 2 exits at step 11; while its replacement is set up, the survivor the state comes
         # from (rank 0: both survivors are at the same step, the lowest rank gives) is killed. The
         # other survivor still holds the state: the group restores from it.

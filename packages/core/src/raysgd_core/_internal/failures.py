@@ -115,13 +115,15 @@ def collect(
             # a collective with it (it cannot release them: see `collectives`) are not waited for
             # past the short grace.
             deadline = min(deadline, now + min(grace_s, GRACE_S))
-        if timed_out or outcome.silent:
+        if (timed_out or outcome.silent) and not outcome.died:
             # The peers waiting in the same collective time out within moments of this one;
             # whoever is still running after that is the peer they were waiting for, and so is
-            # the last rank left when no other rank is known to be gone.
+            # the last rank left. Not so once a rank is known to be gone: the waits were for
+            # it, and the ranks still running wait for it too, each up to its own bound (they
+            # keep the grace of the first failure).
             outcome.silent = True
             assert deadline is not None
-            last = len(pending) == 1 and not outcome.died
+            last = len(pending) == 1
             deadline = now if last else min(deadline, now + min(grace_s, GRACE_S))
     return outcome
 

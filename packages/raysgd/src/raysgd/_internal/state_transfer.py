@@ -13,10 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from raysgd_core import get_context
 
 __all__ = ["BUCKET_BYTES", "broadcast_state", "flatten", "unflatten"]
 
@@ -110,8 +113,14 @@ def broadcast_state(
     """
     members = sorted({source, *receivers})
     # A subgroup costs a rendezvous of its own (tens of milliseconds with gloo): only when some
-    # ranks stay out, so that they are not sent a state they already hold.
-    group = None if len(members) == dist.get_world_size() else dist.new_group(ranks=members)
+    # ranks stay out, so that they are not sent a state they already hold. Its rendezvous waits
+    # no longer than the group's own collectives: torch's default for a new group is 30 minutes,
+    # and a receiver lost before it joins (a replacement that died setting up) would hold the
+    # source that long, while the ranks outside wait out their bound and report it silent.
+    group = None
+    if len(members) < dist.get_world_size():
+        timeout = timedelta(seconds=get_context().timeout_s)
+        group = dist.new_group(ranks=members, timeout=timeout)
     rank = dist.get_rank()
     try:
         if rank not in members or len(members) == 1:
