@@ -12,7 +12,13 @@ Schedules:
   ``kill<seconds>`` works);
 - ``freeze``: one worker is stopped (SIGSTOP) once, at a third of the job: alive, connections
   open, never answering, as a frozen or partitioned machine (it is killed after `--freeze-for`
-  seconds, as a machine that comes back rebooted would be).
+  seconds, as a machine that comes back rebooted would be);
+- ``drain``: one preemption notice at a third of the job: the node of one worker gets Ray's notice
+  (``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION``) and is removed `--deadline` seconds
+  later, as a cloud reclaims a spot machine. The Ray sides run on a `ray.cluster_utils.Cluster` (a
+  head without CPUs and one 1-CPU node per worker, plus one to move to) and take their 1.0 line from
+  a run without the notice on the same cluster. torchrun does not see Ray's notices: its worker is
+  killed at the deadline, when the machine goes.
 
 Sides:
 
@@ -26,12 +32,14 @@ Sides:
 - torchrun: ``torchrun --max-restarts=100``, its documented practice: every process restarts after
   a failure and resumes from a checkpoint rank 0 writes every `--checkpoint-every` steps.
 - ray_train: Ray Train's `TorchTrainer` with ``FailureConfig(max_failures=100)``, reporting a
-  checkpoint every `--checkpoint-every` steps and resuming from ``ray.train.get_checkpoint()``.
+  checkpoint every `--checkpoint-every` steps and resuming from ``ray.train.get_checkpoint()``;
+  under ``drain``, its preemption handling instead (a just-in-time checkpoint on the notice, every
+  worker restarted from it once the node is gone, as `bench:preemption` runs it).
 
 Goal: raysgd's goodput at least 0.9 at one failure a minute, and at least 1.5 x Ray Train's on the
 same schedule.
 
-    hatch run bench:goodput [--quick] [--steps N] [--schedules kill30,kill60,freeze]
+    hatch run bench:goodput [--quick] [--steps N] [--schedules kill30,kill60,freeze,drain]
 """
 
 from __future__ import annotations
@@ -47,12 +55,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from raysgd_examples.bench import _common
+from raysgd_examples.bench import _common, _drain
 
 __all__ = ["SCHEDULES", "SIDES", "main", "measure"]
 
 SIDES = ("raysgd", "raysgd_spare", "torchrun", "ray_train")
-SCHEDULES = ("clean", "kill30", "kill60", "freeze")
+SCHEDULES = ("clean", "kill30", "kill60", "freeze", "drain")
+_RAY_SIDES = ("raysgd", "raysgd_spare", "ray_train")
 _MODULE = "raysgd_examples.bench.goodput"
 
 
@@ -71,7 +80,9 @@ class Injector:
         schedule: One of `SCHEDULES`.
         pids: Returns the worker processes' pids now.
         job_s: The clean run's wall time (the freeze comes at a third of it).
-        freeze_for: Seconds a frozen worker stays stopped before it is killed.
+        kill_after_s: Seconds a frozen worker stays stopped before it is killed; under
+            ``drain``, the notice's deadline: the worker is killed then, its machine gone (for a
+            side that does not see Ray's notices).
         seed: The random choice of the worker.
     """
 
@@ -80,11 +91,11 @@ class Injector:
         schedule: str,
         pids: Callable[[], list[int]],
         job_s: float,
-        freeze_for: float,
+        kill_after_s: float,
         seed: int = 0,
     ) -> None:
         self.schedule, self.pids = schedule, pids
-        self.job_s, self.freeze_for = job_s, freeze_for
+        self.job_s, self.kill_after_s = job_s, kill_after_s
         self.rng = random.Random(seed)
         self.injected = 0
         self._stop = threading.Event()
@@ -103,15 +114,20 @@ class Injector:
         return self.rng.choice(alive) if alive else None
 
     def _run(self) -> None:
-        if self.schedule == "freeze":
+        if self.schedule in ("freeze", "drain"):
             if self._stop.wait(self.job_s / 3):
                 return
             pid = self._victim()
             if pid is None:
                 return
-            os.kill(pid, signal.SIGSTOP)
-            self.injected += 1
-            self._stop.wait(self.freeze_for)
+            if self.schedule == "freeze":
+                os.kill(pid, signal.SIGSTOP)
+                self.injected += 1
+                self._stop.wait(self.kill_after_s)  # killed even after the job: it is stopped
+            elif self._stop.wait(self.kill_after_s):
+                return  # drain: the job ended before its machine went
+            else:
+                self.injected += 1
             os.kill(pid, signal.SIGKILL)
             return
         every = float(self.schedule.removeprefix("kill"))
@@ -144,8 +160,13 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
 
     workload = Workload.quick() if args.quick else Workload()
     result: dict[str, Any] = {}
-    clean_s: Optional[float] = None
-    for schedule in ["clean", *args.schedule_list]:
+    # The 1.0 lines: the clean run, and for a Ray side's drain the same cluster without a notice.
+    lines: dict[str, float] = {}
+    schedules = ["clean", *args.schedule_list]
+    if "drain" in schedules and side in _RAY_SIDES:
+        schedules.insert(schedules.index("drain"), "drain_clean")
+    for schedule in schedules:
+        line = "drain_clean" if schedule == "drain" and "drain_clean" in lines else "clean"
         with tempfile.TemporaryDirectory(prefix="raysgd_bench_goodput_") as tmp:
             cfg = {
                 "workload": workload.to_dict(),
@@ -157,15 +178,15 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
                     "every": args.checkpoint_every,
                 },
             }
-            job_s = clean_s or 60.0
+            job_s = lines.get(line, 60.0)
             started = time.perf_counter()
             recoveries = _run_side(side, schedule, cfg, args, job_s)
             wall = time.perf_counter() - started
-            if schedule == "clean":
-                clean_s = wall
+            if schedule in ("clean", "drain_clean"):
+                lines[schedule] = wall
             result[schedule] = {
                 "wall_s": wall,
-                "goodput": (clean_s or wall) / wall,
+                "goodput": lines.get(schedule, lines.get(line, wall)) / wall,
                 "steps_redone": steps_done_twice(Timeline(cfg["timeline"])),
                 "recoveries": recoveries,
             }
@@ -177,6 +198,8 @@ def _run_side(
     side: str, schedule: str, cfg: dict[str, Any], args: argparse.Namespace, job_s: float
 ) -> int:
     """Run the job once under `schedule`; the failures injected."""
+    if schedule in ("drain", "drain_clean") and side in _RAY_SIDES:
+        return _run_drained(side, schedule == "drain", cfg, args, job_s)
     if side in ("raysgd", "raysgd_spare"):
         from raysgd_examples.bench import _raysgd
 
@@ -188,13 +211,13 @@ def _run_side(
             )
             try:
                 pids = lambda: [w.pid for w in trainer.worker_group.workers]  # noqa: E731
-                with Injector(schedule, pids, job_s, args.freeze_for) as injector:
+                with Injector(schedule, pids, job_s, _kill_after(schedule, args)) as injector:
                     trainer.train(num_steps=cfg["steps"], max_retries=100)
                 return injector.injected
             finally:
                 trainer.shutdown(force=True)
     pids = _timeline_pids(cfg["timeline"])
-    with Injector(schedule, pids, job_s, args.freeze_for) as injector:
+    with Injector(schedule, pids, job_s, _kill_after(schedule, args)) as injector:
         if side == "torchrun":
             _common.run_torchrun(
                 "raysgd_examples.bench._torchrun_worker",
@@ -213,12 +236,61 @@ def _run_side(
     return injector.injected
 
 
+def _kill_after(schedule: str, args: argparse.Namespace) -> float:
+    return args.deadline if schedule == "drain" else args.freeze_for
+
+
+def _run_drained(
+    side: str, notice: bool, cfg: dict[str, Any], args: argparse.Namespace, job_s: float
+) -> int:
+    """A Ray side on a `Cluster`, rank 1's node drained at a third of the job (`notice`) or not;
+    the notices given."""
+    from raysgd_examples.bench.workload import Timeline
+
+    spare = side == "raysgd_spare"
+    with _drain.cluster(nodes=4 if spare else 3) as cluster:
+        nodes: list[str] = []
+        started = [float("inf")]
+
+        def due() -> bool:
+            return notice and time.monotonic() >= started[0] + job_s / 3
+
+        def victim() -> str:
+            return _drain.timeline_node(Timeline(cfg["timeline"]), 1) if not nodes else nodes[1]
+
+        reclaim = _drain.Reclaimer(cluster, due, victim, args.deadline)
+        try:
+            if side == "ray_train":
+                from raysgd_examples.bench import _ray_train
+
+                started[0] = time.monotonic()
+                _ray_train.fit_preemptible(cfg, num_workers=2)
+            else:
+                from raysgd_examples.bench import _raysgd
+
+                trainer = _raysgd.make_trainer(
+                    {**cfg, "checkpoint": None}, num_workers=2, spare_workers=int(spare)
+                )
+                try:
+                    nodes.extend(_drain.worker_nodes(trainer))
+                    started[0] = time.monotonic()
+                    trainer.train(num_steps=cfg["steps"], max_retries=100)
+                finally:
+                    trainer.shutdown(force=True)
+        finally:
+            reclaim.stop()
+        return int("notice" in reclaim.times)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; print the table; write ``<out>/goodput.json`` and a chart."""
     parser = _common.bench_parser(__doc__.splitlines()[0], sides=SIDES, repeats=1)
     parser.add_argument("--schedules", default="kill30,kill60,freeze")
     parser.add_argument("--checkpoint-every", type=int, default=25)
     parser.add_argument("--freeze-for", type=float, default=120.0)
+    parser.add_argument(
+        "--deadline", type=int, default=30, help="drain: seconds from the notice to the reclaim"
+    )
     args = _common.parse_args(parser, argv, steps=1500, quick_steps=60)
     args.schedule_list = [s for s in args.schedules.split(",") if s]
     unknown = [
@@ -227,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if s not in SCHEDULES and not (s.startswith("kill") and s[4:].isdigit())
     ]
     if unknown:
-        parser.error(f"--schedules: unknown {unknown} (kill<seconds>, freeze)")
+        parser.error(f"--schedules: unknown {unknown} (kill<seconds>, freeze, drain)")
     if args.timeout == 600.0:
         args.timeout = 3600.0
     runs = _common.dispatch(_MODULE, measure, args, SIDES)

@@ -23,17 +23,11 @@ epoch's throughput, which the quiet sides give without a preemption.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import subprocess
-import sys
 import tempfile
-import threading
-import time
 from collections import Counter
-from collections.abc import Iterator
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from raysgd_examples.bench import _common
+from raysgd_examples.bench import _common, _drain
 
 __all__ = ["SIDES", "main", "measure"]
 
@@ -46,64 +40,6 @@ SIDES = (
     "ray_train_quiet",
 )
 _MODULE = "raysgd_examples.bench.preemption"
-
-
-@contextlib.contextmanager
-def _cluster() -> Iterator[Any]:
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False}
-    )
-    try:
-        for _ in range(3):
-            cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False)
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
-def _reclaimer(
-    cluster: Any,
-    steps: Callable[[], list[int]],
-    at: int,
-    victim: Callable[[], str],
-    deadline_s: int,
-) -> tuple[threading.Thread, dict[str, float], threading.Event]:
-    """Drain `victim()`'s node once step `at` is stamped, and remove it at the deadline (unless
-    the run is over by then: set the returned event)."""
-    times: dict[str, float] = {}
-    done = threading.Event()
-
-    def run() -> None:
-        while at not in steps() and not done.is_set():
-            time.sleep(0.02)
-        if done.is_set():
-            return
-        node_id = victim()
-        subprocess.run(
-            [
-                sys.executable, "-m", "ray.scripts.scripts", "drain-node",
-                "--address", cluster.address, "--node-id", node_id,
-                "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",
-                "--deadline-remaining-seconds", str(deadline_s),
-            ],
-            check=True,
-            capture_output=True,
-        )  # fmt: skip
-        times["notice"] = time.time()
-        if not done.wait(deadline_s):
-            node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
-            cluster.remove_node(node)
-            times["reclaimed"] = time.time()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, times, done
 
 
 def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -127,15 +63,13 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
             return [e["step"] for e in timeline.read() if e["event"] == "step"]
 
         def victim() -> str:
-            if base == "ray_train":
-                marks = [e for e in timeline.read() if e["event"] == "node" and e["rank"] == 1]
-                return marks[-1]["node"]
-            return nodes[1]
+            return _drain.timeline_node(timeline, 1) if base == "ray_train" else nodes[1]
 
         events: list[Any] = []
-        with _cluster() as cluster:
+        with _drain.cluster() as cluster:
             at = args.steps + 1 if quiet else args.at  # quiet: never reached
-            reclaim, times, finished = _reclaimer(cluster, stamped, at, victim, args.deadline)
+            reclaim = _drain.Reclaimer(cluster, lambda: at in stamped(), victim, args.deadline)
+            times = reclaim.times
             try:
                 if base == "ray_train":
                     from raysgd_examples.bench import _ray_train
@@ -147,22 +81,14 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
                     extra = {"strategy": "fsdp"} if base == "raysgd_fsdp" else {}
                     trainer = _raysgd.make_trainer(cfg, num_workers=2, **extra)
                     try:
-                        import ray
-
-                        for rank, node in enumerate(
-                            trainer.apply_all_workers(
-                                lambda: ray.get_runtime_context().get_node_id()
-                            )
-                        ):
-                            nodes[rank] = node
+                        nodes.update(enumerate(_drain.worker_nodes(trainer)))
                         trainer.train(num_steps=args.steps)
                         events = list(trainer.recovery_events)
                         failures = trainer.failures
                     finally:
                         trainer.shutdown()
             finally:
-                finished.set()
-                reclaim.join(timeout=60)
+                reclaim.stop()
         stamps = [e for e in timeline.read() if e["event"] == "step"]
     counts = Counter(e["step"] for e in stamps)
     first, last = min(e["t"] for e in stamps), max(e["t"] for e in stamps)
