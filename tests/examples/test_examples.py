@@ -3,7 +3,7 @@
 Each one runs in its own subprocess, with `--smoke` so that it finishes in seconds. Most join the
 test session's Ray cluster as a user joins a running one (`RAY_ADDRESS`, or `--address` where the
 example takes it), which spares each the seconds of starting and stopping a cluster of its own; the
-Tune examples start their own, sized for their trials. The assertions check what the example
+Tune examples start their own, sized for their trials, and run in the background meanwhile. The assertions check what the example
 promises its reader: the demo's accuracy, the line's coefficients, the recovered failure, the files.
 """
 
@@ -17,12 +17,19 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.timeout(240)
+
+#: The Tune examples start Ray clusters of their own: they run one after the other in the
+#: background while the other examples run in the tests, which leave this machine's cores idle
+#: much of the time (process starts, a driver waiting for its workers).
+TUNE_EXAMPLES = ("tune_example", "tune_ddp", "pbt")
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +38,17 @@ def cluster(ray_local_module: None) -> str:
     import ray
 
     return ray.get_runtime_context().gcs_address
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tune_outputs(request: pytest.FixtureRequest) -> Iterator[dict[str, Future[str]]]:
+    """The `--smoke` output of each Tune example whose test this session selected, as a future;
+    started with the module's first test (autouse)."""
+    module = request.module.__name__
+    selected = [item.name for item in request.session.items if item.module.__name__ == module]
+    wanted = [n for n in TUNE_EXAMPLES if any(i.startswith(f"test_{n}_") for i in selected)]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        yield {name: pool.submit(run_example, name, "--smoke") for name in wanted}
 
 
 def run_example(name: str, *args: str, address: str | None = None, timeout_s: float = 180) -> str:
@@ -189,23 +207,23 @@ def test_migrate_only_changes_imports() -> None:
     assert "import ray.util.sgd" not in source
 
 
-def test_tune_example_finds_a_best_config() -> None:
-    output = run_example("tune_example", "--smoke")
+def test_tune_example_finds_a_best_config(tune_outputs: dict[str, Future[str]]) -> None:
+    output = tune_outputs["tune_example"].result()
 
     assert len(re.findall(r"^trial: lr=", output, re.M)) == 2  # both points of the grid ran
     assert "best config:" in output
     assert 0.0 < number_after("val_accuracy=", output) <= 1.0
 
 
-def test_tune_ddp_reports_and_checkpoints() -> None:
-    output = run_example("tune_ddp", "--smoke")
+def test_tune_ddp_reports_and_checkpoints(tune_outputs: dict[str, Future[str]]) -> None:
+    output = tune_outputs["tune_ddp"].result()
 
     assert 0.5 < number_after("mean_accuracy=", output) <= 1.0
     assert "checkpoint: Checkpoint(" in output
 
 
-def test_pbt_runs_a_population() -> None:
-    output = run_example("pbt", "--smoke")
+def test_pbt_runs_a_population(tune_outputs: dict[str, Future[str]]) -> None:
+    output = tune_outputs["pbt"].result()
 
     # Synchronous PBT with two trials: at the perturbation point the worse one takes the better
     # one's trainer state (Tune logs the exploit), and both finish with results.

@@ -31,6 +31,9 @@ from raysgd_core import preempted_nodes
 ROWS = 192
 GLOBAL_BATCH = 8  # 4 per worker: 24 steps per epoch on 2 workers
 STEP_S = 0.15  # each step sleeps this long, so that a notice arrives mid-epoch
+#: The notice's deadline where the test waits for the node's removal: room for a move (a new
+#: worker starts in about 5 s here), and no longer, since the test then waits it out.
+DEADLINE_S = 12
 
 
 class SlowLinearOperator(TrainingOperator):
@@ -188,9 +191,9 @@ def test_a_drained_node_is_left_before_its_deadline_losing_nothing(
     try:
         where = trainer.apply_all_workers(_node_id)
         victim = _on(nodes, where[1])
-        # Drained at step 5 of the first epoch with a 20 s deadline, removed at the deadline.
+        # Drained at step 5 of the first epoch, removed at the deadline.
         reclaim, times = _reclaim_at_step(
-            ray_multinode, moved_dir, 5, victim, 20, remove_after_s=20
+            ray_multinode, moved_dir, 5, victim, DEADLINE_S, remove_after_s=DEADLINE_S
         )
         first = trainer.train()
         second = trainer.train()
@@ -198,7 +201,7 @@ def test_a_drained_node_is_left_before_its_deadline_losing_nothing(
         moves = [e for e in trainer.recovery_events if e.kind == "preemption"]
         assert len(moves) == 1 and moves[0].steps_redone == 0
         assert moves[0].nodes == (victim.node_id,) and moves[0].ranks == (1,)
-        assert moves[0].timestamp < times["drained"] + 20  # before the deadline
+        assert moves[0].timestamp < times["drained"] + DEADLINE_S  # before the deadline
         assert victim.node_id not in trainer.apply_all_workers(_node_id)
         rows = rows_by_epoch(moved_dir)
         assert sorted(rows[1]) == sorted(rows[2]) == list(range(ROWS))
@@ -260,11 +263,13 @@ def test_without_room_the_group_shrinks_before_the_deadline_and_a_node_lost_firs
     trainer = _trainer(tmp_path)
     try:
         victim = _on(nodes, trainer.apply_all_workers(_node_id)[1])
-        reclaim, times = _reclaim_at_step(ray_multinode, tmp_path, 5, victim, 20, remove_after_s=20)
+        reclaim, times = _reclaim_at_step(
+            ray_multinode, tmp_path, 5, victim, DEADLINE_S, remove_after_s=DEADLINE_S
+        )
         result = trainer.train()
         (move,) = [e for e in trainer.recovery_events if e.kind == "preemption"]
         assert (move.num_workers_before, move.num_workers_after) == (2, 1)
-        assert move.timestamp < times["drained"] + 20 and move.steps_redone == 0
+        assert move.timestamp < times["drained"] + DEADLINE_S and move.steps_redone == 0
         assert trainer.failures == 0 and result["num_samples"] == ROWS
         assert sorted(rows_by_epoch(tmp_path)[1]) == list(range(ROWS))
         # One worker now takes the whole global batch of 8: the same steps, the same model.
