@@ -48,9 +48,10 @@ _MARKER = "BENCH_RESULT "
 
 
 def bench_parser(
-    description: str, *, sides: Sequence[str], repeats: int
+    description: str, *, sides: Sequence[str], repeats: int, timeout_s: float = 600.0
 ) -> argparse.ArgumentParser:
-    """The arguments every benchmark takes: --repeats, --steps, --quick, --out, --sides."""
+    """The arguments every benchmark takes: --repeats, --steps, --quick, --out, --sides, and
+    --timeout (seconds per child run, `timeout_s` by default)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--repeats", type=int, default=repeats, help="runs per side (median)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run")
@@ -59,7 +60,7 @@ def bench_parser(
     parser.add_argument(
         "--sides", default=",".join(sides), help=f"comma-separated subset of {','.join(sides)}"
     )
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per child run")
+    parser.add_argument("--timeout", type=float, default=timeout_s, help="seconds per child run")
     # Internal: run one measurement of one side in this process and print it.
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return parser

@@ -284,7 +284,7 @@ def _run_drained(
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; print the table; write ``<out>/goodput.json`` and a chart."""
-    parser = _common.bench_parser(__doc__.splitlines()[0], sides=SIDES, repeats=1)
+    parser = _common.bench_parser(__doc__.splitlines()[0], sides=SIDES, repeats=1, timeout_s=3600.0)
     parser.add_argument("--schedules", default="kill30,kill60,freeze")
     parser.add_argument("--checkpoint-every", type=int, default=25)
     parser.add_argument("--freeze-for", type=float, default=120.0)
@@ -300,8 +300,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ]
     if unknown:
         parser.error(f"--schedules: unknown {unknown} (kill<seconds>, freeze, drain)")
-    if args.timeout == 600.0:
-        args.timeout = 3600.0
     runs = _common.dispatch(_MODULE, measure, args, SIDES)
     if runs is None:
         return {}

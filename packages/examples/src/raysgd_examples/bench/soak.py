@@ -250,7 +250,10 @@ def _growth(history: list[dict[str, float]], key: str, start: int) -> tuple[floa
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the soak; print what grew; write ``<out>/soak.json``."""
-    parser = _common.bench_parser(__doc__.splitlines()[0], sides=_SIDES, repeats=1)
+    # 100 recoveries outlast the usual 10 minutes per run.
+    parser = _common.bench_parser(
+        __doc__.splitlines()[0], sides=_SIDES, repeats=1, timeout_s=3600.0
+    )
     parser.add_argument("--recoveries", type=int, default=None)
     parser.add_argument("--drains", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
@@ -262,8 +265,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.drains = 1 if args.quick else 5
     if args.timing_steps is None:
         args.timing_steps = 30 if args.quick else 150
-    if args.timeout == 600.0:  # the harness's default per run: 100 recoveries take longer
-        args.timeout = 3600.0
     runs = _common.dispatch(_MODULE, measure, args, _SIDES)
     if runs is None:
         return {}
