@@ -53,21 +53,17 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import statistics
 import tempfile
 import time
-import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
-from urllib.parse import urlsplit
 
-from raysgd_examples.bench import _common
+from raysgd_examples.bench import _checkpoint_storage, _common
+from raysgd_examples.bench._checkpoint_storage import Place
 from raysgd_examples.bench.scale import SIZES, mlp_parameters
 
-__all__ = ["SIDES", "main", "measure", "s3_server"]
+__all__ = ["SIDES", "main", "measure"]
 
 SIDES = (
     "raysgd_sync_local",
@@ -107,104 +103,6 @@ BLOCKED_GOAL = 1.2
 THROUGHPUT_GOAL = 0.95
 KEEP = 2  # checkpoints kept by the periodic sides
 _MODULE = "raysgd_examples.bench.checkpoint"
-_BUCKET = "raysgd-bench"
-# Dummy credentials of the benchmark's own S3 server, handed to every client directly.
-_S3_KEY = "raysgd-bench-key-id"
-_S3_SECRET = "raysgd-bench-secret"
-_MANIFEST = "raysgd-manifest.json"  # the file a complete raysgd checkpoint folder ends with
-
-
-# ------------------------------------------------------------------------------------ storage
-@contextlib.contextmanager
-def s3_server() -> Iterator[str]:
-    """moto's S3 server in this process on 127.0.0.1 and a free port, with the benchmark's bucket;
-    yields its endpoint URL and stops it on exit."""
-    import logging
-    import socket
-
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    # Every request would be logged through werkzeug, between the benchmark's lines.
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        endpoint = f"http://127.0.0.1:{port}"
-        client = boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            aws_access_key_id=_S3_KEY,
-            aws_secret_access_key=_S3_SECRET,
-            region_name="us-east-1",
-        )
-        client.create_bucket(Bucket=_BUCKET)
-        yield endpoint
-    finally:
-        server.stop()
-
-
-@dataclass(frozen=True)
-class _Place:
-    """Where one run writes: `url` (a local folder or ``s3://bucket/prefix``) with the fsspec
-    `options` of its server (None for a local folder)."""
-
-    url: str
-    options: Optional[dict[str, Any]] = None
-    endpoint: Optional[str] = None
-
-    def join(self, name: str) -> str:
-        return f"{self.url}/{name}"
-
-    def filesystem(self) -> tuple[Any, str]:
-        import fsspec
-
-        return fsspec.core.url_to_fs(self.url, **(self.options or {}))
-
-    def complete_checkpoints(self) -> int:
-        """raysgd checkpoint folders here with their manifest (written last)."""
-        fs, path = self.filesystem()
-        return len(fs.glob(f"{path}/*/{_MANIFEST}"))
-
-    def arrow(self) -> tuple[Any, str]:
-        """(`pyarrow.fs.S3FileSystem` of the server, ``bucket/prefix``): Ray Train's storage."""
-        from pyarrow import fs
-
-        assert self.endpoint is not None
-        parts = urlsplit(self.endpoint)
-        s3 = fs.S3FileSystem(
-            access_key=_S3_KEY,
-            secret_key=_S3_SECRET,
-            endpoint_override=parts.netloc,  # host:port; the scheme goes apart
-            scheme=parts.scheme,
-            region="us-east-1",
-        )
-        return s3, self.url.removeprefix("s3://")
-
-
-@contextlib.contextmanager
-def _place(side: str, args: argparse.Namespace) -> Iterator[_Place]:
-    """A new, empty place for one run of `side`, removed afterwards."""
-    if side.endswith("_s3"):
-        if not args.s3_endpoint:
-            raise RuntimeError("no S3 server (moto's starts in the parent: is moto installed?)")
-        options = {"endpoint_url": args.s3_endpoint, "key": _S3_KEY, "secret": _S3_SECRET}
-        place = _Place(f"s3://{_BUCKET}/{uuid.uuid4().hex[:12]}", options, args.s3_endpoint)
-        try:
-            yield place
-        finally:
-            with contextlib.suppress(Exception):  # nothing may have been written
-                fs, path = place.filesystem()
-                fs.rm(path, recursive=True)
-        return
-    folder = tempfile.mkdtemp(prefix="raysgd_bench_ckpt_")
-    try:
-        yield _Place(folder)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------- sides
@@ -285,7 +183,7 @@ def _samples_per_s(times: list[float], cfg: dict[str, Any], workers: int) -> flo
     return throughput_from_times(times, cfg["warmup"], cfg["batch_size"] * workers)
 
 
-def _raysgd_sync(cfg: dict[str, Any], args: argparse.Namespace, place: _Place) -> dict[str, Any]:
+def _raysgd_sync(cfg: dict[str, Any], args: argparse.Namespace, place: Place) -> dict[str, Any]:
     """``save(path)`` and ``train(checkpoint=path)``'s extra time, with a warm trainer."""
     saves, extras, accounted = [], [], []
     with _common.local_ray(num_cpus=args.workers + 2, raysgd=True):
@@ -318,7 +216,7 @@ def _raysgd_sync(cfg: dict[str, Any], args: argparse.Namespace, place: _Place) -
 
 
 def _raysgd_periodic(
-    cfg: dict[str, Any], args: argparse.Namespace, place: Optional[_Place]
+    cfg: dict[str, Any], args: argparse.Namespace, place: Optional[Place]
 ) -> dict[str, Any]:
     """One `train()` call of warm-up + steps; with `place`, checkpoints every `every` steps."""
     total = cfg["warmup"] + cfg["steps"]
@@ -372,7 +270,7 @@ def _torchrun(cfg: dict[str, Any], args: argparse.Namespace, kind: str) -> dict[
 
 
 def _ray_train(
-    cfg: dict[str, Any], args: argparse.Namespace, kind: str, place: Optional[_Place]
+    cfg: dict[str, Any], args: argparse.Namespace, kind: str, place: Optional[Place]
 ) -> dict[str, Any]:
     from raysgd_examples.bench import _checkpoint_loop
 
@@ -417,7 +315,7 @@ def measure(key: str, args: argparse.Namespace) -> dict[str, Any]:
     elif side == "ray_train_none":
         result.update(_ray_train(cfg, args, "ray_train_none", None))
     elif side in SIDES:
-        with _place(side, args) as place:
+        with _checkpoint_storage.place(side, args) as place:
             if side.startswith("raysgd_sync_"):
                 result.update(_raysgd_sync(cfg, args, place))
             elif side.startswith("raysgd_async_"):
@@ -642,7 +540,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         if any(side.endswith("_s3") for side in sides):
             try:
-                endpoint = stack.enter_context(s3_server())
+                endpoint = stack.enter_context(_checkpoint_storage.s3_server())
                 args.argv = [*args.argv, "--s3-endpoint", endpoint]
             except ImportError as exc:  # the s3 sides then fail and say why
                 print(f"no S3 server ({exc}); the s3 sides will fail")
