@@ -79,21 +79,6 @@ def _per_worker_batch(operator: Any) -> int:
     return int(operator.config[BATCH_SIZE])
 
 
-def _wait_until_placed(timeout_s: float = 60.0) -> None:
-    """Wait until every placement group is fully placed again.
-
-    The trainer's placement group had a bundle on the lost node; Ray re-places that bundle on the new
-    node, so the new node's CPU shows up as the group's reserved room, not as free cluster CPU.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        states = [pg["state"] for pg in placement_group_table().values()]
-        if all(state in ("CREATED", "REMOVED") for state in states):
-            return
-        assert time.monotonic() < deadline, f"placement groups never placed again: {states}"
-        time.sleep(0.1)
-
-
 @pytest.mark.timeout(180)
 def test_node_loss_keeps_the_global_batch_and_grows_back(
     ray_multinode: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -138,11 +123,14 @@ def test_node_loss_keeps_the_global_batch_and_grows_back(
         shrink = next(e for e in trainer.recovery_events if e.kind == "resize")
         assert (shrink.source, shrink.steps_redone) == ("rank 0 at step 2", 1)
         assert sorted(rows_by_epoch(tmp_path)[1]) == list(range(NUM_SAMPLES))
+        # The lost worker's placement group went with it: nothing is left for Ray to place again
+        # on a cluster without room (a group in that state keeps Ray's GCS busy).
+        states = [pg["state"] for pg in placement_group_table().values()]
+        assert set(states) <= {"CREATED", "REMOVED"}, states
 
         # The node comes back: the next train() grows to num_workers and re-splits the batch.
         cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
-        _wait_until_placed()
         stats = trainer.train(max_retries=3)
         assert trainer.num_workers == 2
         assert stats["num_samples"] == NUM_SAMPLES

@@ -299,7 +299,7 @@ class WorkerGroup:
         collect(
             pending,
             outcome,
-            kill=lambda r, ref: kill_worker(by_rank[r], unanswered=ref),
+            kill=lambda r: kill_worker(by_rank[r], unresponsive=True),
             grace_s=self._options.peer_grace_s,
         )
         if not outcome.ok:

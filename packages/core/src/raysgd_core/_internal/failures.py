@@ -57,14 +57,14 @@ def collect(
     pending: dict[Any, int],
     outcome: Outcome,
     *,
-    kill: Callable[[int, Any], None],
+    kill: Callable[[int], None],
     grace_s: float = GRACE_S,
 ) -> Outcome:
     """Wait for every ref in `pending` (ref -> rank) and record results and failures in `outcome`.
 
     After the first failure the ranks still running get `grace_s`; after a rank reports a peer
     timeout, at most `GRACE_S` more (see the module docstring). Those left are killed:
-    `kill(rank, ref)`, with the call's ref they did not answer."""
+    `kill(rank)`."""
     import ray
     from ray.exceptions import RayActorError
 
@@ -74,7 +74,7 @@ def collect(
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
         if not ready:
-            for ref, rank in pending.items():
+            for rank in pending.values():
                 if outcome.silent:
                     logger.warning(
                         "rank %d did not answer: a peer's collective waited out its bound for "
@@ -85,7 +85,7 @@ def collect(
                     logger.warning(
                         "rank %d still running %.1fs after a failure: killing it", rank, grace_s
                     )
-                kill(rank, ref)
+                kill(rank)
                 outcome.killed.append(rank)
             break
         timed_out = own = False

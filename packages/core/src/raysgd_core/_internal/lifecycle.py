@@ -50,15 +50,15 @@ def start(running: RunningGroup, num_workers: int, borrowed: Any) -> None:
             pg = local.reserve(spec.bundle, spec.options.start_timeout_s)
             if pg is not None:
                 waits.append(pg.ready())
-    slots = pool.create_main([spec.bundle] * n_remote) if n_remote else []
-    if slots and slots[0].owned:
-        waits.append(slots[0].pg.ready())
-    # Actors are created before the placement group is ready: Ray starts each one the moment
-    # its bundle is reserved, with no round trip in between.
+    request = describe_request(num_workers, spec.bundle, spec.options.placement_strategy)
+    slots = pool.create_main(n_remote, spec.options.start_timeout_s) if n_remote else []
+    placed, slots = slots is not None, slots or []
+    waits += [slot.pg.ready() for slot in slots if slot.owned]
+    # Actors are created before their groups are ready: Ray starts each one the moment its
+    # bundle is reserved, with no round trip in between.
     spawned = spawn(slots, spec.actor)
     running.workers += spawned
-    request = describe_request(num_workers, spec.bundle, spec.options.placement_strategy)
-    if not wait_ready(waits, spec.options.start_timeout_s):
+    if not placed or not wait_ready(waits, spec.options.start_timeout_s):
         raise ResourcesUnavailableError(
             f"Could not reserve {request} within {spec.options.start_timeout_s:g}s; "
             f"the cluster has {describe_free_resources()}."

@@ -1,22 +1,21 @@
-"""Where workers go: one placement group per WorkerGroup, or a borrowed one (a Tune trial's).
+"""Where workers go: a placement group of one bundle per worker, or a borrowed group (a Tune trial's).
 
-Every remote worker occupies a *slot*: a bundle of a placement group (or "any bundle with room" of a
-borrowed group). `start()` makes one group with a bundle per worker, so the strategy (SPREAD, PACK,
-...) holds for the whole set. Workers added later by `recover` first reuse free bundles (a killed
-actor gives its bundle back to the group, not to the cluster), then get a one-bundle group each, so
-that each of them starts or not on its own and the group can be sized by what actually starts.
+Every remote worker occupies a *slot*. Each slot owned here is a placement group of its own: Ray can
+remove a whole group but not one bundle of it, and a group that lost a bundle with its node stays
+in Ray's hands until the bundle is placed again. While the cluster has no room for it Ray keeps
+trying, and on Ray 2.60 those attempts keep the GCS busy without pause (one core of the head
+node, slower steps on a machine that hosts both). With a group per worker, the group of a lost
+worker is removed instead and nothing is left to place again.
 
-A free bundle that sits on a node Ray is draining (see `raysgd_core.drains`) is set aside rather
-than reused: a worker placed there would go down with the node. It is reused once the bundle is
-somewhere else (Ray places a lost node's bundles again when it has room) or the drain is over.
-Until then, and from then until a new worker takes it, it holds one worker's resources that no
-worker uses: Ray can remove a placement group but not one bundle of it.
+`start()` still places the whole set by the group's strategy (SPREAD, PACK, ...): on a cluster of
+several nodes it first reserves one multi-bundle group with that strategy, notes the node of each
+bundle, removes it, and pins each worker's own group to its node (`bundle_label_selector` on Ray's
+node-id label). On a single node there is nothing to choose and the groups are made directly.
 
-The slot of a worker killed because it stopped answering is held back until its process is known
-to be gone (the call it did not answer comes back failed): on a frozen or partitioned node that
-takes as long as Ray's health checks, and a worker placed in the slot meanwhile would never start;
-on a live node Ray kills a stopped process within seconds, and the slot is used again. New workers
-get new one-bundle groups in the meantime.
+The group of a worker that is gone is kept for the next new worker while its node is live and
+not draining (a replacement then starts without waiting for Ray to free and reserve room again);
+otherwise it is removed. The group of a worker killed because it stopped answering is never
+reused: its node may be frozen, and a worker placed there would never start.
 """
 
 from __future__ import annotations
@@ -40,6 +39,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger("raysgd_core")
+
+#: How long start's reservation waits, once removed, for Ray to count its room free again.
+REFREE_WAIT_S = 0.5
 
 
 def make_bundle(num_cpus: float, num_gpus: float, resources: Optional[dict[str, float]]) -> dict:
@@ -88,8 +90,7 @@ class Slot:
 
     pg: Any
     bundle_index: int
-    owned: bool  # this WorkerGroup created `pg` and must remove it
-    single: bool  # `pg` holds only this slot (can be removed when the slot is free)
+    owned: bool  # this WorkerGroup created `pg` (a group of this one bundle) and must remove it
 
     def strategy(self) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -101,95 +102,90 @@ class Slot:
 
 
 class SlotPool:
-    """The slots of one WorkerGroup and the placement groups behind them."""
+    """The slots of one WorkerGroup: its own one-bundle placement groups, or a borrowed group."""
 
     def __init__(self, bundle: dict, strategy: str, borrowed: Any = None) -> None:
         self.bundle = bundle
         self.strategy_name = strategy
         self.borrowed = borrowed  # a placement group we may use but never remove
+        #: Groups of workers that are gone, on live nodes that are not draining: the next new
+        #: workers take them.
         self.free: list[Slot] = []
-        #: Free bundles on draining nodes, not handed out until they are elsewhere.
-        self.parked: list[Slot] = []
-        #: Slots of workers killed for not answering, each with a ref that resolves (to an
-        #: error) once the worker's process is gone; not handed out until then.
-        self.exiting: list[tuple[Slot, Any]] = []
         self.owned_pgs: list[Any] = []
 
-    def create_main(self, bundles: list[dict]) -> list[Slot]:
-        """All slots for `start()`: one placement group with the given bundles, or borrowed ones."""
+    def create_main(self, count: int, timeout_s: float) -> Optional[list[Slot]]:
+        """The slots for `start()`: `count` groups placed together by the strategy (None: the
+        cluster could not place them within `timeout_s`), or borrowed ones."""
         if self.borrowed is not None:
-            return [Slot(self.borrowed, -1, owned=False, single=False) for _ in bundles]
-        from ray.util.placement_group import placement_group
+            return [Slot(self.borrowed, -1, owned=False) for _ in range(count)]
+        nodes: list[Optional[str]] = [None] * count
+        if count > 1 and _nodes_that_fit(self.bundle) != 1:
+            placed = self._reserve(count, timeout_s)
+            if placed is None:
+                return None
+            nodes = placed
+        return [self._new_slot(node) for node in nodes]
 
-        pg = placement_group(bundles, strategy=self.strategy_name)
+    def _reserve(self, count: int, timeout_s: float) -> Optional[list[Optional[str]]]:
+        """Where Ray places `count` bundles by the strategy: a group made, read and removed."""
+        import ray
+        from ray.util import placement_group_table
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        pg = placement_group([self.bundle] * count, strategy=self.strategy_name)
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+        placed = placement_group_table(pg).get("bundles_to_node_id", {}) if ready else {}
+        free_before = ray.available_resources()
+        remove_placement_group(pg)
+        wait_removed([pg], timeout_s)
+        if not ready:
+            return None
+        # Ray's scheduler sees the room free a little after the group reads as removed; a pinned
+        # group asked for before that fails once and is tried again only about a second later.
+        freed = {
+            key: free_before.get(key, 0.0) + count * amount for key, amount in self.bundle.items()
+        }
+        _wait_free(freed, REFREE_WAIT_S)
+        return [str(placed[i]) if placed.get(i) else None for i in range(count)]
+
+    def _new_slot(self, node: Optional[str] = None) -> Slot:
+        """A one-bundle group, on `node` when given."""
+        from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group
+
+        pin = {"bundle_label_selector": [{NODE_ID_LABEL_KEY: node}]} if node else {}
+        pg = placement_group([self.bundle], strategy="PACK", **pin)
         self.owned_pgs.append(pg)
-        return [Slot(pg, i, owned=True, single=False) for i in range(len(bundles))]
+        return Slot(pg, 0, owned=True)
 
     def acquire(self) -> Slot:
-        """A slot for one more worker: a free bundle off draining nodes first, else a new
-        one-bundle group (which Ray does not place on a draining node)."""
+        """A slot for one more worker: a free group on a live node that is not draining first,
+        else a new group (which Ray does not place on a draining node)."""
         if self.borrowed is not None:
-            return Slot(self.borrowed, -1, owned=False, single=False)
+            return Slot(self.borrowed, -1, owned=False)
         self.refresh()
         if self.free:
             return self.free.pop(0)
-        from ray.util.placement_group import placement_group
+        return self._new_slot()
 
-        pg = placement_group([self.bundle], strategy="PACK")
-        self.owned_pgs.append(pg)
-        return Slot(pg, 0, owned=True, single=True)
-
-    def release(self, slot: Slot, *, exit_ref: Any = None) -> None:
-        """Give a slot back: a one-bundle group is removed (its resources go back to the cluster),
-        a bundle of the main group is kept for the next worker. `exit_ref`: the worker was killed
-        for not answering and may still hold the slot; the ref resolves once it is gone."""
-        if not slot.owned:
+    def release(self, slot: Slot, *, reuse: bool = True) -> None:
+        """Give a slot back: kept for the next worker while its node is live and not draining
+        (and `reuse`), else removed (its resources go back to the cluster)."""
+        if not slot.owned or slot in self.free:
             return
-        if slot.single:
-            self._remove(slot.pg)
-        elif exit_ref is not None:
-            self.exiting.append((slot, exit_ref))
-        elif slot not in self.free:
+        if reuse and _usable(slot, _nodes_to_avoid()):
             self.free.append(slot)
+        else:
+            self._remove(slot.pg)
 
     def refresh(self) -> None:
-        """Set aside the free bundles on draining nodes; take back those that moved off them
-        (Ray placed a lost node's bundle elsewhere, or the drain is over) and those whose killed
-        worker is gone."""
-        self._take_back_exited()
-        if not self.free and not self.parked:
+        """Remove the free groups whose node has since gone or started draining."""
+        if not self.free:
             return
-        from raysgd_core.drains import draining_nodes
-
-        draining = draining_nodes()
-        if not draining and not self.parked:
-            return
-        was_parked = self.parked
-        candidates = self.free + self.parked
-        self.free, self.parked = [], []
-        for slot in candidates:
-            node = bundle_node(slot)
-            usable = node is not None and node not in draining
-            if usable and slot in was_parked:
-                logger.info(
-                    "A free bundle of the workers' placement group left a draining node and is "
-                    "reserved on node %s until the group's next new worker takes it (Ray cannot "
-                    "remove one bundle of a placement group)",
-                    node,
-                )
-            (self.free if usable else self.parked).append(slot)
-
-    def _take_back_exited(self) -> None:
-        if not self.exiting:
-            return
-        import ray
-
-        refs = [ref for _, ref in self.exiting]
-        gone, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        for slot, ref in list(self.exiting):
-            if ref in gone:
-                self.exiting.remove((slot, ref))
-                self.free.append(slot)
+        avoid = _nodes_to_avoid()
+        for slot in list(self.free):
+            if not _usable(slot, avoid):
+                self.free.remove(slot)
+                self._remove(slot.pg)
 
     def remove_all(self) -> list[Any]:
         """Remove every placement group this pool created (killing anything still in them).
@@ -197,8 +193,6 @@ class SlotPool:
         Returns the groups whose removal was asked for (see `wait_removed`)."""
         removed = [pg for pg in list(self.owned_pgs) if self._remove(pg)]
         self.free.clear()
-        self.parked.clear()
-        self.exiting.clear()
         return removed
 
     def _remove(self, pg: Any) -> bool:
@@ -212,6 +206,45 @@ class SlotPool:
             logger.debug("remove_placement_group failed", exc_info=True)
             return False
         return True
+
+
+def _wait_free(amounts: dict[str, float], timeout_s: float) -> None:
+    """Wait (bounded) until the cluster has `amounts` free (others may take some meanwhile: the
+    bound keeps that from costing more than `timeout_s`)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        free = ray.available_resources()
+        if all(free.get(key, 0.0) >= amount - 1e-6 for key, amount in amounts.items()):
+            return
+        time.sleep(0.005)
+
+
+def _nodes_that_fit(bundle: dict) -> int:
+    """How many live nodes could hold `bundle` when empty."""
+    import ray
+
+    return sum(
+        1
+        for node in ray.nodes()
+        if node.get("Alive") and all(node["Resources"].get(k, 0.0) >= v for k, v in bundle.items())
+    )
+
+
+def _nodes_to_avoid() -> set[str]:
+    """Nodes a worker must not be placed on: draining ones, and those Ray no longer counts live."""
+    import ray
+
+    from raysgd_core.drains import draining_nodes
+
+    dead = {node["NodeID"] for node in ray.nodes() if not node.get("Alive")}
+    return set(draining_nodes()) | dead
+
+
+def _usable(slot: Slot, avoid: set[str]) -> bool:
+    node = bundle_node(slot)
+    return node is not None and node not in avoid
 
 
 def bundle_node(slot: Slot) -> Optional[str]:
@@ -267,7 +300,7 @@ def _gone(table: Any, free: dict, pg: Any) -> bool:
 
 def estimate_fitting(bundle: dict, pool: Optional[SlotPool]) -> int:
     """How many more `bundle`s fit: free cluster resources (or the borrowed group's), plus the
-    free bundles of our own group. One reading of a changing number: a guess, not a promise."""
+    groups of our workers that are gone and wait for the next one. One reading of a changing number: a guess, not a promise."""
     import ray
 
     available = ray.available_resources()

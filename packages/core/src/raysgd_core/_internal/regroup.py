@@ -103,7 +103,7 @@ def _keep_healthy(
         outcome = Outcome()
         if running.local is not None:
             running.local.runtime.destroy()
-        collect(refs, outcome, kill=lambda i, ref: _drop_stuck(running, survivors[i], ref))
+        collect(refs, outcome, kill=lambda i: _drop_stuck(running, survivors[i]))
         raise_for(outcome, lambda i: survivors[i].node_id)
         timings["leave_s"] = time.monotonic() - t_spawn
         running.workers = survivors
@@ -147,9 +147,9 @@ def _form(running: RunningGroup, workers: list[Worker], timings: dict[str, float
     timings["form_s"] = time.monotonic() - t0
 
 
-def _drop_stuck(running: RunningGroup, worker: Worker, unanswered: object) -> None:
-    """Drop a survivor that did not leave the old group in time (its slot waits for it to go)."""
-    kill_worker(worker, unanswered=unanswered)
+def _drop_stuck(running: RunningGroup, worker: Worker) -> None:
+    """Drop a survivor that did not leave the old group in time (its slot is not used again)."""
+    kill_worker(worker, unresponsive=True)
     running.drop(worker)
 
 

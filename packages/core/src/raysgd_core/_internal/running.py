@@ -91,10 +91,9 @@ class RunningGroup:
         self.broken = False
 
     def drop(self, worker: Worker) -> None:
-        """Kill a remote worker and give its slot back (the local rank is never killed). The slot
-        of a worker killed for not answering comes back once its process is gone (see
-        `SlotPool.release`)."""
+        """Kill a remote worker and give its slot back (the local rank is never killed); the
+        slot of a worker killed for not answering is not used again."""
         kill_worker(worker)
         if worker.slot is not None and self.pool is not None:
-            self.pool.release(worker.slot, exit_ref=worker.exit_ref)
+            self.pool.release(worker.slot, reuse=not worker.unresponsive)
             worker.slot = None

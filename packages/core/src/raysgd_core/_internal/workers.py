@@ -54,9 +54,8 @@ class Worker:
     local_world_size: int = 1
     device: str = "cpu"
     alive: bool = True
-    #: Killed because it did not answer: the call it did not answer, which resolves (to an
-    #: error) once its process is gone (see `SlotPool.release`).
-    exit_ref: Any = None
+    #: Killed because it did not answer: its slot is not used again (its node may be frozen).
+    unresponsive: bool = False
 
     @property
     def node_id(self) -> str:
@@ -117,7 +116,7 @@ def run_hooks(
         record_local(outcome, 0, result)
     by_index = {first_rank + i: w for i, w in enumerate(workers)}
     pending = {w.info.pop("hook_ref"): i for i, w in by_index.items() if "hook_ref" in w.info}
-    collect(pending, outcome, kill=lambda i, ref: kill_worker(by_index[i], unanswered=ref))
+    collect(pending, outcome, kill=lambda i: kill_worker(by_index[i], unresponsive=True))
     raise_for(outcome, lambda i: by_index[i].node_id if i in by_index else "?")
 
 
@@ -150,7 +149,7 @@ def form_group(
         collect(
             {head.actor.open_store.remote(world_size, formation_timeout_s): 0},
             outcome,
-            kill=lambda r, ref: kill_worker(workers[r], unanswered=ref),
+            kill=lambda r: kill_worker(workers[r], unresponsive=True),
         )
         raise_for(outcome, node_of)
         host, port = outcome.results[0]
@@ -186,7 +185,7 @@ def form_group(
     collect(
         pending,
         outcome,
-        kill=lambda r, ref: kill_worker(workers[r], unanswered=ref),
+        kill=lambda r: kill_worker(workers[r], unresponsive=True),
         grace_s=formation_timeout_s + GRACE_S,
     )
     raise_for(outcome, node_of)
@@ -194,14 +193,13 @@ def form_group(
         w.device = outcome.results[w.rank]
 
 
-def kill_worker(worker: Worker, *, unanswered: Any = None) -> None:
-    """Kill a remote worker's actor (no restart); the local rank is never killed. `unanswered`:
-    the call it is killed for not answering (kept: it tells when the process is gone)."""
+def kill_worker(worker: Worker, *, unresponsive: bool = False) -> None:
+    """Kill a remote worker's actor (no restart); the local rank is never killed. `unresponsive`:
+    it is killed for not answering."""
     import ray
 
     worker.alive = worker.local is not None
-    if unanswered is not None:
-        worker.exit_ref = unanswered
+    worker.unresponsive = worker.unresponsive or unresponsive
     if worker.actor is not None:
         try:
             ray.kill(worker.actor, no_restart=True)
