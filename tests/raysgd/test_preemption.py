@@ -373,11 +373,20 @@ def test_a_worker_fed_by_ray_data_moves_mid_epoch_and_the_epoch_keeps_its_rows(
 
 
 class NodeMarkingOperator(SlowLinearOperator):
-    """`SlowLinearOperator` that also writes, for the test, the node each rank starts on."""
+    """`SlowLinearOperator` that also writes, for the test, the node each rank starts on, and
+    holds step 5 until the test has given its notice (``drained`` in `marker_dir`): `ray
+    drain-node` can take longer than the rest of this short epoch on a busy machine."""
 
     def setup(self, config: dict[str, Any]) -> None:
         super().setup(config)
         Path(config["marker_dir"], f"node-{self.world_rank}").write_text(_node_id())
+
+    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        if batch_info["global_step"] == 5:
+            drained, until = Path(self.config["marker_dir"], "drained"), time.monotonic() + 60
+            while not drained.exists() and time.monotonic() < until:
+                time.sleep(0.02)
+        return super().train_batch(batch, batch_info)
 
 
 def _one_epoch_of_a_trial(trainer: TorchTrainer, info: dict[str, Any]) -> dict[str, Any]:
@@ -408,6 +417,7 @@ def test_a_tune_trial_hands_a_draining_workers_place_to_its_spare(
         while not (markers / "step-3").exists() and time.monotonic() < until:
             time.sleep(0.02)
         _drain(ray_multinode, (markers / "node-1").read_text(), 30)
+        (markers / "drained").touch()
 
     drainer = threading.Thread(target=drain_rank_1, daemon=True)
     drainer.start()
