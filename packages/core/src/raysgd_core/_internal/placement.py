@@ -29,7 +29,6 @@ from typing import Any, Optional
 __all__ = [
     "Slot",
     "SlotPool",
-    "bundle_node",
     "describe_free_resources",
     "describe_request",
     "estimate_fitting",
@@ -243,11 +242,11 @@ def _nodes_to_avoid() -> set[str]:
 
 
 def _usable(slot: Slot, avoid: set[str]) -> bool:
-    node = bundle_node(slot)
+    node = _bundle_node(slot)
     return node is not None and node not in avoid
 
 
-def bundle_node(slot: Slot) -> Optional[str]:
+def _bundle_node(slot: Slot) -> Optional[str]:
     """The node a slot's bundle is placed on now (None: not placed, or unknown)."""
     from ray.util import placement_group_table
 
