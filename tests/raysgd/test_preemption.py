@@ -39,7 +39,12 @@ DEADLINE_S = 12
 
 class SlowLinearOperator(TrainingOperator):
     """A seeded linear regression whose steps take `STEP_S`; records its finished rows and marks
-    in `marker_dir` the steps the test waits for."""
+    in `marker_dir` the steps the test waits for.
+
+    With `hold_step` in the config every rank holds that step until the test has given its notice
+    (``drained`` in `marker_dir`): `ray drain-node` is a process of its own and can take longer
+    than the rest of this short epoch on a busy machine.
+    """
 
     def setup(self, config: dict[str, Any]) -> None:
         torch.manual_seed(0)
@@ -59,6 +64,10 @@ class SlowLinearOperator(TrainingOperator):
 
     def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
         x, y, ids = batch
+        if batch_info["global_step"] == self.config.get("hold_step"):
+            drained, until = Path(self.config["marker_dir"], "drained"), time.monotonic() + 60
+            while not drained.exists() and time.monotonic() < until:
+                time.sleep(0.02)
         time.sleep(STEP_S)
         block = Path(self.config["marker_dir"], f"block-{batch_info['global_step']}")
         if self.world_rank == 1 and block.exists():
@@ -107,6 +116,7 @@ def _reclaim_at_step(
         # command's process exits, and the deadline counts from a moment later than this one.
         times["drained"] = time.time()
         _drain(cluster, node.node_id, deadline_s)
+        (folder / "drained").touch()
         time.sleep(remove_after_s)
         cluster.remove_node(node)
         times["removed"] = time.time()
@@ -136,10 +146,10 @@ def _reclaim_at_marker(
     return thread, {}
 
 
-def _trainer(folder: Path, **kwargs: Any) -> TorchTrainer:
+def _trainer(folder: Path, hold_step: Optional[int] = None, **kwargs: Any) -> TorchTrainer:
     return TorchTrainer(
         training_operator_cls=SlowLinearOperator,
-        config={BATCH_SIZE: GLOBAL_BATCH, "marker_dir": str(folder)},
+        config={BATCH_SIZE: GLOBAL_BATCH, "marker_dir": str(folder), "hold_step": hold_step},
         num_workers=2,
         timeout_s=60,  # safety net only
         **kwargs,
@@ -188,7 +198,7 @@ def test_a_drained_node_is_left_before_its_deadline_losing_nothing(
     moved_dir.mkdir()
     expected = _reference_weights(tmp_path / "reference")[1]
 
-    trainer = _trainer(moved_dir)
+    trainer = _trainer(moved_dir, hold_step=7)
     try:
         where = trainer.apply_all_workers(_node_id)
         victim = _on(nodes, where[1])
@@ -261,7 +271,7 @@ def test_without_room_the_group_shrinks_before_the_deadline_and_a_node_lost_firs
 ) -> None:
     nodes = _cluster(ray_multinode, 2)  # both nodes hold a worker: nowhere to move to
     expected = _reference_weights(tmp_path / "reference")[0]
-    trainer = _trainer(tmp_path)
+    trainer = _trainer(tmp_path, hold_step=7)
     try:
         victim = _on(nodes, trainer.apply_all_workers(_node_id)[1])
         reclaim, times = _reclaim_at_step(
@@ -339,7 +349,7 @@ def test_a_worker_fed_by_ray_data_moves_mid_epoch_and_the_epoch_keeps_its_rows(
     dataset = ray.data.from_numpy(__import__("numpy").arange(ROWS)).map_batches(_line_rows)
     trainer = TorchTrainer(
         training_operator_cls=SlowDataOperator,
-        config={BATCH_SIZE: GLOBAL_BATCH, "marker_dir": str(tmp_path)},
+        config={BATCH_SIZE: GLOBAL_BATCH, "marker_dir": str(tmp_path), "hold_step": 5},
         num_workers=2,
         timeout_s=60,
         datasets={"train": dataset},
@@ -373,20 +383,11 @@ def test_a_worker_fed_by_ray_data_moves_mid_epoch_and_the_epoch_keeps_its_rows(
 
 
 class NodeMarkingOperator(SlowLinearOperator):
-    """`SlowLinearOperator` that also writes, for the test, the node each rank starts on, and
-    holds step 5 until the test has given its notice (``drained`` in `marker_dir`): `ray
-    drain-node` can take longer than the rest of this short epoch on a busy machine."""
+    """`SlowLinearOperator` that also writes, for the test, the node each rank starts on."""
 
     def setup(self, config: dict[str, Any]) -> None:
         super().setup(config)
         Path(config["marker_dir"], f"node-{self.world_rank}").write_text(_node_id())
-
-    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
-        if batch_info["global_step"] == 5:
-            drained, until = Path(self.config["marker_dir"], "drained"), time.monotonic() + 60
-            while not drained.exists() and time.monotonic() < until:
-                time.sleep(0.02)
-        return super().train_batch(batch, batch_info)
 
 
 def _one_epoch_of_a_trial(trainer: TorchTrainer, info: dict[str, Any]) -> dict[str, Any]:
@@ -423,7 +424,7 @@ def test_a_tune_trial_hands_a_draining_workers_place_to_its_spare(
     drainer.start()
     trainable = TorchTrainer.as_trainable(
         training_operator_cls=NodeMarkingOperator,
-        config={BATCH_SIZE: GLOBAL_BATCH, "marker_dir": str(markers)},
+        config={BATCH_SIZE: GLOBAL_BATCH, "marker_dir": str(markers), "hold_step": 5},
         num_workers=2,
         num_cpus_per_worker=1,
         spare_workers=1,
