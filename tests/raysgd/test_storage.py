@@ -135,6 +135,27 @@ def test_local_write_is_atomic(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["state.pt"]  # no temp file left
 
 
+def test_a_streamed_write_is_whole_or_keeps_the_old_file(root):
+    chunk = os.urandom(1 << 20)
+
+    def three_chunks(handle):
+        for _ in range(3):
+            handle.write(chunk)
+
+    root.write_stream("part.bin", three_chunks)
+    assert root.read_bytes("part.bin") == chunk * 3
+
+    def fails_midway(handle):
+        handle.write(b"partial")
+        raise RuntimeError("the state could not be pickled")
+
+    with pytest.raises(StorageError, match=r"cannot write .*part\.bin.*could not be pickled"):
+        root.write_stream("part.bin", fails_midway)
+    if root.protocol != "memory":  # memory:// shows a file while it is written
+        assert root.read_bytes("part.bin") == chunk * 3
+        assert root.listdir() == ["part.bin"]  # no temp file or stray object left
+
+
 def test_remote_locations(s3_server):
     s3 = Storage(s3_server.url("a/b/"), s3_server.storage_options)
     assert (s3.protocol, s3.path, s3.url, s3.local_path) == (

@@ -12,7 +12,8 @@ Two formats, and either loads into a trainer of any strategy and any number of w
   checkpoints `checkpoint_every` writes) is `WHOLE_FILE`. The manifest's `kind` says which.
 
 A checkpoint is complete or invisible. A file is replaced atomically (a local temp file renamed
-over it; an object store's single put). Object stores have no rename, so a folder cannot be
+over it; an object store's upload, which shows the object only once it is complete). A whole state
+is streamed into its file (`write_state`), never serialised into memory first. Object stores have no rename, so a folder cannot be
 written aside and moved into place: under a root of checkpoints each one is a folder of its own,
 named per attempt (`checkpoint_name`: epoch, step, a random suffix), so that a retry never writes
 into the folder of an interrupted attempt; its parts come first (each worker writes its own) and
@@ -67,6 +68,7 @@ __all__ = [
     "state_from_bytes",
     "state_to_bytes",
     "write_manifest",
+    "write_state",
 ]
 
 logger = logging.getLogger("raysgd")
@@ -94,6 +96,13 @@ def state_to_bytes(state: dict[str, Any]) -> bytes:
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return buffer.getvalue()
+
+
+def write_state(folder: Storage, name: str, state: dict[str, Any]) -> None:
+    """`torch.save` straight into the file `name` of `folder`, streamed: a large state is not
+    serialised into memory first (a copy of its size), and the writing thread holds the GIL in
+    short stretches instead of for each whole copy, so the training loop beside it keeps going."""
+    folder.write_stream(name, lambda handle: torch.save(state, handle))
 
 
 def state_from_bytes(data: bytes, *, source: str = "state") -> dict[str, Any]:

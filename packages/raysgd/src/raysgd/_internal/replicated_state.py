@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from raysgd._internal.checkpoint import WHOLE, WHOLE_FILE, state_to_bytes
+from raysgd._internal.checkpoint import WHOLE, WHOLE_FILE, write_state
 from raysgd._internal.restore_plan import Holding, RestorePlan
 from raysgd._internal.state_transfer import broadcast_state
 from raysgd._internal.storage import Storage
@@ -78,7 +78,7 @@ class ReplicatedState(WorkerState):
 
     def save(self, folder: Storage) -> Optional[dict[str, Any]]:
         """The whole state as one part (called on one worker)."""
-        folder.write_bytes(WHOLE_FILE, state_to_bytes(self.runner.state_dict()))
+        write_state(folder, WHOLE_FILE, self.runner.state_dict())
         return None
 
     def stage(self) -> Optional[Staged]:
@@ -99,7 +99,7 @@ class _WholeCopy(Staged):
         self.state = state
 
     def write(self, folder: Storage) -> None:
-        folder.write_bytes(WHOLE_FILE, state_to_bytes(self.state))
+        write_state(folder, WHOLE_FILE, self.state)
 
 
 def _adopt_from(runner: OperatorRunner, source: int) -> None:

@@ -23,8 +23,8 @@ import pickle
 import posixpath
 import re
 import uuid
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
 from typing import IO, TYPE_CHECKING, Any, NoReturn, Optional, Union
 
 if TYPE_CHECKING:
@@ -247,6 +247,33 @@ class Storage:
                 write_file(path, data)
             else:
                 self.fs.pipe_file(path, bytes(data))
+
+    def write_stream(self, relpath: str, write: Callable[[IO[bytes]], None]) -> None:
+        """Write one file by handing `write` a binary file to stream into: a large part is never
+        held in memory a second time as one bytes object (`write_bytes` needs it whole).
+
+        On the local disk the file appears whole or not at all, as with `write_bytes`. Elsewhere
+        the upload is committed when `write` returns (an object store shows the object only
+        then); when `write` fails, the upload is discarded as far as the store allows (s3fs
+        aborts its multipart upload), but a store that shows a file while it is being written
+        (memory://) keeps what was written. Meant for a checkpoint folder's parts, which its
+        manifest, written last, makes visible.
+        """
+        if not relpath:
+            raise ValueError("write_stream needs a file name below the location")
+        path = self._full(relpath)
+        with self._errors("cannot write", relpath):
+            if self.is_local:
+                with _atomic_local_file(path) as handle:
+                    write(handle)
+                return
+            handle = self.fs.open(path, "wb")
+            try:
+                write(handle)
+            except BaseException:
+                _discard(handle)
+                raise
+            handle.close()
 
     def read_bytes(self, relpath: str) -> bytes:
         """The whole content of the file at `relpath`."""
@@ -535,17 +562,26 @@ def is_scratch(path: str) -> bool:
 
 
 def write_file(path: PathLike, data: bytes) -> str:
-    """Write `data` to the local `path` atomically: a temp file in the same folder, fsynced,
-    renamed over `path` with `os.replace`, then the folder fsynced so that the rename itself
-    survives a crash. The file gets the permissions of any new file (0666 less the umask)."""
+    """Write `data` to the local `path` atomically (see `_atomic_local_file`); the path written."""
     path = os.path.abspath(os.fspath(path))
+    with _atomic_local_file(path) as handle:
+        handle.write(data)
+    return path
+
+
+@contextmanager
+def _atomic_local_file(path: str) -> Iterator[IO[bytes]]:
+    """A binary file that becomes the local `path` only when the block ends without an error: a
+    temp file in the same folder, fsynced, renamed over `path` with `os.replace`, then the folder
+    fsynced so that the rename itself survives a crash. The file gets the permissions of any new
+    file (0666 less the umask)."""
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f"{SCRATCH_PREFIX}{uuid.uuid4().hex}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            yield handle
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -554,7 +590,16 @@ def write_file(path: PathLike, data: bytes) -> str:
             os.unlink(tmp)
         raise
     _fsync_folder(folder)
-    return path
+
+
+def _discard(handle: IO[bytes]) -> None:
+    """Give up an fsspec file open for writing without committing what was written: `discard`
+    (s3fs aborts its multipart upload), then `close`, which then has nothing left to commit (or
+    fails, which leaves the file closed all the same)."""
+    with suppress(Exception):
+        handle.discard()  # type: ignore[attr-defined]
+    with suppress(Exception):
+        handle.close()
 
 
 def _fsync_folder(folder: str) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple, Optional
 
 from raysgd._internal.async_checkpoints import UPLOAD_KEY, CheckpointPlan, periodic_for
-from raysgd._internal.checkpoint import state_to_bytes
+from raysgd._internal.checkpoint import state_to_bytes, write_state
 from raysgd._internal.collective_bound import bound_for
 from raysgd._internal.preemption import WatchSpec, watch_for
 from raysgd._internal.restore_plan import Holding, RestorePlan
@@ -187,7 +187,7 @@ def save(folder: Storage) -> Optional[dict[str, Any]]:
 
 def save_file(location: Storage) -> None:
     """Write this worker's whole state as one checkpoint file at `location`, atomically."""
-    location.parent().write_bytes(location.name, state_to_bytes(current_runner().state_dict()))
+    write_state(location.parent(), location.name, current_runner().state_dict())
 
 
 def load(source: LoadSource) -> LoadAnswer:
