@@ -111,6 +111,27 @@ def test_state_is_a_snapshot_and_load_checks_counts() -> None:
         runner.load_state_dict({**state, "models": []})
 
 
+def test_a_snapshot_into_an_earlier_one_reuses_its_memory_and_is_current() -> None:
+    runner = OperatorRunner(NoisyOperator, {}, scheduler_step_freq="epoch")
+    runner.train_epoch()
+    earlier = runner.state_dict()
+    pointers = [t.data_ptr() for t in earlier["models"][0].values()]
+    adam = earlier["optimizers"][0]["state"][0]["exp_avg"].data_ptr()
+    runner.train_epoch()
+    again = runner.state_dict(into=earlier)
+    # The same memory, now holding this step's values: weights and Adam's moments alike.
+    assert [t.data_ptr() for t in again["models"][0].values()] == pointers
+    assert again["optimizers"][0]["state"][0]["exp_avg"].data_ptr() == adam
+    assert torch.equal(again["models"][0]["0.weight"], runner.operator.model[0].weight)
+    assert again["optimizers"][0]["state"][0]["step"] == 20
+    # Never the live tensors, and whatever no longer matches (here: a new shape) is a new copy.
+    assert again["models"][0]["0.weight"] is not runner.operator.model[0].weight
+    earlier["models"][0]["0.weight"] = torch.zeros(1)
+    fresh = runner.state_dict(into=earlier)["models"][0]["0.weight"]
+    assert fresh.shape == (8, 4) and torch.equal(fresh, runner.operator.model[0].weight)
+    assert fresh.data_ptr() != runner.operator.model[0].weight.data_ptr()
+
+
 def test_get_models_unwrapped_and_cpu_copy() -> None:
     runner = OperatorRunner(NoisyOperator, {}, scheduler_step_freq="epoch")
     (live,) = runner.get_models()

@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Hashable, Mapping
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -322,11 +322,15 @@ class OperatorRunner:
             "rng": rng_state(),
         }
 
-    def state_dict(self, *, live: bool = False) -> dict[str, Any]:
+    def state_dict(
+        self, *, live: bool = False, into: Optional[dict[str, Any]] = None
+    ) -> dict[str, Any]:
         """A CPU snapshot of everything needed to continue training exactly here.
 
         With `live`, the model and optimizer tensors are the worker's own, on its device, not
         copies (to send them to another worker without a copy; training must not run meanwhile).
+        With `into`, an earlier snapshot that nothing reads any more, the model and optimizer
+        tensors are copied into its tensors (a periodic checkpoint's host copy, reused).
         Not available with a sharded strategy (no worker holds the whole model): use
         `sharded_snapshot`.
         """
@@ -336,11 +340,19 @@ class OperatorRunner:
                 f"strategy {parts.strategy.name!r} shards the model: no worker has its whole "
                 "state (use sharded_snapshot)"
             )
-        copy_ = (lambda x: x) if live else cpu_copy
+        if live:
+            return {
+                **self._progress_state(),
+                "models": [m.state_dict() for m in parts.models],
+                "optimizers": [o.state_dict() for o in parts.optimizers],
+            }
+        earlier = into or {}
         return {
             **self._progress_state(),
-            "models": [copy_(m.state_dict()) for m in parts.models],
-            "optimizers": [copy_(o.state_dict()) for o in parts.optimizers],
+            "models": cpu_copy([m.state_dict() for m in parts.models], earlier.get("models")),
+            "optimizers": cpu_copy(
+                [o.state_dict() for o in parts.optimizers], earlier.get("optimizers")
+            ),
         }
 
     # -- recovery ------------------------------------------------------------------------------

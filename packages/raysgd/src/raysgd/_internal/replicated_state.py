@@ -34,6 +34,8 @@ class ReplicatedState(WorkerState):
 
     kind = WHOLE
     whole = True
+    #: Rank 0's last host copy for a periodic checkpoint, which the next one is copied into.
+    _staged: Optional[dict[str, Any]] = None
 
     def holding(self) -> Holding:
         return Holding(self.runner.progress())
@@ -82,10 +84,12 @@ class ReplicatedState(WorkerState):
         return None
 
     def stage(self) -> Optional[Staged]:
-        """Rank 0 copies the whole state to host memory; the others write nothing."""
+        """Rank 0 copies the whole state to host memory, into the previous checkpoint's copy
+        (kept for that); the others write nothing."""
         if get_context().world_rank != 0:
             return None
-        return _WholeCopy(self.runner.state_dict())
+        self._staged = self.runner.state_dict(into=self._staged)
+        return _WholeCopy(self._staged)
 
     @classmethod
     def parts(cls, world_size: int) -> list[str]:

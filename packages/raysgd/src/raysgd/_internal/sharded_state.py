@@ -21,7 +21,6 @@ size. A checkpoint is written from the live parts, straight into its folder (`sa
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import pickle
@@ -37,7 +36,7 @@ from typing import Any, Optional, Union
 import ray
 import torch
 
-from raysgd._internal.checkpoint import METADATA_FILE, SHARDED, STATE_FILE
+from raysgd._internal.checkpoint import METADATA_FILE, SHARDED, STATE_FILE, write_state
 from raysgd._internal.restore_plan import HeldSnapshot, Holding, RestorePlan
 from raysgd._internal.storage import Storage
 from raysgd._internal.worker_runner import RUNNER_KEY, RunnerArgs, build_runner
@@ -377,14 +376,13 @@ class _SnapshotPart(Staged):
         if generation is None or rank not in generation.parts:
             raise RuntimeError(f"the snapshot at step {self.step} did not finish on this worker")
         for name, data in generation.parts[rank][0].items():
+            # A tensor's memory as it is: no copy of the shard on its way to the local disk.
             folder.write_bytes(
-                name, bytes(memoryview(data.numpy())) if isinstance(data, torch.Tensor) else data
+                name, memoryview(data.numpy()) if isinstance(data, torch.Tensor) else data
             )
         if rank == 0:
             folder.write_bytes(METADATA_FILE, generation.metadata)
-            buffer = io.BytesIO()
-            torch.save(generation.state, buffer)
-            folder.write_bytes(STATE_FILE, buffer.getvalue())
+            write_state(folder, STATE_FILE, generation.state)
 
 
 def _read(directory: str, name: str) -> bytes:

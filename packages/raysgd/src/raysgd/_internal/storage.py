@@ -236,9 +236,10 @@ class Storage:
         parent._fs = self._fs
         return parent
 
-    def write_bytes(self, relpath: str, data: bytes) -> None:
-        """Write one file whole. A reader sees the old file or the new one, never a part: on the
-        local disk through a temp file, fsync and rename; an object store's put is atomic."""
+    def write_bytes(self, relpath: str, data: Union[bytes, memoryview]) -> None:
+        """Write one file whole (`data` may be any contiguous buffer). A reader sees the old file
+        or the new one, never a part: on the local disk through a temp file, fsync and rename; an
+        object store's put is atomic."""
         if not relpath:
             raise ValueError("write_bytes needs a file name below the location")
         path = self._full(relpath)
@@ -561,7 +562,7 @@ def is_scratch(path: str) -> bool:
     return posixpath.basename(path).startswith(SCRATCH_PREFIX)
 
 
-def write_file(path: PathLike, data: bytes) -> str:
+def write_file(path: PathLike, data: Union[bytes, memoryview]) -> str:
     """Write `data` to the local `path` atomically (see `_atomic_local_file`); the path written."""
     path = os.path.abspath(os.fspath(path))
     with _atomic_local_file(path) as handle:

@@ -109,7 +109,8 @@ class WorkerState(abc.ABC):
     def stage(self) -> Optional[Staged]:
         """Copy this worker's part of the state now to host memory, for a checkpoint written in
         the background (the training loop waits only for this); None when this worker writes no
-        part."""
+        part. The copy may reuse the memory of this worker's previous one: stage again only once
+        that one was written."""
 
     @classmethod
     @abc.abstractmethod
