@@ -14,7 +14,6 @@ import uuid
 
 import pytest
 
-from raysgd._internal import storage as storage_module
 from raysgd._internal.checkpoint import (
     MANIFEST_NAME,
     Manifest,
@@ -27,6 +26,7 @@ from raysgd._internal.checkpoint import (
     write_manifest,
 )
 from raysgd._internal.storage import Storage, StorageError
+from raysgd._internal.storage_errors import redact
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -288,7 +288,7 @@ def test_error_texts_lose_environment_credentials(monkeypatch):
     secret = f"from-env-{uuid.uuid4().hex}"
     monkeypatch.setenv("AZURE_STORAGE_KEY", secret)
     monkeypatch.setenv("MY_SERVICE_TOKEN", secret + "2")
-    text = storage_module._redact(f"failed with {secret} and {secret}2", {"a": "xyz12"})
+    text = redact(f"failed with {secret} and {secret}2", {"a": "xyz12"})
     assert secret not in text and text == "failed with *** and ***"
 
 

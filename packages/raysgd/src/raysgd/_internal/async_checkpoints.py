@@ -23,8 +23,9 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from raysgd._internal.atomic_files import SCRATCH_PREFIX
 from raysgd._internal.checkpoint import checkpoint_name, prune, write_manifest
-from raysgd._internal.storage import SCRATCH_PREFIX, Storage
+from raysgd._internal.storage import Storage
 from raysgd._internal.worker_state import WorkerState
 from raysgd_core import get_context
 

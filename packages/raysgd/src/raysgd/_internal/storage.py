@@ -27,16 +27,15 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from typing import IO, TYPE_CHECKING, Any, NoReturn, Optional, Union
 
+from raysgd._internal.atomic_files import SCRATCH_PREFIX, atomic_local_file, write_file
+from raysgd._internal.storage_errors import StorageError, failure_message
+
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
-__all__ = ["SCRATCH_PREFIX", "Storage", "StorageError", "as_storage", "is_scratch", "write_file"]
+__all__ = ["Storage", "StorageError", "as_storage", "is_scratch"]
 
 logger = logging.getLogger("raysgd")
-
-#: The names of files this module writes that are never a checkpoint's parts: the atomic write's
-#: temp files and `check_access`'s probe.
-SCRATCH_PREFIX = ".raysgd-"
 
 #: The extra of raysgd that installs the client library of a protocol fsspec does not bundle.
 _EXTRAS = {
@@ -51,26 +50,7 @@ _EXTRAS = {
 _LOCAL_PROTOCOLS = ("file", "local")
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.DOTALL)
 
-#: Environment variables whose values are redacted from error texts too: the client libraries
-#: read credentials from them when `storage_options` has none.
-_CREDENTIAL_ENV = re.compile(
-    r"^(AWS|AZURE|GOOGLE|GCS|GCP|GCLOUD)_"
-    r"|(^|_)(KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIALS?|SAS|CONNECTION_STRING)(_|$)"
-)
-#: Shorter values are not redacted: they are flags and numbers, and replacing them would mangle
-#: every message while hiding nothing.
-_MIN_SECRET_LEN = 4
-_MAX_DETAIL = 200
-
 PathLike = Union[str, "os.PathLike[str]"]
-
-
-class StorageError(OSError):
-    """A storage operation failed (unreachable endpoint, refused credentials, missing bucket, ...).
-
-    The message is one line: what was done, the URL, a reason class and the client's own error
-    with every credential value removed.
-    """
 
 
 class Storage:
@@ -265,7 +245,7 @@ class Storage:
         path = self._full(relpath)
         with self._errors("cannot write", relpath):
             if self.is_local:
-                with _atomic_local_file(path) as handle:
+                with atomic_local_file(path) as handle:
                     write(handle)
                 return
             handle = self.fs.open(path, "wb")
@@ -430,9 +410,7 @@ class Storage:
             raise StorageError(self._message(action, self.display(relpath), exc)) from None
 
     def _message(self, action: str, where: str, exc: BaseException) -> str:
-        detail = " ".join(str(exc).split())[:_MAX_DETAIL]
-        detail = f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
-        return _redact(f"{action} {where}: {_reason(exc)} ({detail})", self._options)
+        return failure_message(action, where, exc, self._options)
 
 
 def as_storage(
@@ -513,84 +491,9 @@ def _remote_path(protocol: str, text: str, rest: str) -> str:
     return path.rstrip("/") or "/"
 
 
-def _secrets(options: Mapping[str, Any]) -> list[str]:
-    found: list[str] = []
-
-    def collect(value: Any) -> None:
-        if isinstance(value, str):
-            if len(value) >= _MIN_SECRET_LEN:
-                found.append(value)
-        elif isinstance(value, Mapping):
-            for item in value.values():
-                collect(item)
-        elif isinstance(value, (list, tuple, set)):
-            for item in value:
-                collect(item)
-
-    collect(options)
-    for name, value in os.environ.items():
-        if _CREDENTIAL_ENV.search(name.upper()):
-            collect(value)
-    # Longest first, so that a secret that contains another is replaced whole.
-    return sorted(set(found), key=len, reverse=True)
-
-
-def _redact(text: str, options: Mapping[str, Any]) -> str:
-    for secret in _secrets(options):
-        text = text.replace(secret, "***")
-    return text
-
-
-def _reason(exc: BaseException) -> str:
-    """The class of a failure, from the exception's type (each client library has its own)."""
-    names = " ".join(cls.__name__ for cls in type(exc).__mro__)
-    if isinstance(exc, FileNotFoundError) or "NoSuch" in names or "NotFound" in names:
-        return "not found (no such bucket, container or path)"
-    if isinstance(exc, PermissionError) or any(
-        word in names for word in ("Credential", "AccessDenied", "Auth", "Forbidden", "Refresh")
-    ):
-        return "access denied (credentials or permissions)"
-    if isinstance(exc, (ConnectionError, TimeoutError)) or any(
-        word in names for word in ("Connect", "Timeout")
-    ):
-        return "endpoint unreachable"
-    return "failed"
-
-
 def is_scratch(path: str) -> bool:
     """Whether `path` names one of this module's temp or probe files (never a checkpoint part)."""
     return posixpath.basename(path).startswith(SCRATCH_PREFIX)
-
-
-def write_file(path: PathLike, data: Union[bytes, memoryview]) -> str:
-    """Write `data` to the local `path` atomically (see `_atomic_local_file`); the path written."""
-    path = os.path.abspath(os.fspath(path))
-    with _atomic_local_file(path) as handle:
-        handle.write(data)
-    return path
-
-
-@contextmanager
-def _atomic_local_file(path: str) -> Iterator[IO[bytes]]:
-    """A binary file that becomes the local `path` only when the block ends without an error: a
-    temp file in the same folder, fsynced, renamed over `path` with `os.replace`, then the folder
-    fsynced so that the rename itself survives a crash. The file gets the permissions of any new
-    file (0666 less the umask)."""
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f"{SCRATCH_PREFIX}{uuid.uuid4().hex}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_folder(folder)
 
 
 def _discard(handle: IO[bytes]) -> None:
@@ -601,17 +504,3 @@ def _discard(handle: IO[bytes]) -> None:
         handle.discard()  # type: ignore[attr-defined]
     with suppress(Exception):
         handle.close()
-
-
-def _fsync_folder(folder: str) -> None:
-    """Persist the folder's entry for a renamed file (POSIX; folders cannot be opened on Windows)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some file systems refuse fsync on a folder: the data itself is synced
-        pass
-    finally:
-        os.close(fd)

@@ -27,6 +27,7 @@ import ray
 import torch
 
 from raysgd._internal import worker
+from raysgd._internal.atomic_files import write_file
 from raysgd._internal.checkpoint import (
     GATHERED_FORMAT,
     MANIFEST_NAME,
@@ -50,7 +51,7 @@ from raysgd._internal.restore_plan import (
     plan_from_peers,
     plan_from_snapshots,
 )
-from raysgd._internal.storage import Storage, as_storage, write_file
+from raysgd._internal.storage import Storage, as_storage
 from raysgd._internal.worker_state import LoadSource
 from raysgd_core import RecoveryReport, WorkerError
 
