@@ -340,20 +340,13 @@ class OperatorRunner:
                 f"strategy {parts.strategy.name!r} shards the model: no worker has its whole "
                 "state (use sharded_snapshot)"
             )
-        if live:
-            return {
-                **self._progress_state(),
-                "models": [m.state_dict() for m in parts.models],
-                "optimizers": [o.state_dict() for o in parts.optimizers],
-            }
-        earlier = into or {}
-        return {
-            **self._progress_state(),
-            "models": cpu_copy([m.state_dict() for m in parts.models], earlier.get("models")),
-            "optimizers": cpu_copy(
-                [o.state_dict() for o in parts.optimizers], earlier.get("optimizers")
-            ),
-        }
+        models = [m.state_dict() for m in parts.models]
+        optimizers = [o.state_dict() for o in parts.optimizers]
+        if not live:
+            earlier = into or {}
+            models = cpu_copy(models, earlier.get("models"))
+            optimizers = cpu_copy(optimizers, earlier.get("optimizers"))
+        return {**self._progress_state(), "models": models, "optimizers": optimizers}
 
     # -- recovery ------------------------------------------------------------------------------
     def progress(self) -> Progress:
