@@ -11,15 +11,16 @@ Two formats, and either loads into a trainer of any strategy and any number of w
   written by its worker) and `STATE_FILE` (the small rest); a whole state in a folder (the
   checkpoints `checkpoint_every` writes) is `WHOLE_FILE`. The manifest's `kind` says which.
 
-A checkpoint is complete or invisible. A file is replaced atomically (a local temp file renamed
-over it; an object store's upload, which shows the object only once it is complete). A whole state
-is streamed into its file (`write_state`), never serialised into memory first. Object stores have no rename, so a folder cannot be
-written aside and moved into place: under a root of checkpoints each one is a folder of its own,
-named per attempt (`checkpoint_name`: epoch, step, a random suffix), so that a retry never writes
-into the folder of an interrupted attempt; its parts come first (each worker writes its own) and
-the manifest last (`write_manifest`, which checks the parts it was told to expect). A folder counts as a checkpoint only when its manifest is there and every
-part it lists is there with the size it lists; `newest_complete`, `resolve_checkpoint` and
-`prune` see nothing else.
+A checkpoint is complete or invisible. A file is replaced atomically (a local temp file renamed over
+it; an object store's upload, which shows the object only once it is complete). A whole state is
+streamed into its file (`write_state`), never serialised into memory first. Object stores have no
+rename, so a folder cannot be written aside and moved into place: under a root of checkpoints each
+one is a folder of its own, named per attempt (`checkpoint_name`: epoch, step, a random suffix), so
+that a retry never writes into the folder of an interrupted attempt; its parts come first (each
+worker writes its own) and the manifest last (`write_manifest`, which checks the parts it was told
+to expect). A folder counts as a checkpoint only when its manifest is there and every part it lists
+is there with the size it lists; `newest_complete`, `resolve_checkpoint` and `prune` see nothing
+else.
 
 Reading never runs code from a checkpoint: states load with `torch.load(weights_only=True)`
 (`state_from_bytes`) and DCP's metadata through raysgd_operator's restricted reader.
