@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,26 @@ def test_checkpoints_inside_an_epoch_survive_a_worker_lost_during_an_upload(
 
 def _has_manifest(location: Storage, name: str) -> bool:
     return location.join(name).exists(MANIFEST_NAME)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values")
+def test_the_background_writer_gives_the_cpu_to_the_training_loop_first() -> None:
+    from raysgd._internal.async_checkpoints import WRITER_NICE, _behind_training
+
+    seen: dict[str, int] = {}
+
+    def writer() -> None:
+        _behind_training()
+        seen["writer"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    thread = threading.Thread(target=writer)
+    thread.start()
+    thread.join()
+    # The writer runs at the lowest priority; the thread that started it (the training loop's)
+    # keeps its own.
+    assert seen["writer"] == WRITER_NICE > before
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
 
 
 @pytest.mark.timeout(60)

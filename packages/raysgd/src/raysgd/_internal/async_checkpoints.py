@@ -6,6 +6,9 @@ writes it into a new checkpoint folder under `checkpoint_dir` (`checkpoint.check
 folder per attempt). Rank 0 then waits, in its thread, until every part is there and writes the
 manifest last, so an upload cut short (a worker lost, storage unreachable) leaves the previous
 checkpoint the newest complete one; it then removes the checkpoints past `keep_checkpoints`.
+The thread runs at the lowest CPU priority: on a machine whose cores the training keeps busy it
+writes in the time the loop leaves idle (waits in collectives, data loading) instead of slowing
+every step, and all ranks with it.
 
 At most one upload is in flight per worker: a checkpoint that falls due while the previous one is
 still being written waits for it (the loop is blocked only when storage cannot keep up; the time
@@ -18,6 +21,8 @@ and `shutdown()`, so a clean exit never loses the last checkpoint.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -98,11 +103,15 @@ class PeriodicCheckpoints:
         name = checkpoint_name(epoch, step, token=plan.token)
         folder = plan.root.join(name)
         staged = self.state.stage()
+        # Built here if not yet: threads the filesystem starts (fsspec's event loop) would
+        # otherwise be started by the writer and inherit its lowered priority.
+        folder.fs  # noqa: B018
         self.blocked_s += time.perf_counter() - started
         expected = type(self.state).parts(ctx.world_size)
         rank = ctx.world_rank
 
         def upload() -> None:
+            _behind_training()
             try:
                 if staged is not None:
                     staged.write(folder)
@@ -134,6 +143,24 @@ class PeriodicCheckpoints:
         if thread is not None:
             thread.join(timeout_s)
         return self.last
+
+
+#: The writer's nice value: the highest, so that it runs when the training loop leaves a core free.
+WRITER_NICE = 19
+
+
+def _behind_training() -> None:
+    """Give the calling thread the lowest CPU priority, so that the training loop's steps, which
+    run beside it on the same cores, are not slowed by the serialisation and the copy into the
+    file (Linux keeps a nice value per thread; elsewhere the thread keeps its priority)."""
+    if not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < WRITER_NICE:
+            os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE)
+    except OSError:  # not allowed in this sandbox: the write still happens, at normal priority
+        logger.debug("could not lower the checkpoint writer's priority", exc_info=True)
 
 
 def _give_up(folder: Storage, rank: int) -> None:
