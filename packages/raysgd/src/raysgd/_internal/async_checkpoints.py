@@ -101,11 +101,12 @@ class PeriodicCheckpoints:
         epoch, step = int(position["epoch"]), int(position["step"])
         # Every worker finds the same folder on its own: the name derives from the attempt.
         name = checkpoint_name(epoch, step, token=plan.token)
+        # The root's filesystem, built on this thread if not yet, is shared by every folder joined
+        # to it: threads it starts (fsspec's event loop) are never the writer's, which would hand
+        # them its lowered priority.
+        plan.root.fs  # noqa: B018
         folder = plan.root.join(name)
         staged = self.state.stage()
-        # Built here if not yet: threads the filesystem starts (fsspec's event loop) would
-        # otherwise be started by the writer and inherit its lowered priority.
-        folder.fs  # noqa: B018
         self.blocked_s += time.perf_counter() - started
         expected = type(self.state).parts(ctx.world_size)
         rank = ctx.world_rank
@@ -159,7 +160,7 @@ def _behind_training() -> None:
     try:
         if os.getpriority(os.PRIO_PROCESS, tid) < WRITER_NICE:
             os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE)
-    except OSError:  # not allowed in this sandbox: the write still happens, at normal priority
+    except OSError:  # refused (a restricted container): the write goes on at normal priority
         logger.debug("could not lower the checkpoint writer's priority", exc_info=True)
 
 
