@@ -117,6 +117,27 @@ def test_elastic_minimum_clamped_to_wanted() -> None:
     assert (d.action, d.num_workers) == (Action.RETRY, 4)
 
 
+def test_elastic_trains_on_with_the_survivors_while_replacements_start() -> None:
+    d = ElasticPolicy(min_workers=2).decide(status(workers_alive=2, workers_fitting=1))
+    assert (d.action, d.num_workers, d.background) == (Action.RETRY, 2, 1)
+    assert "2 alive go on while 1 replacement(s)" in d.reason
+    # Below the minimum the group waits for its replacements, as without the option.
+    d = ElasticPolicy(min_workers=3).decide(status(workers_alive=2, workers_fitting=2))
+    assert (d.num_workers, d.background) == (4, 0)
+    # No room for a replacement: nothing to start, the survivors go on.
+    d = ElasticPolicy(min_workers=1).decide(status(workers_alive=3, workers_fitting=0))
+    assert (d.num_workers, d.background) == (3, 0)
+    # Opting out, and the default policy's opting in.
+    d = ElasticPolicy(replace_in_background=False).decide(
+        status(workers_alive=2, workers_fitting=2)
+    )
+    assert (d.num_workers, d.background) == (4, 0)
+    d = DefaultPolicy(replace_in_background=True).decide(status(workers_alive=1, workers_fitting=1))
+    assert (d.num_workers, d.background) == (1, 1)
+    with pytest.raises(TypeError, match="replace_in_background"):
+        DefaultPolicy(replace_in_background=1)  # type: ignore[arg-type]
+
+
 # ---- NeverRetryPolicy ------------------------------------------------------------------------
 
 

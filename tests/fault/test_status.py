@@ -56,6 +56,10 @@ def test_decision_validation() -> None:
         Decision(Action.WAIT, wait_s=-1.0, reason="x")
     with pytest.raises(TypeError, match="action"):
         Decision("retry", num_workers=1, reason="x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="background"):
+        Decision(Action.RETRY, num_workers=1, background=-1, reason="x")
+    with pytest.raises(ValueError, match="RETRY"):
+        Decision(Action.WAIT, wait_s=1.0, background=1, reason="x")
 
 
 def test_describe_and_str_give_one_log_line() -> None:
@@ -65,6 +69,8 @@ def test_describe_and_str_give_one_log_line() -> None:
     assert describe(retry) == str(retry) == "RETRY with 2 worker(s): 1 failure"
     assert str(wait) == "WAIT 4 s: nothing fits"
     assert str(give_up) == "GIVE_UP: budget spent"
+    later = Decision(Action.RETRY, num_workers=1, background=1, reason="1 failure")
+    assert str(later) == "RETRY with 1 worker(s), 1 more starting in the background: 1 failure"
     assert Action.RETRY == "retry"  # a str enum: serialisable in logs and metrics as is
 
 

@@ -22,6 +22,7 @@ from raysgd_fault import (
     Action,
     Decision,
     DefaultPolicy,
+    ElasticPolicy,
     FailurePolicy,
     FailureStatus,
     GrowWhenRoom,
@@ -41,12 +42,25 @@ class FakeGroup:
         self.recover_calls: list[int] = []
         self.recover_errors: list[BaseException] = []  # raised by the next recover calls
         self.spare_waits: list[float] = []  # a move's waits for starting spares
+        self.spares_up = 0  # spares started and up: `recover` promotes them first
+        self.spares_starting = 0
+
+    @property
+    def spares(self) -> list[str]:
+        return ["spare"] * self.spares_up
+
+    def start_spares(self, count: int) -> None:
+        self.spares_starting += count
+
+    def spare_readiness(self) -> list[tuple[Any, ...]]:
+        return [("ref",)] * (self.spares_up + self.spares_starting)
 
     def recover(self, num_workers: int, *, timeout_s: float) -> RecoveryReport:
         self.recover_calls.append(num_workers)
         if self.recover_errors:
             raise self.recover_errors.pop(0)
         survivors = min(self.world_size - self.dead, num_workers)
+        self.spares_up -= min(self.spares_up, num_workers - survivors)
         self.world_size = min(num_workers, max(self.room, survivors))
         self.needs_recovery, self.dead = False, 0
         return RecoveryReport(
@@ -292,6 +306,30 @@ def test_grow_back_is_sized_by_the_scaling_policy_not_the_failure_policy() -> No
     assert loop.maybe_grow() is False  # at the requested size: nothing asked
     assert len(seen) == 1 and loop.failures == 0
     assert "scaling 'grow' (grow: wanted 3, running 1, fitting 2)" in loop.events[-2].message
+
+
+def test_survivors_train_on_while_their_replacement_starts_then_it_joins() -> None:
+    group = FakeGroup(size=2, room=2)
+    loop, restored, _ = make_loop(group, 2, ElasticPolicy())
+    attempt = Script(lambda: died(group, [1]))
+    assert loop.run(attempt, max_retries=3) == "done"
+    # The survivor went on alone at once; its replacement starts as a spare beside it.
+    assert group.recover_calls == [1] and group.world_size == 1 and attempt.calls == 2
+    assert group.spares_starting == 1 and loop.joining() == [("ref",)]
+    assert "1 more starting in the background" in loop.events[1].message
+    assert loop.join_spares() is False  # still starting: nothing joins, nothing is asked
+    assert loop.maybe_grow() is False and group.recover_calls == [1]  # nor started twice
+    group.spares_starting, group.spares_up = 0, 1
+    assert loop.join_spares() is True  # up: it joins at this step boundary
+    assert group.recover_calls == [1, 2] and group.world_size == 2 and len(restored) == 2
+    assert loop.joining() == [] and loop.failures == 1
+    assert [e.kind for e in loop.events][-2:] == ["decision", "resize"]
+    assert "resized (grow) 1 -> 2" in loop.events[-1].message
+    # A spare that is up when a worker is lost joins at once; nothing more is started.
+    attempt = Script(lambda: died(group, [0]))
+    group.spares_up = 1
+    assert loop.run(attempt, max_retries=3) == "done"
+    assert group.recover_calls[-1] == 2 and group.world_size == 2 and group.spares_starting == 0
 
 
 def test_grow_that_starts_nobody_backs_off() -> None:

@@ -100,6 +100,16 @@ class BlockOnceOperator(LinearOperator):
         return super().train_batch(batch, batch_info)
 
 
+class SlowAloneExitOnceOperator(ExitOnceOperator):
+    """As `ExitOnceOperator`, with steps of half a second while one worker trains alone: the rest
+    of the first epoch then lasts 12 s, long past its replacement's start."""
+
+    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        if self.world_size == 1:
+            time.sleep(0.5)
+        return super().train_batch(batch, batch_info)
+
+
 class AllExitOnceOperator(LinearOperator):
     """Every rank `os._exit`s at global step DIE_AT_STEP, on the first attempt only."""
 
@@ -290,6 +300,35 @@ def test_a_spare_worker_takes_the_lost_rank_and_the_run_is_unchanged(tmp_path: P
         assert (tmp_path / "exited").exists() and trainer.failures == 1
         assert trainer.apply_all_workers(os.getpid) == [pids[0], spare.pid]
         _assert_same_run(stats, _weights(trainer), tmp_path)
+    finally:
+        trainer.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_the_survivor_trains_on_while_its_replacement_starts_then_it_joins(tmp_path: Path) -> None:
+    trainer = _make(SlowAloneExitOnceOperator, tmp_path, failure_policy="elastic")
+    try:
+        pids = trainer.apply_all_workers(os.getpid)
+        stats = [trainer.train(max_retries=3), trainer.train(max_retries=3)]
+        assert (tmp_path / "exited").exists() and trainer.failures == 1
+        events = trainer.recovery_events
+        decision = next(e for e in events if e.kind == "decision")
+        assert "RETRY with 1 worker(s), 1 more starting in the background" in decision.message
+        resizes = [e for e in events if e.kind == "resize"]
+        # At once: the survivor alone, from its own state at step 40 (the step in flight
+        # redone); then the replacement, once up, joined at a step boundary with nothing redone.
+        assert [(e.num_workers_before, e.num_workers_after) for e in resizes] == [(2, 1), (1, 2)]
+        assert (resizes[0].source, resizes[0].steps_redone) == ("rank 0 at step 40", 1)
+        assert "(grow)" in resizes[1].message and resizes[1].steps_redone == 0
+        joined_at = int(resizes[1].source.rsplit(" ", 1)[1])
+        assert DIE_AT_STEP < joined_at < NUM_SAMPLES // GLOBAL_BATCH  # inside the first call
+        new_pids = trainer.apply_all_workers(os.getpid)
+        assert new_pids[0] == pids[0] and new_pids[1] != pids[1] and trainer.num_workers == 2
+        rows = rows_by_epoch(tmp_path)
+        assert sorted(rows[1]) == sorted(rows[2]) == list(range(NUM_SAMPLES))
+        # The global batch stays the same at every size: the run is the clean one.
+        _assert_same_run(stats, _weights(trainer), tmp_path)
+        assert trainer.goodput()["failures"] == 1
     finally:
         trainer.shutdown()
 

@@ -175,6 +175,25 @@ class WorkerGroup:
             for w in spares.ready(self._running)
         ]
 
+    @property
+    def spares_starting(self) -> int:
+        """Spare workers started but not up yet."""
+        return len(self._running.spares) - len(spares.ready(self._running))
+
+    def start_spares(self, count: int) -> None:
+        """Start `count` more spares now, beside `spare_workers`: replacements for lost workers
+        that start while the group trains on smaller, to join it once they are up (a `recover`
+        to the larger size promotes them). A cluster without room leaves them pending."""
+        check_int("count", count, minimum=0)
+        if not self._started:
+            raise RuntimeError("WorkerGroup is not started")
+        spares.start(self._running, count)
+
+    def spare_readiness(self) -> list[tuple[Any, ...]]:
+        """For each spare, the `ObjectRef`s that are all done once it is up: a worker can wait on
+        them (`ray.wait`) to learn, between steps, that a spare can join."""
+        return spares.readiness(self._running)
+
     def await_spares(self, timeout_s: float) -> int:
         """Wait up to `timeout_s` for the spares still starting; how many are up then. A move
         with time before its deadline waits for them rather than shrink the group."""

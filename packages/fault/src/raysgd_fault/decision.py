@@ -93,12 +93,15 @@ class Decision:
         num_workers: For RETRY, the group size to ask for (>= 1); 0 for WAIT and GIVE_UP.
         wait_s: For WAIT, seconds to sleep before asking again; 0 otherwise.
         reason: Human-readable why; never empty.
+        background: For RETRY, more workers to start beside the group while it trains on at
+            `num_workers`; each joins at a step boundary once it is up. 0 otherwise.
     """
 
     action: Action
     num_workers: int = 0
     wait_s: float = 0.0
     reason: str = ""
+    background: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.action, Action):
@@ -106,6 +109,9 @@ class Decision:
         # A RETRY (re)starts the group, which needs a worker; WAIT and GIVE_UP carry 0.
         check_int("num_workers", self.num_workers, minimum=1 if self.action is Action.RETRY else 0)
         check_number("wait_s", self.wait_s)
+        check_int("background", self.background, minimum=0)
+        if self.background and self.action is not Action.RETRY:
+            raise ValueError("background workers go with a RETRY decision only")
         if not isinstance(self.reason, str) or not self.reason.strip():
             raise ValueError("reason must be a non-empty str: every decision is logged")
 
@@ -117,6 +123,8 @@ def describe(decision: Decision) -> str:
     """One log line for `decision`, e.g. ``"RETRY with 2 worker(s): ..."``."""
     if decision.action is Action.RETRY:
         head = f"RETRY with {decision.num_workers} worker(s)"
+        if decision.background:
+            head += f", {decision.background} more starting in the background"
     elif decision.action is Action.WAIT:
         head = f"WAIT {decision.wait_s:g} s"
     else:

@@ -67,11 +67,18 @@ class DefaultPolicy(FailurePolicy):
     `max_attempts` fruitless attempts. Its scaling policy grows back to as many as fit
     (`GrowWhenRoom`), not within `grow_cooldown_s` of a failure.
 
+    With `replace_in_background`, the survivors (when there are at least the minimum) go on at
+    once at their smaller size while the replacements start beside them; each replacement joins
+    at a step boundary once it is up. The global batch stays the same, so each survivor then
+    computes a larger share of it: more memory per worker until the group is whole again. Off by
+    default, where the survivors wait for their replacements.
+
     Args:
         max_attempts: Consecutive restart attempts that start no worker before giving up.
         base_wait_s: First backoff wait (attempt 0).
         max_wait_s: Upper bound of a single wait.
         grow_cooldown_s: Do not grow within this many seconds of the last failure (0: always try).
+        replace_in_background: Train on with the survivors while their replacements start.
     """
 
     name = "default"
@@ -83,8 +90,13 @@ class DefaultPolicy(FailurePolicy):
         base_wait_s: float = 1.0,
         max_wait_s: float = 60.0,
         grow_cooldown_s: float = 0.0,
+        replace_in_background: bool = False,
     ) -> None:
         check_int("max_attempts", max_attempts)
+        if not isinstance(replace_in_background, bool):
+            raise TypeError(
+                f"replace_in_background must be a bool, got {type(replace_in_background).__name__}"
+            )
         for arg, value in (
             ("base_wait_s", base_wait_s),
             ("max_wait_s", max_wait_s),
@@ -95,6 +107,7 @@ class DefaultPolicy(FailurePolicy):
         self.base_wait_s = float(base_wait_s)
         self.max_wait_s = float(max_wait_s)
         self.grow_cooldown_s = float(grow_cooldown_s)
+        self.replace_in_background = replace_in_background
 
     def min_workers(self, status: FailureStatus) -> int:
         """The smallest group worth running; the default runs on a single survivor."""
@@ -138,6 +151,17 @@ class DefaultPolicy(FailurePolicy):
                 ),
             )
         target = min(status.workers_wanted, status.workers_alive + status.workers_fitting)
+        alive = status.workers_alive
+        if self.replace_in_background and minimum <= alive < target:
+            return Decision(
+                Action.RETRY,
+                num_workers=alive,
+                background=target - alive,
+                reason=(
+                    f"{seen} (max_retries={status.max_retries}); {alive} alive go on while "
+                    f"{target - alive} replacement(s) of the {status.workers_fitting} fitting start"
+                ),
+            )
         if target >= minimum:
             return Decision(
                 Action.RETRY,
@@ -162,7 +186,8 @@ class DefaultPolicy(FailurePolicy):
         return (
             f"{type(self).__name__}(max_attempts={self.max_attempts}, "
             f"base_wait_s={self.base_wait_s:g}, max_wait_s={self.max_wait_s:g}, "
-            f"grow_cooldown_s={self.grow_cooldown_s:g})"
+            f"grow_cooldown_s={self.grow_cooldown_s:g}, "
+            f"replace_in_background={self.replace_in_background})"
         )
 
 
@@ -170,19 +195,24 @@ class ElasticPolicy(DefaultPolicy):
     """Like the default, but only (re)starts or grows when at least `min_workers` can be had.
 
     Below the minimum it backs off (and eventually gives up) instead of limping on with too few
-    workers. A `min_workers` above `workers_wanted` is clamped to `workers_wanted`.
+    workers. A `min_workers` above `workers_wanted` is clamped to `workers_wanted`. At or above
+    it, the survivors train on while their replacements start (`replace_in_background`, on by
+    default here).
 
     Args:
         min_workers: The smallest group worth training on (>= 1).
+        replace_in_background: As for `DefaultPolicy`; True here.
         **kwargs: `max_attempts`, `base_wait_s`, `max_wait_s`, `grow_cooldown_s` as for
             `DefaultPolicy`.
     """
 
     name = "elastic"
 
-    def __init__(self, min_workers: int = 1, **kwargs: Any) -> None:
+    def __init__(
+        self, min_workers: int = 1, *, replace_in_background: bool = True, **kwargs: Any
+    ) -> None:
         check_int("min_workers", min_workers)
-        super().__init__(**kwargs)
+        super().__init__(replace_in_background=replace_in_background, **kwargs)
         self._min_workers = min_workers
 
     def min_workers(self, status: FailureStatus) -> int:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
 from raysgd._internal import worker
+from raysgd._internal.boundary_watch import JOIN_WATCH_INTERVAL_S, WATCH_INTERVAL_S, WatchSpec
 from raysgd._internal.checkpoints import Checkpoints, checkpoint_root
 from raysgd._internal.cluster import available_memory_bytes, driver_has_cuda
 from raysgd._internal.collective_bound import slow_bound
@@ -368,7 +369,6 @@ class TorchTrainer:
             self._goodput.lose("checkpoint", time.perf_counter() - started)
         self._call_id += 1
         call_id = self._call_id
-        watch = [self._preemption.watch_spec()]
         group = self._workers.group
 
         def attempt() -> list[worker.TrainAnswer]:
@@ -380,7 +380,7 @@ class TorchTrainer:
                 profile,
                 info,
                 call_id,
-                watch[0],
+                self._watch_spec(),
                 self._checkpoints.plan(),
                 self._step_s,
             )
@@ -389,9 +389,10 @@ class TorchTrainer:
             returned = self._recovery.run(attempt, max_retries=max_retries)
             if not any(answer.yielded for answer in returned):
                 break
-            # The workers stopped together at a step boundary: a node of theirs is draining.
+            # The workers stopped together at a step boundary: a node of theirs is draining, or
+            # a replacement started beside the smaller group is up.
+            self._recovery.join_spares()
             self._preemption.handle()
-            watch[0] = self._preemption.watch_spec()
         self._state.after_train(
             max(answer.step for answer in returned), max(answer.epochs for answer in returned)
         )
@@ -400,6 +401,16 @@ class TorchTrainer:
         self._goodput.observe(self._recovery.events, self._step_s)
         rows = [answer.rows for answer in returned if answer.rows is not None]
         return [answer.metrics for answer in returned], rows[0] if rows else None
+
+    def _watch_spec(self) -> Optional[WatchSpec]:
+        """What the workers watch during the next attempt: their nodes for drains, and the spares
+        that may join a group below its size (looked at more often: the group trains slower)."""
+        nodes = self._preemption.watched_nodes()
+        joining = tuple(self._recovery.joining())
+        if not nodes and not joining:
+            return None
+        interval_s = JOIN_WATCH_INTERVAL_S if joining else WATCH_INTERVAL_S
+        return WatchSpec(nodes, interval_s, joining)
 
     def validate(
         self,

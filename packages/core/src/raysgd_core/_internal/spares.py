@@ -23,7 +23,7 @@ from raysgd_core._internal.placement import (
 from raysgd_core._internal.running import RunningGroup
 from raysgd_core._internal.workers import Worker, spawn
 
-__all__ = ["discard", "discard_on", "ready", "replenish", "take", "warm_up"]
+__all__ = ["discard", "discard_on", "readiness", "ready", "replenish", "start", "take", "warm_up"]
 
 logger = logging.getLogger("raysgd_core")
 
@@ -50,7 +50,12 @@ def replenish(running: RunningGroup) -> None:
 
     Never raises: a spare is an optimisation, and a cluster without room for one leaves it pending
     (it starts when resources free up) without holding anything else up."""
-    missing = running.spec.options.spare_workers - len(running.spares)
+    start(running, running.spec.options.spare_workers - len(running.spares))
+
+
+def start(running: RunningGroup, missing: int) -> None:
+    """Start `missing` more spares now, whatever `spare_workers` says (replacements started while
+    the group trains on smaller). Never raises, as `replenish`."""
     if missing <= 0 or running.pool is None:
         return
     try:
@@ -68,6 +73,16 @@ def replenish(running: RunningGroup) -> None:
         running.spares += new
     except Exception:
         logger.warning("could not start a spare worker", exc_info=True)
+
+
+def readiness(running: RunningGroup) -> list[tuple]:
+    """For each spare, the object refs that are all done once it is up (for a waiter elsewhere:
+    the workers look at them between steps)."""
+    return [
+        tuple(w.info[k] for k in _PENDING)
+        for w in running.spares
+        if all(k in w.info for k in _PENDING)
+    ]
 
 
 def ready(running: RunningGroup, wait_s: float = 0.0) -> list[Worker]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from raysgd_core import RecoveryReport
 from raysgd_fault import Action
@@ -31,6 +31,20 @@ class ElasticGroup(Protocol):
 
     def retire(self, ranks: Sequence[int]) -> None:
         """Stop healthy workers on purpose (their node is going away); `recover` follows."""
+
+    @property
+    def spares(self) -> Sequence[object]:
+        """The spare workers that are up (`recover` promotes them first)."""
+
+    @property
+    def spares_starting(self) -> int:
+        """Spare workers started but not up yet."""
+
+    def start_spares(self, count: int) -> None:
+        """Start `count` more spares now: replacements that join once they are up."""
+
+    def spare_readiness(self) -> list[tuple[Any, ...]]:
+        """For each spare, the refs that are all done once it is up."""
 
 
 class Stage(str, enum.Enum):

@@ -4,12 +4,8 @@ A preemptible machine gets a warning before it is reclaimed, which a Ray cluster
 of the node with a deadline (`raysgd_core.draining_nodes`). The workers are moved off such a node at
 a step boundary, so that no step is redone and no row trained twice; a move is not a failure.
 
-- Inside a `train()` call the driver waits on the workers, so they look themselves (`DrainWatch`, a
-  step hook): at a step boundary every so often rank 0 asks Ray which nodes are draining (about a
-  millisecond) and broadcasts the answer, with the number of steps until the next look, to every
-  worker. All of them thus stop at the same step boundary when a node of theirs drains, and the
-  call returns early ("yielded"). A look costs one small broadcast; rank 0 spaces the looks so
-  that they come about once per `interval_s` of training, whatever a step takes.
+- Inside a `train()` call the workers look themselves (`boundary_watch`): all of them stop at the
+  same step boundary when a node of theirs drains, and the call returns early ("yielded").
 - The driver (`Preemption`) looks at the start of every `train()` call and after a yielded one, and
   moves the workers off the draining nodes with one resize of the recovery loop: the state of this
   boundary is handed over (a sharded state's parts go to workers that stay), the leaving workers
@@ -27,107 +23,24 @@ comes, is recovered like any loss (and counted as a preemption: `Recovery.preemp
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import ray
-import torch
 
+from raysgd._internal.recovery import Recovery
 from raysgd._internal.recovery_log import EventKind, short_node
-from raysgd_core import WorkerGroup, draining_nodes, get_context
-from raysgd_operator import OperatorRunner
+from raysgd_core import WorkerGroup, draining_nodes
 
-if TYPE_CHECKING:  # the driver's side only: a worker importing its watch loads no recovery loop
-    from raysgd._internal.recovery import Recovery
-
-__all__ = [
-    "SPARE_WAIT_S",
-    "WATCH_INTERVAL_S",
-    "WATCH_KEY",
-    "DrainWatch",
-    "Preemption",
-    "WatchSpec",
-    "watch_for",
-]
+__all__ = ["SPARE_WAIT_S", "Preemption"]
 
 logger = logging.getLogger("raysgd.recovery")
 
-#: How often, in seconds of training, the workers look for drains inside a call.
-WATCH_INTERVAL_S = 1.0
-#: Key of this worker's `DrainWatch` in its store.
-WATCH_KEY = "raysgd.drain_watch"
 #: The longest a move waits for spare workers still starting before it sizes the group.
 SPARE_WAIT_S = 10.0
 
 
-# ------------------------------------------------------------------------------ on the workers
-@dataclass(frozen=True)
-class WatchSpec:
-    """What a `train()` call watches: the nodes of its workers, and how often (seconds)."""
-
-    nodes: frozenset[str]
-    interval_s: float = 1.0
-
-
-class DrainWatch:
-    """The step hook that looks for draining nodes (see the module docstring)."""
-
-    def __init__(self, runner: OperatorRunner) -> None:
-        self.runner = runner
-        self.nodes: Optional[frozenset[str]] = None
-        self.interval_s = 1.0
-        self._next_check = 0
-        self._since: tuple[int, float] = (0, 0.0)
-        runner.add_step_hook(self._on_step)
-
-    def arm(self, spec: Optional[WatchSpec]) -> None:
-        """Watch `spec.nodes` from the call's first step boundary on (None: watch nothing). Every
-        worker arms at the same step, so the looks fall on the same boundaries everywhere."""
-        self.nodes = None if spec is None else frozenset(spec.nodes)
-        if spec is not None:
-            self.interval_s = spec.interval_s
-        self._next_check = self.runner.step + 1
-        self._since = (self.runner.step, time.monotonic())
-
-    def _on_step(self) -> None:
-        if self.nodes is None or self.runner.step < self._next_check:
-            return
-        import torch.distributed as dist
-
-        ctx = get_context()
-        steps = 1
-        draining = 0
-        if ctx.world_rank == 0:
-            draining = int(bool(self.nodes & set(draining_nodes())))
-            done, since = self._since
-            per_step = (time.monotonic() - since) / max(1, self.runner.step - done)
-            steps = max(1, math.ceil(self.interval_s / per_step)) if per_step > 0 else 1
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            device = torch.device(ctx.device) if dist.get_backend() == "nccl" else None
-            answer = torch.tensor([draining, steps], dtype=torch.int64, device=device)
-            dist.broadcast(answer, src=0)
-            draining, steps = (int(v) for v in answer.tolist())
-        self._next_check = self.runner.step + steps
-        self._since = (self.runner.step, time.monotonic())
-        if draining:
-            self.runner.request_stop()
-
-
-def watch_for(runner: OperatorRunner, spec: Optional[WatchSpec]) -> None:
-    """Arm this worker's watch for the call about to run (made on first use, per runner)."""
-    store = get_context().store
-    watch: Optional[DrainWatch] = store.get(WATCH_KEY)
-    if watch is None or watch.runner is not runner:
-        if spec is None:
-            return
-        watch = store[WATCH_KEY] = DrainWatch(runner)
-    watch.arm(spec)
-
-
-# ------------------------------------------------------------------------------ on the driver
 def _multi_node() -> bool:
     """Whether the cluster has another node: on one node nothing can be moved anywhere."""
     try:
@@ -161,14 +74,14 @@ class Preemption:
         #: Nodes nothing could be moved off: not watched any more.
         self.unmovable: set[str] = set()
 
-    def watch_spec(self) -> Optional[WatchSpec]:
-        """What the workers watch during the next call (None on a one-node cluster)."""
+    def watched_nodes(self) -> frozenset[str]:
+        """The nodes the workers watch for drains during the next call (none on a one-node
+        cluster)."""
         if not _multi_node():
-            return None
+            return frozenset()
         # The driver's node too (use_local): rank 0 cannot leave it, but the notice must reach
         # the trainer within the call, while a checkpoint can still be written.
-        nodes = {w.node_id for w in self._group.workers} - self.unmovable
-        return WatchSpec(frozenset(nodes), WATCH_INTERVAL_S) if nodes else None
+        return frozenset({w.node_id for w in self._group.workers} - self.unmovable)
 
     def handle(self) -> bool:
         """Move every worker and spare off the draining nodes it is on; True if any moved."""

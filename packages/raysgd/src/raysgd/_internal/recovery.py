@@ -23,8 +23,15 @@ Every change of the group is one transaction, `resize(num_workers, reason)`: wor
 purpose hand their state over and go, the group keeps its healthy workers and starts the rest
 (`WorkerGroup.recover`), the training state is restored on the new group, and a `ResizeResult`
 says what happened; the events of the log are derived from it. Its callers: a loss in `run`, a
-grow at the start of `train()` (`maybe_grow`, sized by the policy's scaling policy), `repair` after
-any other call failed, and a move off a draining node (`preemption`).
+grow at the start of `train()` (`maybe_grow`, sized by the policy's scaling policy) or at a step
+boundary inside it (`join_spares`), `repair` after any other call failed, and a move off a
+draining node (`preemption`).
+
+A RETRY decision with `background` replacements re-forms the group with the survivors (and any
+spare that is up) at once and starts the replacements as spares beside it: the call goes on at
+the smaller size, its workers watch the spares' readiness between steps (`joining`), stop at the
+same step boundary once one is up, and the trainer lets it join (`join_spares`) before it goes on
+with the call. The survivors thus train while their replacements' processes start.
 
 Calls other than `train()` run inside `guarded()`: a group found broken is repaired first, and a
 failure inside is handed to `repair` (a user error logged and not counted, a lost worker counted,
@@ -304,7 +311,10 @@ class Recovery:
             elif self.stage is Stage.RESTARTING:
                 assert decision is not None
                 losses = self.failures_this_call
-                if self._resize_counting(decision.num_workers, "failure").ok:
+                now, later = self._split_background(decision)
+                if self._resize_counting(now, "failure").ok:
+                    if later:
+                        self._group.start_spares(later)
                     self.stage = Stage.RUNNING
                     continue
                 # The recover call released the lost workers' slots (the group's own estimate
@@ -316,6 +326,38 @@ class Recovery:
             else:  # GAVE_UP
                 assert decision is not None
                 self._give_up(decision.reason, max_retries)
+
+    def _split_background(self, decision: Decision) -> tuple[int, int]:
+        """How many workers to re-form the group with now, and how many replacements to start
+        beside it for `decision`. Spares that are up join now (they cost no start); spares still
+        starting count as replacements already on their way."""
+        if not decision.background:
+            return decision.num_workers, 0
+        up = min(decision.background, len(self._group.spares))
+        later = decision.background - up - self._group.spares_starting
+        return decision.num_workers + up, max(0, later)
+
+    def joining(self) -> list[tuple[Any, ...]]:
+        """While the group is below its size: for each spare, the refs that are all done once it
+        is up (the workers stop at a step boundary for it to join: `join_spares`)."""
+        if self._world_size() >= self._num_workers:
+            return []
+        return self._group.spare_readiness()
+
+    def join_spares(self) -> bool:
+        """At a step boundary inside a call, the group below its size: let the spares that are
+        up join, as the scaling policy sizes the grow. Returns whether the group grew. A spare
+        lost while joining is one more loss; the group is then re-formed at its old size."""
+        current = self._world_size()
+        up = len(self._group.spares)
+        if current >= self._num_workers or not up:
+            return False
+        decision = self._size("grow", running=current, fitting=up)
+        if decision.num_workers <= current:
+            return False
+        if not self._resize_counting(decision.num_workers, "grow").ok:
+            self._resize_counting(max(1, current), "repair after a failed grow")
+        return self._world_size() > current
 
     def maybe_grow(self) -> bool:
         """At the start of `train()`: grow back towards `num_workers` if the scaling policy says so.
@@ -329,6 +371,8 @@ class Recovery:
         current = self._world_size()
         if current >= self._num_workers or time.monotonic() < self._next_grow_at:
             return False
+        if self._group.spares_starting:
+            return False  # replacements on their way join at a step boundary (`join_spares`)
         fitting = self._fitting()
         if fitting <= 0:
             return False  # nothing to ask the policy: the cheap check keeps train() fast

@@ -18,9 +18,9 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple, Optional
 
 from raysgd._internal.async_checkpoints import UPLOAD_KEY, CheckpointPlan, periodic_for
+from raysgd._internal.boundary_watch import WatchSpec, watch_for
 from raysgd._internal.checkpoint import state_to_bytes, write_state
 from raysgd._internal.collective_bound import bound_for
-from raysgd._internal.preemption import WatchSpec, watch_for
 from raysgd._internal.restore_plan import Holding, RestorePlan
 from raysgd._internal.state_transfer import flatten
 from raysgd._internal.storage import Storage

@@ -1,0 +1,124 @@
+"""Stopping every worker at the same step boundary when the driver has a change to make.
+
+Inside a `train()` call the driver only waits on the workers, so the workers look themselves for
+a reason to hand the group back early: a node of theirs that Ray is draining (a preemption
+notice: the driver moves them off it), or a spare started beside a group that trains on smaller
+after a loss which is now up (the driver lets it join). `BoundaryWatch` is a step hook: at a step
+boundary every so often rank 0 looks (asking Ray for the draining nodes and `ray.wait`-ing on the
+spares' readiness refs with no timeout: about a millisecond) and broadcasts the answer, with the
+number of steps until the next look, to every worker. All of them thus stop at the same boundary
+and the call returns "yielded", to be continued by the driver after its change. A look costs one
+small broadcast; rank 0 spaces the looks so that they come about once per `interval_s` of
+training, whatever a step takes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from raysgd_core import draining_nodes, get_context
+from raysgd_operator import OperatorRunner
+
+__all__ = [
+    "JOIN_WATCH_INTERVAL_S",
+    "WATCH_INTERVAL_S",
+    "WATCH_KEY",
+    "BoundaryWatch",
+    "WatchSpec",
+    "watch_for",
+]
+
+#: How often, in seconds of training, the workers look inside a call.
+WATCH_INTERVAL_S = 1.0
+#: How often while a spare may join: the group trains slower until it has.
+JOIN_WATCH_INTERVAL_S = 0.25
+#: Key of this worker's `BoundaryWatch` in its store.
+WATCH_KEY = "raysgd.boundary_watch"
+
+
+@dataclass(frozen=True)
+class WatchSpec:
+    """What a `train()` call watches.
+
+    Attributes:
+        nodes: The nodes of its workers: a drain of one of them stops the call.
+        interval_s: How often to look, in seconds of training.
+        joining: For each spare that may join the group, the refs that are all done once it is
+            up: one such spare stops the call.
+    """
+
+    nodes: frozenset[str]
+    interval_s: float = WATCH_INTERVAL_S
+    joining: tuple[tuple[Any, ...], ...] = ()
+
+
+def _any_up(joining: Sequence[Sequence[Any]]) -> bool:
+    """Whether every ref of at least one entry of `joining` is done (without waiting)."""
+    import ray
+
+    refs = [ref for spare in joining for ref in spare]
+    if not refs:
+        return False
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    done_set = set(done)
+    return any(all(ref in done_set for ref in spare) for spare in joining)
+
+
+class BoundaryWatch:
+    """The step hook that stops every worker at the same boundary (see the module docstring)."""
+
+    def __init__(self, runner: OperatorRunner) -> None:
+        self.runner = runner
+        self.spec: Optional[WatchSpec] = None
+        self._next_check = 0
+        self._since: tuple[int, float] = (0, 0.0)
+        runner.add_step_hook(self._on_step)
+
+    def arm(self, spec: Optional[WatchSpec]) -> None:
+        """Watch `spec` from the call's first step boundary on (None: watch nothing). Every worker
+        arms at the same step, so the looks fall on the same boundaries everywhere."""
+        self.spec = spec
+        self._next_check = self.runner.step + 1
+        self._since = (self.runner.step, time.monotonic())
+
+    def _on_step(self) -> None:
+        spec = self.spec
+        if spec is None or self.runner.step < self._next_check:
+            return
+        import torch.distributed as dist
+
+        ctx = get_context()
+        steps = 1
+        stop = 0
+        if ctx.world_rank == 0:
+            draining = bool(spec.nodes) and bool(spec.nodes & set(draining_nodes()))
+            stop = int(draining or _any_up(spec.joining))
+            done, since = self._since
+            per_step = (time.monotonic() - since) / max(1, self.runner.step - done)
+            steps = max(1, math.ceil(spec.interval_s / per_step)) if per_step > 0 else 1
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            device = torch.device(ctx.device) if dist.get_backend() == "nccl" else None
+            answer = torch.tensor([stop, steps], dtype=torch.int64, device=device)
+            dist.broadcast(answer, src=0)
+            stop, steps = (int(v) for v in answer.tolist())
+        self._next_check = self.runner.step + steps
+        self._since = (self.runner.step, time.monotonic())
+        if stop:
+            self.runner.request_stop()
+
+
+def watch_for(runner: OperatorRunner, spec: Optional[WatchSpec]) -> None:
+    """Arm this worker's watch for the call about to run (made on first use, per runner)."""
+    store = get_context().store
+    watch: Optional[BoundaryWatch] = store.get(WATCH_KEY)
+    if watch is None or watch.runner is not runner:
+        if spec is None:
+            return
+        watch = store[WATCH_KEY] = BoundaryWatch(runner)
+    watch.arm(spec)
