@@ -25,7 +25,10 @@ Sides:
 - raysgd: ``train(num_steps=steps, max_retries=100)``: survivors keep their state, the lost
   worker is replaced, the interrupted call goes on from the last finished step. No checkpoint is
   needed for that.
-- raysgd_spare: the same with ``spare_workers=1``: a worker started ahead (its process, torch
+- raysgd_elastic: the same with ``failure_policy="elastic"``: the survivor trains on alone at once
+  (the same global batch, so at half the speed on this machine) while the lost worker's
+  replacement starts beside it, and the replacement joins at a step boundary once it is up.
+- raysgd_spare: the same as raysgd with ``spare_workers=1``: a worker started ahead (its process, torch
   and the first optimizer's imports paid) takes the lost rank, and the next spare starts behind
   it. On this benchmark's one machine that next spare's start takes CPU from the two workers; on a
   cluster it runs on a CPU of its own.
@@ -59,10 +62,20 @@ from raysgd_examples.bench import _common, _drain
 
 __all__ = ["SCHEDULES", "SIDES", "main", "measure"]
 
-SIDES = ("raysgd", "raysgd_spare", "torchrun", "ray_train")
+SIDES = ("raysgd", "raysgd_elastic", "raysgd_spare", "torchrun", "ray_train")
 SCHEDULES = ("clean", "kill30", "kill60", "freeze", "drain")
-_RAY_SIDES = ("raysgd", "raysgd_spare", "ray_train")
+_OURS = ("raysgd", "raysgd_elastic", "raysgd_spare")
+_RAY_SIDES = (*_OURS, "ray_train")
 _MODULE = "raysgd_examples.bench.goodput"
+
+
+def _trainer_options(side: str) -> dict[str, Any]:
+    """What sets one raysgd side apart from the plain one."""
+    if side == "raysgd_spare":
+        return {"spare_workers": 1}
+    if side == "raysgd_elastic":
+        return {"failure_policy": "elastic"}
+    return {}
 
 
 def _alive(pid: int) -> bool:
@@ -200,14 +213,12 @@ def _run_side(
     """Run the job once under `schedule`; the failures injected."""
     if schedule in ("drain", "drain_clean") and side in _RAY_SIDES:
         return _run_drained(side, schedule == "drain", cfg, args, job_s)
-    if side in ("raysgd", "raysgd_spare"):
+    if side in _OURS:
         from raysgd_examples.bench import _raysgd
 
         with _common.local_ray(num_cpus=4, settle=True, raysgd=True):
             trainer = _raysgd.make_trainer(
-                {**cfg, "checkpoint": None},
-                num_workers=2,
-                spare_workers=1 if side == "raysgd_spare" else 0,
+                {**cfg, "checkpoint": None}, num_workers=2, **_trainer_options(side)
             )
             try:
                 pids = lambda: [w.pid for w in trainer.worker_group.workers]  # noqa: E731
@@ -269,7 +280,7 @@ def _run_drained(
                 from raysgd_examples.bench import _raysgd
 
                 trainer = _raysgd.make_trainer(
-                    {**cfg, "checkpoint": None}, num_workers=2, spare_workers=int(spare)
+                    {**cfg, "checkpoint": None}, num_workers=2, **_trainer_options(side)
                 )
                 try:
                     nodes.extend(_drain.worker_nodes(trainer))
@@ -321,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         print(f"  {side:<12}{''.join(cells)}")
     ratios: dict[str, dict[str, float]] = {}
-    for ours in ("raysgd", "raysgd_spare"):
+    for ours in _OURS:
         if ours not in table or "ray_train" not in table:
             continue
         ratios[ours] = {
