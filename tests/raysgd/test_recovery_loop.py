@@ -25,6 +25,7 @@ from raysgd_fault import (
     ElasticPolicy,
     FailurePolicy,
     FailureStatus,
+    FixedSize,
     GrowWhenRoom,
     ScalingDecision,
     ScalingStatus,
@@ -325,6 +326,12 @@ def test_survivors_train_on_while_their_replacement_starts_then_it_joins() -> No
     assert loop.joining() == [] and loop.failures == 1
     assert [e.kind for e in loop.events][-2:] == ["decision", "resize"]
     assert "resized (grow) 1 -> 2" in loop.events[-1].message
+    # A scaling policy that keeps the size is asked once per call: the workers stop looking.
+    group.world_size, group.spares_up = 1, 1
+    loop.scaling = FixedSize()
+    assert loop.join_spares() is False and loop.joining() == []
+    assert loop.maybe_grow() is False and loop.joining() == [("ref",)]  # a new call looks again
+    loop.scaling, group.world_size, group.spares_up = GrowWhenRoom(), 2, 0
     # A spare that is up when a worker is lost joins at once; nothing more is started.
     attempt = Script(lambda: died(group, [0]))
     group.spares_up = 1

@@ -187,6 +187,7 @@ class Recovery:
         self._last_error: Optional[BaseException] = None  # chained to the give-up RuntimeError
         self._grow_backoff_s = 0.0
         self._next_grow_at = 0.0
+        self._join_declined = False  # the scaling policy kept the size at a join: until next call
         #: The nodes being moved off (set by `preemption`): a loss there is a preemption.
         self.draining: frozenset[str] = frozenset()
         self.stage = Stage.SUCCEEDED
@@ -340,7 +341,7 @@ class Recovery:
     def joining(self) -> list[tuple[Any, ...]]:
         """While the group is below its size: for each spare, the refs that are all done once it
         is up (the workers stop at a step boundary for it to join: `join_spares`)."""
-        if self._world_size() >= self._num_workers:
+        if self._world_size() >= self._num_workers or self._join_declined:
             return []
         return self._group.spare_readiness()
 
@@ -354,6 +355,8 @@ class Recovery:
             return False
         decision = self._size("grow", running=current, fitting=up)
         if decision.num_workers <= current:
+            # Not asked again in this call: the workers would otherwise stop at every look.
+            self._join_declined = True
             return False
         if not self._resize_counting(decision.num_workers, "grow").ok:
             self._resize_counting(max(1, current), "repair after a failed grow")
@@ -368,6 +371,7 @@ class Recovery:
         so that a lasting shortage does not slow down every `train()`. Neither fails the call.
         """
         self._call_failures = []  # a new train() call starts here
+        self._join_declined = False
         current = self._world_size()
         if current >= self._num_workers or time.monotonic() < self._next_grow_at:
             return False
