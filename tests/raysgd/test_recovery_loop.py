@@ -309,6 +309,10 @@ def test_grow_back_is_sized_by_the_scaling_policy_not_the_failure_policy() -> No
     assert "scaling 'grow' (grow: wanted 3, running 1, fitting 2)" in loop.events[-2].message
 
 
+def raise_(error: BaseException) -> None:
+    raise error
+
+
 def test_survivors_train_on_while_their_replacement_starts_then_it_joins() -> None:
     group = FakeGroup(size=2, room=2)
     loop, restored, _ = make_loop(group, 2, ElasticPolicy())
@@ -321,9 +325,17 @@ def test_survivors_train_on_while_their_replacement_starts_then_it_joins() -> No
     assert loop.join_spares() is False  # still starting: nothing joins, nothing is asked
     assert loop.maybe_grow() is False and group.recover_calls == [1]  # nor started twice
     group.spares_starting, group.spares_up = 0, 1
-    assert loop.join_spares() is True  # up: it joins at this step boundary
+    # A worker lost while the boundary's state is made restorable: counted, nothing joins (the
+    # next run() recovers the group first).
+    assert loop.join_spares(prepare=lambda: raise_(died(group, [0]))) is False
+    assert loop.failures == 2 and group.recover_calls == [1] and group.needs_recovery
+    group.needs_recovery, group.dead = False, 0
+    prepared: list[int] = []
+    # Up: it joins at this step boundary, the state of the boundary made restorable first.
+    assert loop.join_spares(prepare=lambda: prepared.append(group.world_size)) is True
+    assert prepared == [1]
     assert group.recover_calls == [1, 2] and group.world_size == 2 and len(restored) == 2
-    assert loop.joining() == [] and loop.failures == 1
+    assert loop.joining() == [] and loop.failures == 2
     assert [e.kind for e in loop.events][-2:] == ["decision", "resize"]
     assert "resized (grow) 1 -> 2" in loop.events[-1].message
     # A scaling policy that keeps the size is asked once per call: the workers stop looking.

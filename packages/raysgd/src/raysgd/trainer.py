@@ -391,7 +391,7 @@ class TorchTrainer:
                 break
             # The workers stopped together at a step boundary: a node of theirs is draining, or
             # a replacement started beside the smaller group is up.
-            self._recovery.join_spares()
+            self._recovery.join_spares(prepare=lambda: self._state.hand_over(()))
             self._preemption.handle()
         self._state.after_train(
             max(answer.step for answer in returned), max(answer.epochs for answer in returned)

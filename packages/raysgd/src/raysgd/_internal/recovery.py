@@ -345,10 +345,13 @@ class Recovery:
             return []
         return self._group.spare_readiness()
 
-    def join_spares(self) -> bool:
+    def join_spares(self, prepare: Optional[Callable[[], None]] = None) -> bool:
         """At a step boundary inside a call, the group below its size: let the spares that are
-        up join, as the scaling policy sizes the grow. Returns whether the group grew. A spare
-        lost while joining is one more loss; the group is then re-formed at its old size."""
+        up join, as the scaling policy sizes the grow; `prepare()` first makes the state of this
+        boundary restorable (a sharded state is snapshotted: the joining workers take it, and
+        nothing is redone). Returns whether the group grew. A spare lost while joining is one
+        more loss; the group is then re-formed at its old size. A worker lost in `prepare` is
+        counted and left to the next `run()`, which recovers the group first."""
         current = self._world_size()
         up = len(self._group.spares)
         if current >= self._num_workers or not up:
@@ -358,6 +361,12 @@ class Recovery:
             # Not asked again in this call: the workers would otherwise stop at every look.
             self._join_declined = True
             return False
+        if prepare is not None:
+            try:
+                prepare()
+            except WorkerDiedError as err:
+                self.count_loss(err, during_restart=False, alive=current - len(err.ranks))
+                return False
         if not self._resize_counting(decision.num_workers, "grow").ok:
             self._resize_counting(max(1, current), "repair after a failed grow")
         return self._world_size() > current

@@ -396,17 +396,18 @@ class TrainingState:
 
     # ------------------------------------------------------------------------- moves
     def hand_over(self, leaving: Sequence[int]) -> None:
-        """Before the workers of `leaving` leave on purpose (a preemption notice), with every
-        worker at the same step boundary: make the state of this boundary restorable without
-        them. A whole state already is (the workers that stay hold it); a sharded one is
-        snapshotted now and each leaving worker's part given to a worker that stays. When every
-        worker leaves, the snapshot is all: the replacements that join first restore from it."""
+        """Before the workers of `leaving` leave on purpose (a preemption notice), or before
+        spares join (`leaving` empty), with every worker at the same step boundary: make the
+        state of this boundary restorable without the leaving workers. A whole state already is
+        (the workers that stay hold it); a sharded one is snapshotted now and each leaving
+        worker's part given to a worker that stays. When every worker leaves, the snapshot is
+        all: the replacements that join first restore from it."""
         if self.whole:
             return
         group = self._workers.group
         step = group.execute(worker.capture)[0]
         staying = [r for r in range(group.world_size) if r not in set(leaving)]
-        if not staying:
+        if not staying or not leaving:
             return
         holdings = group.execute(worker.holding)
         given: list[dict[int, Any]] = [{} for _ in range(group.world_size)]
