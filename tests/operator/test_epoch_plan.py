@@ -3,6 +3,7 @@ failure interrupted goes on from its last finished step (the worker side of reco
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
@@ -289,3 +290,27 @@ def test_a_call_restored_to_an_earlier_epoch_first_finishes_that_epoch() -> None
     assert rest["train_loss"] == pytest.approx(whole["train_loss"], rel=1e-6)
     for a, b in zip(_weights(straight), _weights(runner)):
         torch.testing.assert_close(a, b)
+
+
+def test_a_new_runner_restored_from_a_snapshot_in_the_call_counts_its_rows_once() -> None:
+    # A sharded restore builds a new runner and loads a snapshot taken inside the call (step 2),
+    # while the survivors had gone on to step 4: the call's rows are those up to the snapshot
+    # (what the restore plan hands over), then every step from there once.
+    runner = OperatorRunner(_Regression, {}, world_size=2, distributed=True)
+    stops = [2, 4]
+    runner.add_step_hook(
+        lambda: (
+            runner.step in stops and (stops.remove(runner.step) or True) and runner.request_stop()
+        )
+    )
+    runner.train_epoch(call_id=1)
+    snapshot, at_snapshot = runner.state_dict(), runner.call
+    runner.train_epoch(call_id=1)
+    assert runner.step == 4 and at_snapshot is not None and at_snapshot.rows is not None
+    restored = OperatorRunner(_Regression, {}, world_size=2, distributed=True)
+    restored.load_state_dict(snapshot)
+    restored.adopt_snapshot(dataclasses.replace(runner.call, rows=at_snapshot.rows), None)
+    restored.train_epoch(call_id=1)
+    assert restored.step == 6 and restored.call is not None
+    # The epoch's rows for the whole group (6 steps of 2 x 4), none counted twice or missed.
+    assert restored.call.rows == 48

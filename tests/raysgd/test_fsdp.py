@@ -312,9 +312,10 @@ def test_fsdp_trains_like_ddp_with_a_shard_per_worker_and_recovers_lost_workers(
         )
         try:
             pids = trainer.apply_all_workers(os.getpid)
-            losses = [
-                trainer.train(max_retries=2, checkpoint="auto")["train_loss"] for _ in range(3)
-            ]
+            results = [trainer.train(max_retries=2, checkpoint="auto") for _ in range(3)]
+            # Every row of every epoch counted once, those before a restore included.
+            assert [r["num_samples"] for r in results] == [SAMPLES] * 3
+            losses = [r["train_loss"] for r in results]
             runs[strategy] = (losses, trainer.apply_all_operators(_full_loss)[0])
             runs[strategy + "_bytes"] = trainer.apply_all_operators(_local_bytes)
             if strategy == "fsdp":

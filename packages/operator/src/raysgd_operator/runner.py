@@ -401,8 +401,9 @@ class OperatorRunner:
         if call is None:
             self._call, self._meters = None, None
             return
-        rows = self._call.rows if self._call is not None else 0
-        self._call = call.resumed_at(self.step, rows)
+        # The snapshot's record holds the call's rows up to its step (this runner is new: it has
+        # no call of its own to count from).
+        self._call = call.resumed_at(self.step, call.rows)
         self._meters = meters if meters is not None and self.step >= call.start_step else None
         if self._meters is None:
             self._meters = AverageMeterCollection()
