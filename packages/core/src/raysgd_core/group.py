@@ -178,7 +178,8 @@ class WorkerGroup:
     @property
     def spares_starting(self) -> int:
         """Spare workers started but not up yet."""
-        return len(self._running.spares) - len(spares.ready(self._running))
+        up = len(spares.ready(self._running))  # first: it drops the spares that died starting
+        return len(self._running.spares) - up
 
     def start_spares(self, count: int) -> None:
         """Start `count` more spares now, beside `spare_workers`: replacements for lost workers

@@ -78,11 +78,12 @@ def start(running: RunningGroup, missing: int) -> None:
 def readiness(running: RunningGroup) -> list[tuple]:
     """For each spare, the object refs that are all done once it is up (for a waiter elsewhere:
     the workers look at them between steps)."""
-    return [
-        tuple(w.info[k] for k in _PENDING)
-        for w in running.spares
-        if all(k in w.info for k in _PENDING)
-    ]
+    return [tuple(w.info[k] for k in _PENDING) for w in _queued(running)]
+
+
+def _queued(running: RunningGroup) -> list[Worker]:
+    """The spares whose start-up calls are queued (every one `start` made)."""
+    return [w for w in running.spares if all(k in w.info for k in _PENDING)]
 
 
 def ready(running: RunningGroup, wait_s: float = 0.0) -> list[Worker]:
@@ -93,7 +94,7 @@ def ready(running: RunningGroup, wait_s: float = 0.0) -> list[Worker]:
     the others are still alive is not checked."""
     import ray
 
-    pending = [w for w in running.spares if all(k in w.info for k in _PENDING)]
+    pending = _queued(running)
     refs = [w.info[k] for w in pending for k in _PENDING]
     done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s) if refs else ([], [])
     done_set = set(done)
