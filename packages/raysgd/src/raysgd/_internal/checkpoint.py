@@ -34,6 +34,7 @@ import io
 import json
 import logging
 import re
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -117,8 +118,13 @@ def _save(state: dict[str, Any], handle: Any) -> None:
     except ImportError:
         torch.save(state, handle)
         return
-    with config.patch({"save.compute_crc32": False}):
+    # The config is the process's: two of these saves interleaving in threads could restore each
+    # other's setting out of order and leave the checksum off for the user's own saves.
+    with _SAVE_CONFIG_LOCK, config.patch({"save.compute_crc32": False}):
         torch.save(state, handle)
+
+
+_SAVE_CONFIG_LOCK = threading.Lock()
 
 
 def state_from_bytes(data: bytes, *, source: str = "state") -> dict[str, Any]:
