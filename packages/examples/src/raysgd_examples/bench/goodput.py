@@ -352,7 +352,7 @@ def _chart(table: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     """goodput.png: goodput per schedule, one bar per side."""
     plt = _common.pyplot()
     schedules = args.schedule_list
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(8.5, 3.5))
     width = 0.8 / max(1, len(table))
     for i, (side, run) in enumerate(table.items()):
         xs = [j + i * width for j in range(len(schedules))]
@@ -362,7 +362,7 @@ def _chart(table: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     ax.set_ylabel("goodput (clean time / time)")
     ax.set_ylim(0, 1.05)
     ax.axhline(0.9, color="grey", linewidth=0.8, linestyle="--")
-    ax.legend()
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars
     ax.set_title(f"goodput, {args.steps} steps, 2 workers")
     print(f"wrote {_common.save_figure(fig, Path(args.out) / 'goodput.png')}")
 
