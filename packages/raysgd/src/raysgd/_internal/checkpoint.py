@@ -110,8 +110,8 @@ def write_state(folder: Storage, name: str, state: dict[str, Any]) -> None:
 def _save(state: dict[str, Any], handle: Any) -> None:
     """`torch.save` without a CRC-32 of each record: `torch.load` never checks it (a flipped byte
     loads all the same), and computing it is most of the CPU a save of tensors costs (about three
-    quarters, for a 300 MB state on this project's CPU machines), CPU that a background checkpoint
-    takes from the training loop beside it. A checkpoint's integrity is its manifest's part sizes.
+    quarters for a 300 MB state on a 2-core CPU machine), CPU that a background checkpoint takes
+    from the training loop beside it. A checkpoint's integrity is its manifest's part sizes.
     Torch releases before the serialization config existed compute it as always."""
     try:
         from torch.utils.serialization import config
