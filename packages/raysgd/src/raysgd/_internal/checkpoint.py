@@ -107,24 +107,25 @@ def write_state(folder: Storage, name: str, state: dict[str, Any]) -> None:
     folder.write_stream(name, lambda handle: _save(state, handle))
 
 
+try:  # torch >= 2.6; earlier releases always compute the checksum
+    from torch.utils.serialization import config as _serialization_config
+except ImportError:
+    _serialization_config = None  # type: ignore[assignment]
+#: The serialization config is the process's: two saves interleaving in threads could restore
+#: each other's setting out of order and leave the checksum off for the user's own saves.
+_SAVE_CONFIG_LOCK = threading.Lock()
+
+
 def _save(state: dict[str, Any], handle: Any) -> None:
     """`torch.save` without a CRC-32 of each record: `torch.load` never checks it (a flipped byte
     loads all the same), and computing it is most of the CPU a save of tensors costs (about three
     quarters for a 300 MB state on a 2-core CPU machine), CPU that a background checkpoint takes
-    from the training loop beside it. A checkpoint's integrity is its manifest's part sizes.
-    Torch releases before the serialization config existed compute it as always."""
-    try:
-        from torch.utils.serialization import config
-    except ImportError:
+    from the training loop beside it. A checkpoint's integrity is its manifest's part sizes."""
+    if _serialization_config is None:
         torch.save(state, handle)
         return
-    # The config is the process's: two of these saves interleaving in threads could restore each
-    # other's setting out of order and leave the checksum off for the user's own saves.
-    with _SAVE_CONFIG_LOCK, config.patch({"save.compute_crc32": False}):
+    with _SAVE_CONFIG_LOCK, _serialization_config.patch({"save.compute_crc32": False}):
         torch.save(state, handle)
-
-
-_SAVE_CONFIG_LOCK = threading.Lock()
 
 
 def state_from_bytes(data: bytes, *, source: str = "state") -> dict[str, Any]:
