@@ -129,15 +129,16 @@ def test_population_based_training(ray_local, tune_storage, nothing_leaked):
     ).fit()
     assert not results.errors
     # The trial that started with lr 0.1 (its directory name keeps the starting lr) lost at
-    # iteration 2 and cloned the other trial's checkpoint: from iteration 3 on it is restored and its
-    # score carries on from the donor's 2.0, beyond its own reach (3 x 0.1). Tune may drop the rows
-    # from before the clone from that trial's history, so only the rows after it are required.
-    (weak,) = [r.metrics_dataframe for r in results if "lr=0.1000" in os.path.basename(r.path)]
-    weak = weak.set_index("training_iteration")
-    assert list(weak.index)[-2:] == [3, 4]
-    assert weak.loc[[3, 4], "restored"].all()
-    assert not weak.loc[weak.index < 3, "restored"].any()
-    assert weak.loc[3, "score"] > 2.0
+    # iteration 2 and cloned the other trial's checkpoint: it ends restored, its score carried on from
+    # the donor's 2.0, beyond its own reach (4 x 0.1). Its last result is the driver's own record;
+    # the history is read back from files Tune syncs to storage, whose newest rows can lag behind
+    # a restart, so only the rows it has are checked there.
+    (weak,) = [r for r in results if "lr=0.1000" in os.path.basename(r.path)]
+    assert weak.metrics["training_iteration"] == 4
+    assert weak.metrics["restored"] and weak.metrics["score"] > 2.0
+    history = weak.metrics_dataframe.set_index("training_iteration")
+    assert (history.loc[history["restored"], "score"] > 2.0).all()
+    assert (history.loc[~history["restored"]].index <= 2).all()
 
 
 def dies_once(config, checkpoint_dir=None):
