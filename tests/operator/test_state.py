@@ -132,6 +132,26 @@ def test_a_snapshot_into_an_earlier_one_reuses_its_memory_and_is_current() -> No
     assert fresh.data_ptr() != runner.operator.model[0].weight.data_ptr()
 
 
+def test_host_buffers_take_the_first_snapshot_into_their_memory() -> None:
+    runner = OperatorRunner(NoisyOperator, {}, scheduler_step_freq="epoch")
+    runner.train_epoch()  # Adam's moments exist from the first step on
+    buffers = OperatorRunner.host_buffers(runner.state_dict(live=True))
+    weight = runner.operator.model[0].weight
+    shaped = buffers["models"][0]["0.weight"]
+    assert (shaped.shape, shaped.dtype) == (weight.shape, weight.dtype)
+    assert shaped.data_ptr() != weight.data_ptr()
+    pointers = [t.data_ptr() for t in buffers["models"][0].values()]
+    adam = buffers["optimizers"][0]["state"][0]["exp_avg"].data_ptr()
+    taken = runner.state_dict(into=buffers)
+    assert [t.data_ptr() for t in taken["models"][0].values()] == pointers
+    assert taken["optimizers"][0]["state"][0]["exp_avg"].data_ptr() == adam
+    assert torch.equal(taken["models"][0]["0.weight"], weight)
+    assert torch.equal(
+        taken["optimizers"][0]["state"][0]["exp_avg"],
+        runner.operator.optimizer.state[weight]["exp_avg"],
+    )
+
+
 def test_get_models_unwrapped_and_cpu_copy() -> None:
     runner = OperatorRunner(NoisyOperator, {}, scheduler_step_freq="epoch")
     (live,) = runner.get_models()

@@ -178,6 +178,49 @@ def test_checkpoints_inside_an_epoch_survive_a_worker_lost_during_an_upload(
         again.shutdown()
 
 
+def _host_copy() -> Any:
+    """On a worker, once its checkpoint thread is idle: where rank 0's host copy for periodic
+    checkpoints lives and what it holds (None on the other ranks, which copy nothing)."""
+    from raysgd._internal.async_checkpoints import UPLOAD_KEY
+    from raysgd._internal.worker_state import worker_state
+    from raysgd_core import get_context
+
+    get_context().store[UPLOAD_KEY].finish()
+    staged = worker_state()._staged
+    if staged is None:
+        return None
+    return {k: (t.data_ptr(), t.clone()) for k, t in staged["models"][0].items()}
+
+
+@pytest.mark.timeout(120)
+def test_the_first_checkpoint_copies_into_memory_mapped_ahead(
+    ray_local: None, tmp_path: Path
+) -> None:
+    trainer = TorchTrainer(
+        training_operator_cls=LinearOperator,
+        num_workers=2,
+        config={BATCH_SIZE: GLOBAL_BATCH, "width": 512},
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every=4,
+    )
+    try:
+        # Two steps: no checkpoint is due yet, but rank 0 has its host copy's memory ready.
+        trainer.train(num_steps=2)
+        ahead, other = trainer.apply_all_workers(_host_copy)
+        assert other is None and not complete_checkpoints(Storage(str(tmp_path)))
+        assert set(ahead) == {"weight", "bias"} and ahead["weight"][1].shape == (1, 512)
+        # Step 4's checkpoint copied into that same memory, which holds step 4's weights.
+        trainer.train(num_steps=2)
+        staged, _ = trainer.apply_all_workers(_host_copy)
+        assert {k: ptr for k, (ptr, _) in staged.items()} == {k: p for k, (p, _) in ahead.items()}
+        live = trainer.get_model(to_cpu=True).state_dict()
+        assert all(torch.equal(staged[k][1], live[k]) for k in live)
+    finally:
+        trainer.shutdown()
+    (written,) = complete_checkpoints(Storage(str(tmp_path)))
+    assert written.step == 4
+
+
 def _has_manifest(location: Storage, name: str) -> bool:
     return location.join(name).exists(MANIFEST_NAME)
 

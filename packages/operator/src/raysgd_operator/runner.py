@@ -17,7 +17,7 @@ from raysgd_operator._internal.precision import get_precision
 from raysgd_operator._internal.rng import rng_state, set_rng_state
 from raysgd_operator._internal.step_journal import StepJournal
 from raysgd_operator._internal.stream import BatchStream, CallBatches
-from raysgd_operator._internal.tensors import cpu_copy, on_device
+from raysgd_operator._internal.tensors import cpu_copy, host_like, on_device
 from raysgd_operator.batch import BATCH_SIZE
 from raysgd_operator.components import Components, RankInfo
 from raysgd_operator.metrics import BATCH_COUNT, AverageMeterCollection
@@ -347,6 +347,14 @@ class OperatorRunner:
             models = cpu_copy(models, earlier.get("models"))
             optimizers = cpu_copy(optimizers, earlier.get("optimizers"))
         return {**self._progress_state(), "models": models, "optimizers": optimizers}
+
+    @staticmethod
+    def host_buffers(live: Mapping[str, Any]) -> dict[str, Any]:
+        """Host memory for a later `state_dict(into=...)`, shaped like `live` (a
+        ``state_dict(live=True)`` taken on the training thread), with every page already mapped:
+        the first copy into it then costs what later ones do. Its values mean nothing until that
+        copy. Reads only shapes and dtypes, so it can run in a thread beside the training loop."""
+        return {"models": host_like(live["models"]), "optimizers": host_like(live["optimizers"])}
 
     # -- recovery ------------------------------------------------------------------------------
     def progress(self) -> Progress:

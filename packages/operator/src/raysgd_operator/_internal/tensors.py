@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import copy
 import itertools
+import mmap
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["cpu_copy", "on_device"]
+__all__ = ["cpu_copy", "host_like", "on_device"]
 
 
 def on_device(module: nn.Module) -> bool:
@@ -42,3 +43,22 @@ def cpu_copy(obj: Any, into: Any = None) -> Any:
         earlier = into if isinstance(into, (list, tuple)) and len(into) == len(obj) else ()
         return type(obj)(cpu_copy(v, e) for v, e in itertools.zip_longest(obj, earlier))
     return copy.deepcopy(obj)
+
+
+def host_like(obj: Any) -> Any:
+    """Uninitialised CPU tensors shaped like every dense tensor of `obj`, in its structure (other
+    values as they are), for `cpu_copy(..., into=)`. One byte of every page is written, so the
+    system maps and zeroes the pages now instead of during that copy. Reads only the shapes and
+    dtypes of `obj`'s tensors: safe beside a training loop that updates them."""
+    if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided:
+            return None  # cpu_copy allocates these itself
+        buffer = torch.empty(obj.shape, dtype=obj.dtype)
+        if buffer.numel():
+            buffer.view(-1).view(torch.uint8)[:: mmap.PAGESIZE].zero_()
+        return buffer
+    if isinstance(obj, dict):
+        return {k: host_like(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_like(v) for v in obj)
+    return obj

@@ -6,9 +6,11 @@ writes it into a new checkpoint folder under `checkpoint_dir` (`checkpoint.check
 folder per attempt). Rank 0 then waits, in its thread, until every part is there and writes the
 manifest last, so an upload cut short (a worker lost, storage unreachable) leaves the previous
 checkpoint the newest complete one; it then removes the checkpoints past `keep_checkpoints`.
-The thread runs at the lowest CPU priority: on a machine whose cores the training keeps busy it
-writes in the time the loop leaves idle (waits in collectives, data loading) instead of slowing
-every step, and all ranks with it.
+Before the first checkpoint falls due the same thread has the state map the memory of its host
+copy (`WorkerState.stage_ahead`), so that no checkpoint's copy waits for the system to map fresh
+pages. The thread runs at the lowest CPU priority: on a machine whose cores the training keeps
+busy it writes in the time the loop leaves idle (waits in collectives, data loading) instead of
+slowing every step, and all ranks with it.
 
 At most one upload is in flight per worker: a checkpoint that falls due while the previous one is
 still being written waits for it (the loop is blocked only when storage cannot keep up; the time
@@ -79,6 +81,8 @@ class PeriodicCheckpoints:
         self.last: Optional[Written] = None
         self.error: Optional[str] = None
         self._thread: Optional[threading.Thread] = None
+        #: The state whose `stage_ahead` work was started (once per state: a restore makes one).
+        self._ahead: Optional[WorkerState] = None
         state.runner.add_step_hook(self._on_step)
 
     def arm(self, plan: Optional[CheckpointPlan]) -> None:
@@ -92,7 +96,10 @@ class PeriodicCheckpoints:
 
     def _on_step(self) -> None:
         plan, runner = self.plan, self.state.runner
-        if plan is None or runner.step % plan.every != 0:
+        if plan is None:
+            return
+        if runner.step % plan.every != 0:
+            self._stage_ahead()
             return
         started = time.perf_counter()
         self.finish()  # the one before, if storage has not kept up
@@ -131,6 +138,26 @@ class PeriodicCheckpoints:
                     _give_up(folder, rank)
 
         self._thread = threading.Thread(target=upload, name="raysgd-checkpoint", daemon=True)
+        self._thread.start()
+
+    def _stage_ahead(self) -> None:
+        """Once per state, between checkpoints: run its `stage_ahead` work in the writer's slot
+        (a checkpoint that falls due meanwhile waits for it, as for an upload)."""
+        if self._ahead is self.state or self.busy:
+            return
+        self._ahead = self.state
+        work = self.state.stage_ahead()
+        if work is None:
+            return
+
+        def run() -> None:
+            _behind_training()
+            try:
+                work()
+            except Exception:  # the first checkpoint then allocates its memory itself
+                logger.debug("could not prepare the checkpoint's host copy", exc_info=True)
+
+        self._thread = threading.Thread(target=run, name="raysgd-checkpoint-ahead", daemon=True)
         self._thread.start()
 
     def take_blocked(self) -> float:

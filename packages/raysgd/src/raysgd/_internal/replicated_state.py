@@ -8,7 +8,7 @@ new rank and size (built again, keeping its state, when the user's loaders canno
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -90,6 +90,20 @@ class ReplicatedState(WorkerState):
             return None
         self._staged = self.runner.state_dict(into=self._staged)
         return _WholeCopy(self._staged)
+
+    def stage_ahead(self) -> Optional[Callable[[], None]]:
+        """Rank 0 maps its host copy's memory ahead of the first checkpoint: a copy into new
+        memory, which the system maps and zeroes page by page, takes several times as long as
+        one into memory in use, and every worker waits for rank 0's copy."""
+        if get_context().world_rank != 0 or self._staged is not None:
+            return None
+        live = self.runner.state_dict(live=True)  # references: shapes and dtypes, no copy
+
+        def allocate() -> None:
+            if self._staged is None:
+                self._staged = OperatorRunner.host_buffers(live)
+
+        return allocate
 
     @classmethod
     def parts(cls, world_size: int) -> list[str]:

@@ -22,7 +22,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import ray
 
@@ -111,6 +111,12 @@ class WorkerState(abc.ABC):
         the background (the training loop waits only for this); None when this worker writes no
         part. The copy may reuse the memory of this worker's previous one: stage again only once
         that one was written."""
+
+    def stage_ahead(self) -> Optional[Callable[[], None]]:
+        """Work that makes the first `stage` as quick as later ones (allocating the host memory it
+        copies into), to run in a background thread before that checkpoint falls due; None when
+        there is none. Called on the training thread between steps."""
+        return None
 
     @classmethod
     @abc.abstractmethod
