@@ -3,11 +3,14 @@ the new one survives a crash once written (fsync of the file, then of its folder
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Union
+
+from raysgd._internal.direct_writes import DirectFile, open_flags
 
 __all__ = ["SCRATCH_PREFIX", "atomic_local_file", "write_file"]
 
@@ -25,26 +28,51 @@ def write_file(path: Union[str, os.PathLike[str]], data: Union[bytes, memoryview
 
 
 @contextmanager
-def atomic_local_file(path: str) -> Iterator[IO[bytes]]:
+def atomic_local_file(path: str, *, direct: bool = False) -> Iterator[IO[bytes]]:
     """A binary file that becomes the local `path` only when the block ends without an error: a
     temp file in the same folder, fsynced, renamed over `path` with `os.replace`, then the folder
     fsynced so that the rename itself survives a crash. The file gets the permissions of any new
-    file (0666 less the umask)."""
+    file (0666 less the umask). With `direct`, for a large file written in order, the bytes go
+    around the page cache where the file system allows (`direct_writes.DirectFile`)."""
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f"{SCRATCH_PREFIX}{uuid.uuid4().hex}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    fd = _open_new(tmp, flags | open_flags()) if direct else os.open(tmp, flags, 0o666)
+    open_fd = True
     try:
-        with os.fdopen(fd, "wb") as handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
+        if direct:
+            handle = DirectFile(fd)
+            try:
+                yield handle  # type: ignore[misc]
+            except BaseException:
+                handle.discard()
+                raise
+            handle.close()
+        else:
+            with os.fdopen(fd, "wb", closefd=False) as stream:
+                yield stream
+        os.fsync(fd)
+        open_fd = False
+        os.close(fd)
         os.replace(tmp, path)
     except BaseException:
+        if open_fd:
+            os.close(fd)
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
     _fsync_folder(folder)
+
+
+def _open_new(path: str, flags: int) -> int:
+    """`os.open` with `flags`, without the direct-write flag where the file system refuses it."""
+    try:
+        return os.open(path, flags, 0o666)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL or not flags & open_flags():
+            raise
+        return os.open(path, flags & ~open_flags(), 0o666)
 
 
 def _fsync_folder(folder: str) -> None:

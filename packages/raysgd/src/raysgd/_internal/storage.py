@@ -245,7 +245,7 @@ class Storage:
         path = self._full(relpath)
         with self._errors("cannot write", relpath):
             if self.is_local:
-                with atomic_local_file(path) as handle:
+                with atomic_local_file(path, direct=True) as handle:
                     write(handle)
                 return
             handle = self.fs.open(path, "wb")
