@@ -187,14 +187,15 @@ def _host_copy() -> Any:
     from raysgd_core import get_context
 
     get_context().store[UPLOAD_KEY].finish()
+    writers = sum(t.name == "raysgd-checkpoint" for t in threading.enumerate())
     staged = worker_state()._staged
     if staged is None:
-        return None
-    return {k: (t.data_ptr(), t.clone()) for k, t in staged["models"][0].items()}
+        return None, writers
+    return {k: (t.data_ptr(), t.clone()) for k, t in staged["models"][0].items()}, writers
 
 
 @pytest.mark.timeout(120)
-def test_the_first_checkpoint_copies_into_memory_mapped_ahead(
+def test_checkpoints_copy_into_memory_mapped_ahead_and_share_one_writer(
     ray_local: None, tmp_path: Path
 ) -> None:
     trainer = TorchTrainer(
@@ -207,19 +208,23 @@ def test_the_first_checkpoint_copies_into_memory_mapped_ahead(
     try:
         # Two steps: no checkpoint is due yet, but rank 0 has its host copy's memory ready.
         trainer.train(num_steps=2)
-        ahead, other = trainer.apply_all_workers(_host_copy)
+        (ahead, _), (other, _) = trainer.apply_all_workers(_host_copy)
         assert other is None and not complete_checkpoints(Storage(str(tmp_path)))
         assert set(ahead) == {"weight", "bias"} and ahead["weight"][1].shape == (1, 512)
         # Step 4's checkpoint copied into that same memory, which holds step 4's weights.
         trainer.train(num_steps=2)
-        staged, _ = trainer.apply_all_workers(_host_copy)
+        (staged, _), _ = trainer.apply_all_workers(_host_copy)
         assert {k: ptr for k, (ptr, _) in staged.items()} == {k: p for k, (p, _) in ahead.items()}
         live = trainer.get_model(to_cpu=True).state_dict()
         assert all(torch.equal(staged[k][1], live[k]) for k in live)
+        # Step 8's as well; one writer thread on each worker did all of it.
+        trainer.train(num_steps=4)
+        (again, writers), (_, other_writers) = trainer.apply_all_workers(_host_copy)
+        assert [again[k][0] for k in live] == [ahead[k][0] for k in live]
+        assert writers == other_writers == 1
     finally:
         trainer.shutdown()
-    (written,) = complete_checkpoints(Storage(str(tmp_path)))
-    assert written.step == 4
+    assert [c.step for c in complete_checkpoints(Storage(str(tmp_path)))] == [4, 8]
 
 
 def _has_manifest(location: Storage, name: str) -> bool:

@@ -1,16 +1,16 @@
 """Checkpoints inside an epoch, written in the background (`checkpoint_every=N`).
 
 At every N-th step boundary of a `train()` call every worker stages its part of the training state
-in host memory (`WorkerState.stage`: the loop waits only for this copy) and a thread of its own
-writes it into a new checkpoint folder under `checkpoint_dir` (`checkpoint.checkpoint_name`: a
-folder per attempt). Rank 0 then waits, in its thread, until every part is there and writes the
-manifest last, so an upload cut short (a worker lost, storage unreachable) leaves the previous
-checkpoint the newest complete one; it then removes the checkpoints past `keep_checkpoints`.
-Before the first checkpoint falls due the same thread has the state map the memory of its host
-copy (`WorkerState.stage_ahead`), so that no checkpoint's copy waits for the system to map fresh
-pages. The thread runs at the lowest CPU priority: on a machine whose cores the training keeps
-busy it writes in the time the loop leaves idle (waits in collectives, data loading) instead of
-slowing every step, and all ranks with it.
+in host memory (`WorkerState.stage`: the loop waits only for this copy) and hands it to its writer
+thread (one per worker, kept between checkpoints), which writes it into a new checkpoint folder
+under `checkpoint_dir` (`checkpoint.checkpoint_name`: a folder per attempt). Rank 0 then waits, in
+its thread, until every part is there and writes the manifest last, so an upload cut short (a
+worker lost, storage unreachable) leaves the previous checkpoint the newest complete one; it then
+removes the checkpoints past `keep_checkpoints`. Before the first checkpoint falls due the same
+thread has the state map the memory of its host copy (`WorkerState.stage_ahead`), so that no
+checkpoint's copy waits for the system to map fresh pages. The thread runs at the lowest CPU
+priority: on a machine whose cores the training keeps busy it writes in the time the loop leaves
+idle (waits in collectives, data loading) instead of slowing every step, and all ranks with it.
 
 At most one upload is in flight per worker: a checkpoint that falls due while the previous one is
 still being written waits for it (the loop is blocked only when storage cannot keep up; the time
@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from raysgd._internal.atomic_files import SCRATCH_PREFIX
 from raysgd._internal.checkpoint import checkpoint_name, prune, write_manifest
@@ -80,7 +81,14 @@ class PeriodicCheckpoints:
         self.blocked_s = 0.0
         self.last: Optional[Written] = None
         self.error: Optional[str] = None
-        self._thread: Optional[threading.Thread] = None
+        #: The writer: one thread for all of this worker's checkpoints, fed through `_jobs` (a
+        #: queue's put costs the loop microseconds; starting a thread waits for the busy cores
+        #: to run it, up to milliseconds).
+        self._jobs: queue.SimpleQueue[Optional[tuple[Callable[[], None], threading.Event]]] = (
+            queue.SimpleQueue()
+        )
+        self._writer: Optional[threading.Thread] = None
+        self._pending: Optional[threading.Event] = None  # set once the job in flight is done
         #: The state whose `stage_ahead` work was started (once per state: a restore makes one).
         self._ahead: Optional[WorkerState] = None
         state.runner.add_step_hook(self._on_step)
@@ -88,11 +96,33 @@ class PeriodicCheckpoints:
     def arm(self, plan: Optional[CheckpointPlan]) -> None:
         """Checkpoint as `plan` says from the next step boundary on (None: not at all)."""
         self.plan = plan
+        if plan is not None:
+            # The root's filesystem, built here on the training thread if not yet, is shared by
+            # every folder joined to it: threads it starts (fsspec's event loop) are never the
+            # writer's, which would hand them its lowered priority; and the first checkpoint
+            # does not wait for it.
+            plan.root.fs  # noqa: B018
 
     @property
     def busy(self) -> bool:
         """Whether an upload is in flight."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._pending is not None and not self._pending.is_set()
+
+    def _submit(self, job: Callable[[], None]) -> None:
+        """Hand `job` to the writer thread (started on first use)."""
+        done = self._pending = threading.Event()
+        if self._writer is None or not self._writer.is_alive():
+            self._writer = threading.Thread(
+                target=_serve, args=(self._jobs,), name="raysgd-checkpoint", daemon=True
+            )
+            self._writer.start()
+        self._jobs.put((job, done))
+
+    def close(self) -> None:
+        """Let the writer thread end once the job in flight is done."""
+        if self._writer is not None:
+            self._jobs.put(None)
+            self._writer = None
 
     def _on_step(self) -> None:
         plan, runner = self.plan, self.state.runner
@@ -108,10 +138,6 @@ class PeriodicCheckpoints:
         epoch, step = int(position["epoch"]), int(position["step"])
         # Every worker finds the same folder on its own: the name derives from the attempt.
         name = checkpoint_name(epoch, step, token=plan.token)
-        # The root's filesystem, built on this thread if not yet, is shared by every folder joined
-        # to it: threads it starts (fsspec's event loop) are never the writer's, which would hand
-        # them its lowered priority.
-        plan.root.fs  # noqa: B018
         folder = plan.root.join(name)
         staged = self.state.stage()
         self.blocked_s += time.perf_counter() - started
@@ -119,7 +145,6 @@ class PeriodicCheckpoints:
         rank = ctx.world_rank
 
         def upload() -> None:
-            _behind_training()
             try:
                 if staged is not None:
                     staged.write(folder)
@@ -137,8 +162,7 @@ class PeriodicCheckpoints:
                 if rank != 0:
                     _give_up(folder, rank)
 
-        self._thread = threading.Thread(target=upload, name="raysgd-checkpoint", daemon=True)
-        self._thread.start()
+        self._submit(upload)
 
     def _stage_ahead(self) -> None:
         """Once per state, between checkpoints: run its `stage_ahead` work in the writer's slot
@@ -151,14 +175,12 @@ class PeriodicCheckpoints:
             return
 
         def run() -> None:
-            _behind_training()
             try:
                 work()
             except Exception:  # the first checkpoint then allocates its memory itself
                 logger.debug("could not prepare the checkpoint's host copy", exc_info=True)
 
-        self._thread = threading.Thread(target=run, name="raysgd-checkpoint-ahead", daemon=True)
-        self._thread.start()
+        self._submit(run)
 
     def take_blocked(self) -> float:
         """The loop's waits at checkpoint steps since the last call of this (then reset)."""
@@ -167,14 +189,28 @@ class PeriodicCheckpoints:
 
     def finish(self, timeout_s: Optional[float] = None) -> Optional[Written]:
         """Wait for the upload in flight; the last checkpoint this worker finished."""
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout_s)
+        pending = self._pending
+        if pending is not None:
+            pending.wait(timeout_s)
         return self.last
 
 
 #: The writer's nice value: the highest, so that it runs when the training loop leaves a core free.
 WRITER_NICE = 19
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    """The writer thread: run each job handed over, at the lowest priority, until told to end."""
+    _behind_training()
+    while True:
+        item = jobs.get()
+        if item is None:
+            return
+        job, done = item
+        try:
+            job()
+        finally:
+            done.set()
 
 
 def _behind_training() -> None:
@@ -228,6 +264,8 @@ def periodic_for(state: WorkerState, plan: Optional[CheckpointPlan]) -> None:
     if periodic is None or periodic.state.runner is not state.runner:
         if plan is None:
             return
+        if periodic is not None:
+            periodic.close()  # its runner is gone; its last upload, if any, is left to finish
         periodic = store[UPLOAD_KEY] = PeriodicCheckpoints(state)
     periodic.state = state
     periodic.arm(plan)
