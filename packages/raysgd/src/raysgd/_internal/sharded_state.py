@@ -44,7 +44,7 @@ from raysgd._internal.worker_state import LoadSource, Staged, WorkerState, keep,
 from raysgd_core import get_context
 from raysgd_operator import AverageMeterCollection, CallRecord, OperatorRunner
 
-__all__ = ["Generation", "ShardedState", "Snapshots"]
+__all__ = ["Generation", "ShardedState", "Snapshots", "sweep_stale_snapshots"]
 
 logger = logging.getLogger("raysgd")
 
@@ -84,6 +84,41 @@ def _read_into_tensors(directory: str) -> dict[str, torch.Tensor]:
             handle.readinto(memoryview(data.numpy()))
         files[name] = data
     return files
+
+
+#: The start of a snapshot's scratch folder's name.
+SNAPSHOT_PREFIX = "raysgd-snapshot-"
+#: A snapshot's thread removes its scratch folder within seconds (the swap is bounded by
+#: `SWAP_TIMEOUT_S`); one untouched for this long belongs to a process that was killed first.
+STALE_AFTER_S = 3600.0
+
+
+def sweep_stale_snapshots(
+    parents: Optional[list[str]] = None, *, now: Optional[float] = None
+) -> int:
+    """Remove the scratch folders that killed workers' snapshots left in `parents` (default: the
+    places `_scratch_dir` picks); how many went. Without this a node whose workers are killed
+    again and again (out of memory, fault injection) would collect them, in memory on /dev/shm."""
+    now = time.time() if now is None else now
+    removed = 0
+    for parent in parents if parents is not None else ["/dev/shm", tempfile.gettempdir()]:
+        try:
+            entries = list(os.scandir(parent))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                stale = (
+                    entry.name.startswith(SNAPSHOT_PREFIX)
+                    and entry.is_dir(follow_symlinks=False)
+                    and now - entry.stat(follow_symlinks=False).st_mtime > STALE_AFTER_S
+                )
+            except OSError:  # gone meanwhile
+                continue
+            if stale:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed += 1
+    return removed
 
 
 def _scratch_dir(expected_bytes: int) -> Optional[str]:
@@ -129,6 +164,7 @@ class Snapshots:
             # Collectives of this group run in threads beside training's: a group of their own,
             # on the CPU (DCP stages to CPU memory), never in the way of the training group.
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=SWAP_TIMEOUT_S))
+            sweep_stale_snapshots()
         runner, rank = self.runner, dist.get_rank()
         started = time.perf_counter()
         tensors, state = runner.sharded_parts()
@@ -137,7 +173,7 @@ class Snapshots:
         size_estimate = sum(
             t.numel() * t.element_size() for t in _tensors_of(tensors) if t.device.type != "meta"
         )
-        directory = tempfile.mkdtemp(prefix="raysgd-snapshot-", dir=_scratch_dir(size_estimate))
+        directory = tempfile.mkdtemp(prefix=SNAPSHOT_PREFIX, dir=_scratch_dir(size_estimate))
         future = dcp.async_save(
             tensors,
             storage_writer=FileSystemWriter(directory, single_file_per_rank=True),
