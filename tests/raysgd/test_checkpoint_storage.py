@@ -13,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -348,15 +347,10 @@ def _weights_of(run: subprocess.CompletedProcess) -> list:
     return json.loads(line.split(" ", 1)[1])
 
 
-def _wait_for_cpus(free: float, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while ray.available_resources().get("CPU", 0) < free:
-        assert time.monotonic() < deadline, "the killed driver's workers were never stopped"
-        time.sleep(0.2)
-
-
 @pytest.mark.timeout(420)
-def test_a_run_whose_driver_was_killed_goes_on_at_its_row(ray_local: None, tmp_path: Path) -> None:
+def test_a_run_whose_driver_was_killed_goes_on_at_its_row(
+    ray_local: None, tmp_path: Path, wait_for_cpus
+) -> None:
     clean_marks, marks = tmp_path / "clean-rows", tmp_path / "rows"
     clean_marks.mkdir()
     marks.mkdir()
@@ -369,7 +363,7 @@ def test_a_run_whose_driver_was_killed_goes_on_at_its_row(ray_local: None, tmp_p
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     # Its workers go on for a moment (a step, an upload finishing) until Ray stops them: what
     # the next run finds is what they left.
-    _wait_for_cpus(free)
+    assert wait_for_cpus(free, timeout_s=60) >= free, "the killed driver's workers never stopped"
     every, first_epoch = 3, ROWS // GLOBAL_BATCH  # the driver's checkpoint_every; 8 steps
     newest = newest_complete(Storage(tmp_path / "ckpt"))
     assert newest is not None and newest.epoch == 2 and newest.step > first_epoch

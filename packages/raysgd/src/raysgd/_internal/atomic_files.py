@@ -38,7 +38,7 @@ def atomic_local_file(path: str, *, direct: bool = False) -> Iterator[IO[bytes]]
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f"{SCRATCH_PREFIX}{uuid.uuid4().hex}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-    fd = _open_new(tmp, flags | open_flags()) if direct else os.open(tmp, flags, 0o666)
+    fd = _open_new(tmp, flags | (open_flags() if direct else 0))
     open_fd = True
     try:
         if direct:
@@ -66,7 +66,8 @@ def atomic_local_file(path: str, *, direct: bool = False) -> Iterator[IO[bytes]]
 
 
 def _open_new(path: str, flags: int) -> int:
-    """`os.open` with `flags`, without the direct-write flag where the file system refuses it."""
+    """`os.open` with `flags` (mode 0666 less the umask), without the direct-write flag where the
+    file system refuses it."""
     try:
         return os.open(path, flags, 0o666)
     except OSError as exc:

@@ -75,9 +75,6 @@ class DirectFile:
     def flush(self) -> None:
         """Nothing to do: only whole blocks can be written before `close`."""
 
-    def tell(self) -> int:
-        return self._size
-
     def close(self) -> None:
         """Write what is left (the last block padded) and cut the file to the bytes written."""
         if self._closed:

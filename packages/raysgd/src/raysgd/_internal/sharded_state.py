@@ -88,6 +88,8 @@ def _read_into_tensors(directory: str) -> dict[str, torch.Tensor]:
 
 #: The start of a snapshot's scratch folder's name.
 SNAPSHOT_PREFIX = "raysgd-snapshot-"
+#: Memory as a folder, where a snapshot's scratch folder goes when it fits (`_scratch_dir`).
+_SHM = "/dev/shm"
 #: A snapshot's thread removes its scratch folder within seconds (the swap is bounded by
 #: `SWAP_TIMEOUT_S`); one untouched for this long belongs to a process that was killed first.
 STALE_AFTER_S = 3600.0
@@ -101,7 +103,7 @@ def sweep_stale_snapshots(
     again and again (out of memory, fault injection) would collect them, in memory on /dev/shm."""
     now = time.time() if now is None else now
     removed = 0
-    for parent in parents if parents is not None else ["/dev/shm", tempfile.gettempdir()]:
+    for parent in parents if parents is not None else [_SHM, tempfile.gettempdir()]:
         try:
             entries = list(os.scandir(parent))
         except OSError:
@@ -126,8 +128,8 @@ def _scratch_dir(expected_bytes: int) -> Optional[str]:
     reading them back: memory (/dev/shm) when it has room for them twice over, else the default
     temporary directory."""
     try:
-        if shutil.disk_usage("/dev/shm").free > 2 * expected_bytes:
-            return "/dev/shm"
+        if shutil.disk_usage(_SHM).free > 2 * expected_bytes:
+            return _SHM
     except OSError:
         pass
     return None
