@@ -1,6 +1,7 @@
-"""Failures as they come on real clusters: in bursts, during a recovery, on consecutive steps, and
-while a checkpoint is written. Each loss is recovered (counted once in `failures`), nothing hangs,
-and every epoch trains every row once; the survivors keep their processes.
+"""Failures as they come on real clusters: in bursts, during a recovery, on consecutive steps,
+while a checkpoint is written, and many in one run. Each loss is recovered (counted once in
+`failures`), nothing hangs, nothing leaks, and every epoch trains every row once; the survivors
+keep their processes.
 
 Workers are killed for real: `os._exit` from the operator at a given step or while it is set up as
 a replacement, and SIGKILL from the test while a worker restores or writes a checkpoint.
@@ -9,6 +10,7 @@ a replacement, and SIGKILL from the test while a worker restores or writes a che
 from __future__ import annotations
 
 import os
+import random
 import signal
 import threading
 import time
@@ -23,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from raysgd import TorchTrainer, TrainingOperator
 from raysgd.utils import BATCH_SIZE
+from raysgd_examples.bench.soak import snapshot
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -215,3 +218,53 @@ def test_a_worker_lost_while_a_checkpoint_is_written(tmp_path: Path) -> None:
         _every_row_once(marks, 2)
     finally:
         trainer.shutdown(force=True)
+
+
+@pytest.mark.timeout(300)
+def test_ten_recoveries_in_one_run_leak_nothing_and_train_every_row_once(tmp_path: Path) -> None:
+    # A short soak: two kills an epoch for five epochs, a random rank at a random step.
+    rng = random.Random(0)
+    steps = ROWS // GLOBAL_BATCH
+    kills = [
+        (rng.randrange(2), epoch * steps + step, f"soak-{epoch}-{step}")
+        for epoch in range(5)
+        for step in sorted(rng.sample(range(steps), 2))
+    ]
+    trainer = _trainer(tmp_path, num_workers=2, kills=kills)
+    try:
+        held, pids = [], set()
+        for _ in range(5):
+            pids |= {w.pid for w in trainer.worker_group.workers}
+            assert trainer.train()["num_samples"] == ROWS
+            held.append(snapshot())
+        assert trainer.failures == 10
+        _every_row_once(tmp_path, 5)
+        # Every killed worker's process is gone; the two live ones are the group's.
+        live = {w.pid for w in trainer.worker_group.workers}
+        assert not [pid for pid in pids - live if _alive(pid)]
+        assert held[-1]["worker_processes"] == 2
+        # From the second recovery to the tenth the driver holds as much as before.
+        second, tenth = held[0], held[-1]
+        for key in ("open_fds", "placement_groups", "worker_processes", "dev_shm_files"):
+            assert tenth[key] == second[key], key
+        for key in ("driver_rss_mb", "threads"):
+            assert tenth[key] <= second[key] * 1.1, key
+        report = trainer.goodput()
+        assert report["failures"] == 10 and report["steps_redone"] <= 10
+        assert report["lost_s"]["start"] > 0 and report["lost_s"]["restore"] > 0
+        assert 0 < report["goodput"] < 1
+        events = trainer.recovery_events
+        assert len([e for e in events if e.kind == "failure"]) == 10
+        resizes = [e for e in events if e.kind == "resize"]
+        assert len(resizes) == 10 and all("rank" in e.source for e in resizes)
+        assert not [e for e in events if e.kind == "user_error"]
+    finally:
+        trainer.shutdown(force=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting for its parent does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False

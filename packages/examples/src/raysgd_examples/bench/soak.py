@@ -9,10 +9,11 @@ Half of them run with ``spare_workers=1``, half without. Then, on a `ray.cluster
 added, so that drains and reclaimed nodes are part of the run too.
 
 Measured after every recovery, in the driver: its resident memory, open file descriptors and
-threads; the live placement groups; the files in /dev/shm and raysgd's folders in the temporary
-folder. Reported per trainer (each holds what it holds: a spare has its own placement group): each
-figure at its tenth recovery and at its last (goal: within 10 %), and the mean step time of a clean
-call of `--timing-steps` steps before its first recovery and after its last (goal: within 10 %).
+threads; the live placement groups; the live worker processes on this machine; the files in
+/dev/shm and raysgd's folders in the temporary folder. Reported per trainer (each holds what it
+holds: a spare has its own placement group and process): each figure at its tenth recovery and at
+its last (goal: within 10 %), and the mean step time of a clean call of `--timing-steps` steps
+before its first recovery and after its last (goal: within 10 %).
 
     hatch run bench:soak [--quick] [--recoveries N] [--drains N] [--timing-steps N]
 """
@@ -52,12 +53,30 @@ def snapshot() -> dict[str, float]:
         "open_fds": float(len(os.listdir("/proc/self/fd"))),
         "threads": float(len(os.listdir("/proc/self/task"))),
         "placement_groups": float(len(pgs)),
+        "worker_processes": float(_worker_processes()),
         "dev_shm_files": float(len(os.listdir("/dev/shm"))) if os.path.isdir("/dev/shm") else 0.0,
         "raysgd_temp_entries": float(
             sum(1 for name in os.listdir(temp) if name.startswith(("raysgd", ".raysgd")))
         ),
         "ray_nodes_alive": float(sum(1 for n in ray.nodes() if n.get("Alive"))),
     }
+
+
+def _worker_processes() -> int:
+    """raysgd's worker actors alive on this machine, spares included.
+
+    Counted from the processes themselves (a killed or shut-down actor whose process lingers is
+    what this should catch): Ray titles an actor's process ``ray::<its class>``, and raysgd's
+    worker class is ``WorkerActor`` (the suite's soak test fails if that changes).
+    """
+    title = b"ray::WorkerActor"
+    count = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            count += Path(f"/proc/{pid}/cmdline").read_bytes().startswith(title)
+        except OSError:  # the process ended while we looked
+            pass
+    return count
 
 
 def _operator_cls() -> type:
@@ -237,6 +256,7 @@ _LEAKS = (
     "open_fds",
     "threads",
     "placement_groups",
+    "worker_processes",
     "dev_shm_files",
     "raysgd_temp_entries",
 )
