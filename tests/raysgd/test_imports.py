@@ -157,7 +157,7 @@ def test_raysgd_1x_style_script_runs(tmp_path):
     assert "trained weight: 2.00, bias: 5.00" in done.stdout
 
 
-def test_pytorch_trainer_accepts_0_8_arguments(ray_local):
+def test_pytorch_trainer_accepts_0_8_arguments(ray_local, caplog):
     import torch
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
@@ -179,9 +179,14 @@ def test_pytorch_trainer_accepts_0_8_arguments(ray_local):
     try:
         assert trainer.num_workers == 2 and trainer.config[BATCH_SIZE] == 20
         assert trainer.apply_all_operators(lambda op: op.config[BATCH_SIZE]) == [10, 10]
-        assert trainer.train(checkpoint="auto")["num_samples"] == 40
+        with caplog.at_level("INFO", logger="raysgd"):
+            assert trainer.train(checkpoint="auto")["num_samples"] == 40
+        # Without a checkpoint_dir, "auto" wrote into a temporary folder, which it named...
+        (scratch,) = [r.args[0] for r in caplog.records if "checkpoint='auto'" in r.getMessage()]
+        assert os.path.isfile(os.path.join(scratch, "raysgd_checkpoint.pt"))
     finally:
         trainer.shutdown()
+    assert not os.path.exists(scratch)  # ...and that shutdown() removed: nothing left in /tmp
     with pytest.raises(ValueError, match="num_replicas"):
         PyTorchTrainer(num_replicas=2, num_workers=2)
 

@@ -96,7 +96,8 @@ class TorchTrainer:
         failure_policy: "default", "elastic", "never", a registered name or a
             `raysgd_fault.FailurePolicy`: what to do after a lost worker.
         checkpoint_dir: where `train(checkpoint="auto")` and `checkpoint_every` write (a path or
-            any fsspec URL: s3://, gs://, abfs://, memory://, file://).
+            any fsspec URL: s3://, gs://, abfs://, memory://, file://). Without it, "auto" writes
+            to a temporary folder that `shutdown()` removes.
         storage_options: fsspec options (endpoint, credentials) for `checkpoint_dir` and for the
             URLs given to `save` and `load`; else each client reads the environment. Never
             logged or stored.
@@ -533,6 +534,7 @@ class TorchTrainer:
                     logger.warning("waiting for the checkpoint uploads failed: %s", exc)
             self._workers.stop(force)
         finally:
+            self._checkpoints.close()
             self._loggers.finish(self._recovery.events)
 
     def __enter__(self) -> TorchTrainer:

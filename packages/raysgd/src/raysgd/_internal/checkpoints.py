@@ -3,7 +3,8 @@ goes on from them.
 
 - `train(checkpoint="auto")` writes the state from before the call to `checkpoint_dir` (a file for
   a whole state, a folder for a sharded one, replaced each time); `train(checkpoint=path)` to
-  `path`. Without a `checkpoint_dir`, "auto" makes a temporary folder and says where.
+  `path`. Without a `checkpoint_dir`, "auto" makes a temporary folder, says where, and removes it
+  at `shutdown()` (a state kept past the trainer needs a `checkpoint_dir`).
 - `checkpoint_every=N` writes one every N steps inside the calls, asynchronously, each into a new
   folder under `checkpoint_dir` with its manifest last (`async_checkpoints`), keeping the newest
   `keep_checkpoints` complete ones.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import uuid
 from typing import Any, Optional, Union
@@ -86,6 +88,7 @@ class Checkpoints:
         self.root = root
         self.every = every
         self.keep = keep
+        self._scratch: Optional[str] = None  # the temporary folder "auto" made, if it made one
 
     def before_call(self, checkpoint: PathLike) -> str:
         """`train(checkpoint=...)`: write the state now to `checkpoint` or, for "auto", into
@@ -105,6 +108,12 @@ class Checkpoints:
         """Wait for the checkpoint uploads in flight (a clean exit never loses the last one)."""
         if self.every and self.root is not None:
             self._state.finish_uploads()
+
+    def close(self) -> None:
+        """Remove the temporary folder that "auto" made (none is made with a `checkpoint_dir`)."""
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
 
     def at_notice(self) -> Optional[str]:
         """A checkpoint written now, when rank 0 cannot leave a draining node; None without a
@@ -139,6 +148,10 @@ class Checkpoints:
 
     def _auto_location(self) -> Storage:
         if self.root is None:
-            self.root = as_storage(tempfile.mkdtemp(prefix="raysgd-checkpoints-"))
-            logger.info("checkpoint='auto' writes to %s", self.root.url)
+            self._scratch = tempfile.mkdtemp(prefix="raysgd-checkpoints-")
+            self.root = as_storage(self._scratch)
+            logger.info(
+                "checkpoint='auto' writes to %s, removed at shutdown() (a checkpoint_dir keeps it)",
+                self.root.url,
+            )
         return self.root.join(self._state.checkpoint_name)
