@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from raysgd import TorchTrainer, TrainingOperator
 from raysgd.utils import BATCH_SIZE
+from raysgd_examples.bench._common import process_alive
 from raysgd_examples.bench.soak import snapshot
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -241,7 +242,7 @@ def test_ten_recoveries_in_one_run_leak_nothing_and_train_every_row_once(tmp_pat
         _every_row_once(tmp_path, 5)
         # Every killed worker's process is gone; the two live ones are the group's.
         live = {w.pid for w in trainer.worker_group.workers}
-        assert not [pid for pid in pids - live if _alive(pid)]
+        assert not [pid for pid in pids - live if process_alive(pid)]
         assert held[-1]["worker_processes"] == 2
         # From the second recovery to the tenth the driver holds as much as before.
         second, tenth = held[0], held[-1]
@@ -261,11 +262,3 @@ def test_ten_recoveries_in_one_run_leak_nothing_and_train_every_row_once(tmp_pat
         assert not [e for e in events if e.kind == "user_error"]
     finally:
         trainer.shutdown(force=True)
-
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie waiting for its parent does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False

@@ -33,6 +33,7 @@ __all__ = [
     "metric",
     "parse_args",
     "print_metric",
+    "process_alive",
     "pyplot",
     "run_child",
     "run_rounds",
@@ -321,6 +322,15 @@ def write_results(
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"\nwrote {path}")
     return path
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this machine (a zombie waiting for its parent does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
 
 
 def gpu_count() -> int:

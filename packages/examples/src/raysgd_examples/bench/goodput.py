@@ -78,14 +78,6 @@ def _trainer_options(side: str) -> dict[str, Any]:
     return {}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
 class Injector:
     """Kills (or freezes) a worker on a schedule, from a thread of the measuring process.
 
@@ -123,7 +115,7 @@ class Injector:
         self._stop.set()
 
     def _victim(self) -> Optional[int]:
-        alive = [pid for pid in self.pids() if _alive(pid)]
+        alive = [pid for pid in self.pids() if _common.process_alive(pid)]
         return self.rng.choice(alive) if alive else None
 
     def _run(self) -> None:
