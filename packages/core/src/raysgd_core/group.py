@@ -321,6 +321,7 @@ class WorkerGroup:
             outcome,
             kill=lambda r: kill_worker(by_rank[r], unresponsive=True),
             grace_s=self._options.peer_grace_s,
+            abort=self._running.abort,
         )
         if not outcome.ok:
             self._running.broken = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -25,8 +26,25 @@ class WorkerActor:
         from raysgd_core._internal.runtime import WorkerRuntime
 
         self._runtime = WorkerRuntime()
+        self._chain_sigterm()
         # Pay torch's import now, while the other actors start in parallel, not on the first call.
         import torch.distributed  # noqa: F401
+
+    def _chain_sigterm(self) -> None:
+        """On SIGTERM (the node shuts down, a pod is deleted), end the running call too.
+
+        Calls run on a thread of their own (see `remote_worker_class`), so Ray's handler, which
+        raises SystemExit on the main thread, would let a call blocked in a collective run on
+        until the process ends. The runtime aborts the group first: the call raises at once and
+        ends the actor (`WorkerRuntime.run`), and its peers are let out of their collectives."""
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self._runtime.terminate()
+            if callable(previous):
+                previous(signum, frame)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
 
     def describe(self) -> dict:
         return self._runtime.describe()
@@ -39,6 +57,11 @@ class WorkerActor:
 
     def destroy_process_group(self) -> bool:
         return self._runtime.destroy()
+
+    def abort(self, generation: int) -> bool:
+        """Abort the collectives of the group `generation` (see `abort.py`). Runs on the actor's
+        control thread, beside a call that may be blocked in one of them."""
+        return self._runtime.abort(generation)
 
     def ping(self) -> int:
         return os.getpid()
@@ -58,6 +81,9 @@ class WorkerActor:
         return result
 
 
+#: The actor's second thread: calls that must run while a call of the default thread is blocked.
+CONTROL = "control"
+
 _remote_class: list[Any] = []
 
 
@@ -66,7 +92,14 @@ def remote_worker_class() -> Any:
     if not _remote_class:
         import ray
 
+        # `abort` on a thread of its own; every other call runs on the one default thread, in
+        # the order it was sent (a sync actor with one default thread keeps that order).
+        ray.method(concurrency_group=CONTROL)(WorkerActor.abort)
         # No retries: a worker that dies is reported and replaced by `recover`, never silently
         # restarted with its state lost.
-        _remote_class.append(ray.remote(max_restarts=0, max_task_retries=0)(WorkerActor))
+        _remote_class.append(
+            ray.remote(max_restarts=0, max_task_retries=0, concurrency_groups={CONTROL: 1})(
+                WorkerActor
+            )
+        )
     return _remote_class[0]

@@ -1,14 +1,14 @@
 """Waiting for the ranks of one call and turning what went wrong into one typed error.
 
 The rule that keeps callers from hanging: results are awaited with `ray.wait`, so a dead actor is
-seen as soon as Ray knows (no collective timeout involved). Once a rank is lost, the others get a
-grace to finish or fail on their own: a rank waiting in a collective for a lost or silent peer
-raises when the collective's bound runs out, so a caller that bounds its collectives gives a grace
-of that bound and no waiting rank is killed. When user code raised instead, that rank is alive and
-holds the state: the peers it left waiting get only the short grace. Once a rank reports that a collective waited out its bound, the
-ranks that still have not answered a short while later are the silent ones: they are killed and
-reported lost, without waiting for Ray to notice (a frozen node stays "alive" for as long as its
-health checks take).
+seen as soon as Ray knows (no collective timeout involved). At the first failure (an actor gone,
+user code raising, a collective that waited out its bound) every rank still running has its
+group's collectives aborted (`abort.py`), so the ranks waiting in one for a lost peer return at
+once, at any group size, and keep their process and state. They get a grace to finish or fail on
+their own, for work that is not a collective (a checkpoint being written, say). Once a rank
+reports that a collective waited out its bound, the ranks that still have not answered a short
+while later are the silent ones: they are killed and reported lost, without waiting for Ray to
+notice (a frozen node stays "alive" for as long as its health checks take).
 """
 
 from __future__ import annotations
@@ -59,18 +59,23 @@ def collect(
     *,
     kill: Callable[[int], None],
     grace_s: float = GRACE_S,
+    abort: Optional[Callable[[list[int]], None]] = None,
 ) -> Outcome:
     """Wait for every ref in `pending` (ref -> rank) and record results and failures in `outcome`.
 
-    After the first failure the ranks still running get `grace_s`; after a rank reports a peer
-    timeout, at most `GRACE_S` more (see the module docstring). Those left are killed:
-    `kill(rank)`."""
+    At the first failure, `abort(ranks)` is called with the ranks still running (see the module
+    docstring); they get `grace_s`; after a rank reports a peer timeout, at most `GRACE_S` more.
+    Those left are killed: `kill(rank)`."""
     import ray
     from ray.exceptions import RayActorError
 
     pending = dict(pending)
     deadline: Optional[float] = None if outcome.ok else time.monotonic() + grace_s
+    aborted = False
     while pending:
+        if not aborted and not outcome.ok and abort is not None:
+            aborted = True
+            abort(sorted(pending.values()))
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
         if not ready:
@@ -111,9 +116,8 @@ def collect(
         if deadline is None and not outcome.ok:
             deadline = now + grace_s
         if own:
-            # User code raised: that rank is alive and holds the state, so the peers blocked in
-            # a collective with it (it cannot release them: see `collectives`) are not waited for
-            # past the short grace.
+            # User code raised: that rank is alive and holds the state, and its peers were let out
+            # of their collectives (the abort): they are not waited for past the short grace.
             deadline = min(deadline, now + min(grace_s, GRACE_S))
         if (timed_out or outcome.silent) and not outcome.died:
             # The peers waiting in the same collective time out within moments of this one;

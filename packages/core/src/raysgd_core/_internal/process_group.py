@@ -13,8 +13,10 @@ import os
 from datetime import timedelta
 from typing import Any, Optional
 
+from raysgd_core._internal.abort import GroupConnections, listening_endpoints
+
 __all__ = [
-    "NCCL_ERROR_HANDLING_ENV",
+    "NCCL_ENV_DEFAULTS",
     "destroy_process_group",
     "forget_failed_group",
     "form_process_group",
@@ -22,10 +24,18 @@ __all__ = [
     "select_device",
 ]
 
-#: How NCCL reacts to a collective that outlives its timeout. torch's default tears the whole
-#: process down, which would kill a survivor together with the state it holds; "2" aborts the
-#: communicators only, so the waiting rank raises at its next collective and stays usable.
-NCCL_ERROR_HANDLING_ENV = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+#: How NCCL reacts to a collective that outlives its timeout or was aborted, read when a group is
+#: built; a value the user set wins. torch's defaults can end the process, which would kill a
+#: survivor together with the state it holds: its watchdog rethrows an error (ending the process)
+#: unless error handling is "2" (abort the communicators only: the rank raises at its next
+#: collective and stays usable), and its heartbeat monitor ends the process minutes after a timeout
+#: anywhere in the group (the dump it triggers) or when the watchdog stalls (an abort can stall
+#: it). raysgd's own bounds and the driver find a rank that really hangs.
+NCCL_ENV_DEFAULTS = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+}
 
 logger = logging.getLogger("raysgd_core")
 
@@ -65,14 +75,15 @@ def form_process_group(
     timeout_s: float,
     formation_timeout_s: float,
     master_store: Any = None,
-) -> None:
-    """Join the process group as `rank`, replacing any group this process had before."""
+) -> GroupConnections:
+    """Join the process group as `rank`, replacing any group this process had before; what
+    aborting it takes (`GroupConnections`)."""
     import torch.distributed as dist
 
     destroy_process_group()
     if backend == "nccl":
-        # Read when the NCCL process group is built; a value the user set wins.
-        os.environ.setdefault(*NCCL_ERROR_HANDLING_ENV)
+        for name, value in NCCL_ENV_DEFAULTS.items():
+            os.environ.setdefault(name, value)
     if rank == 0:
         if master_store is None:
             raise RuntimeError("rank 0 must create the rendezvous store first (make_master_store)")
@@ -85,6 +96,7 @@ def form_process_group(
             is_master=False,
             timeout=timedelta(seconds=formation_timeout_s),
         )
+    listening = listening_endpoints()
     # Joining waits for every peer with the group's timeout: the short formation timeout, so that
     # a peer lost while the group forms releases the others soon; the collectives then get the
     # group's own.
@@ -96,10 +108,12 @@ def form_process_group(
             world_size=world_size,
             timeout=timedelta(seconds=min(timeout_s, formation_timeout_s)),
         )
+        connections = GroupConnections.gather(backend, listening)
     except BaseException:
         forget_failed_group()
         raise
     dist.group.WORLD.set_timeout(timedelta(seconds=timeout_s))
+    return connections
 
 
 def forget_failed_group() -> None:

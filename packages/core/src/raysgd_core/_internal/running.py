@@ -11,7 +11,13 @@ from typing import Optional
 
 from raysgd_core._internal.local import LocalWorker
 from raysgd_core._internal.placement import SlotPool, make_bundle
-from raysgd_core._internal.workers import ActorSpec, Worker, form_group, kill_worker
+from raysgd_core._internal.workers import (
+    ActorSpec,
+    Worker,
+    abort_workers,
+    form_group,
+    kill_worker,
+)
 from raysgd_core.options import GroupOptions
 
 __all__ = ["FORMATION_TIMEOUT_S", "GroupSpec", "RunningGroup"]
@@ -73,6 +79,8 @@ class RunningGroup:
     broken: bool = False
     #: Started (or starting) workers outside the process group (see `spares.py`).
     spares: list[Worker] = field(default_factory=list)
+    #: Counts the process groups formed; names the current one (see `abort_workers`).
+    generation: int = 0
 
     @property
     def world_size(self) -> int:
@@ -81,14 +89,21 @@ class RunningGroup:
 
     def form(self) -> None:
         """Form a new process group over `workers` (rank = position); the group is usable again."""
+        self.generation += 1
         form_group(
             self.workers,
             backend=self.spec.backend,
             timeout_s=self.spec.options.timeout_s,
             formation_timeout_s=self.spec.formation_timeout_s,
             remote_gpu_index=0 if self.spec.actor.num_gpus else None,
+            generation=self.generation,
         )
         self.broken = False
+
+    def abort(self, ranks: list[int]) -> None:
+        """Abort the current group's collectives on the remote workers of `ranks` (a peer failed:
+        they are let out of the collectives that wait for it)."""
+        abort_workers([self.workers[r] for r in ranks if r < len(self.workers)], self.generation)
 
     def drop(self, worker: Worker) -> None:
         """Kill a remote worker and give its slot back (the local rank is never killed); the

@@ -2,12 +2,15 @@
 
 A user exception never escapes `WorkerRuntime.run`: it comes back as a `Failure` value, so the driver
 can tell user errors from dead actors without unwrapping Ray's error types, and so the worker can
-first destroy its process group. That unblocks every peer that is waiting for it in a collective.
+first abort its process group. That releases every peer that is waiting in a collective, for it or
+for a peer that waits for it (see `abort.py`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -16,8 +19,11 @@ from typing import Any, Optional
 
 from raysgd_core import context as _ctx
 from raysgd_core._internal import process_group as _pg
+from raysgd_core._internal.abort import GroupConnections
 
 __all__ = ["Failure", "WorkerRuntime", "is_collateral", "is_peer_timeout"]
+
+logger = logging.getLogger("raysgd_core")
 
 # A collective that outlived its bound: the peer it waited for went silent (gloo's per-operation
 # timeout; NCCL's watchdog).
@@ -63,6 +69,8 @@ class Failure:
     time: float
     #: The rank waited out a collective's bound: some peer did not answer (see `is_peer_timeout`).
     peer_timeout: bool = False
+    #: The group had been aborted when this rank failed (a peer failed first): collateral.
+    after_abort: bool = False
 
     def exception(self) -> Optional[BaseException]:
         """The original exception, when it could be pickled and unpickled."""
@@ -90,6 +98,15 @@ class WorkerRuntime:
         self.context: Optional[_ctx.WorkerContext] = None
         self.rank = -1
         self._master_store: Any = None
+        #: Counts the groups this process formed; an abort names the one it is meant for.
+        self.generation = 0
+        self._connections: Optional[GroupConnections] = None
+        self._aborted = False
+        #: The process is ending (SIGTERM): the running call ends as the actor does.
+        self.terminating = False
+        # An abort arrives on another thread (the actor's control thread, the driver's collect);
+        # it must not run while a group is formed or left.
+        self._lock = threading.Lock()
 
     def describe(self) -> dict:
         """Identity of this worker (answered once the actor is up)."""
@@ -120,21 +137,26 @@ class WorkerRuntime:
         timeout_s: float,
         formation_timeout_s: float,
         gpu_index: Optional[int],
+        generation: int = 0,
     ) -> str:
-        """Join a new process group (dropping the old one); return the device as a string."""
+        """Join a new process group (dropping the old one) as the group's `generation`; return
+        the device as a string."""
         self.context = None
         self.rank = rank
         master, self._master_store = self._master_store, None
-        _pg.form_process_group(
-            backend=backend,
-            host=host,
-            port=port,
-            rank=rank,
-            world_size=world_size,
-            timeout_s=timeout_s,
-            formation_timeout_s=formation_timeout_s,
-            master_store=master,
-        )
+        with self._lock:
+            self._connections, self._aborted = None, False
+            self.generation = generation
+            self._connections = _pg.form_process_group(
+                backend=backend,
+                host=host,
+                port=port,
+                rank=rank,
+                world_size=world_size,
+                timeout_s=timeout_s,
+                formation_timeout_s=formation_timeout_s,
+                master_store=master,
+            )
         device = _pg.select_device(gpu_index)
         self.context = _ctx.WorkerContext(
             world_rank=rank,
@@ -154,7 +176,27 @@ class WorkerRuntime:
 
     def destroy(self) -> bool:
         """Leave the process group (the context stays readable until the next `form`)."""
-        return _pg.destroy_process_group()
+        with self._lock:
+            self._connections = None
+            return _pg.destroy_process_group()
+
+    def abort(self, generation: Optional[int] = None) -> bool:
+        """Abort the process group's collectives (see `abort.py`): the ones waiting here raise
+        at once, and so do the peers' that wait on this process. `generation`: only if the
+        group is still that one (an abort that arrives after the group was re-formed is void).
+        Whether there was a group to abort."""
+        with self._lock:
+            if self._connections is None or generation not in (None, self.generation):
+                return False
+            self._aborted = True
+            shut = self._connections.abort()
+        logger.info("rank %d aborted its group's collectives (%d connections)", self.rank, shut)
+        return True
+
+    def terminate(self) -> None:
+        """The process is ending: abort the group, and let the running call end the actor."""
+        self.terminating = True
+        self.abort()
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Call `fn` with this worker's context set; an exception comes back as a `Failure`."""
@@ -162,23 +204,27 @@ class WorkerRuntime:
         try:
             return fn(*args, **kwargs)
         except BaseException as exc:
-            # Peers may be blocked in a collective waiting for this rank: closing our side of the
-            # group makes them fail at once instead of after the collective timeout.
+            after_abort = self._aborted
+            # Peers may be blocked in a collective waiting for this rank, or for a peer that
+            # waits for it: the abort releases them at once instead of after their bound.
+            self.abort()
             self.destroy()
-            # A SystemExit means this process is ending: Ray's SIGTERM handler raises it when the
-            # node shuts down (a removed or reclaimed node), and so does a user's sys.exit().
-            # Returned as a Failure it would read as user code raising, and a worker on its way
-            # out would be reported as an error instead of a lost worker; let it end the actor
-            # so the caller sees the loss. An interrupt ends only a local (non-actor) caller.
+            # A SystemExit means this process is ending (a user's sys.exit()), and so does a
+            # SIGTERM (the node shuts down: `terminate`). Returned as a Failure it would read as
+            # user code raising, and a worker on its way out would be reported as an error
+            # instead of a lost worker; let it end the actor so the caller sees the loss. An
+            # interrupt ends only a local (non-actor) caller.
             if isinstance(exc, SystemExit) or (
                 isinstance(exc, KeyboardInterrupt) and not _in_actor()
             ):
                 raise
-            return self._failure(exc)
+            if self.terminating:
+                raise SystemExit(1) from exc
+            return self._failure(exc, after_abort)
         finally:
             _ctx._current.reset(token)
 
-    def _failure(self, exc: BaseException) -> Failure:
+    def _failure(self, exc: BaseException, after_abort: bool = False) -> Failure:
         import ray.cloudpickle as cloudpickle
 
         try:
@@ -194,9 +240,10 @@ class WorkerRuntime:
             message=message,
             traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
             exception_bytes=payload,
-            collateral=is_collateral(message),
+            collateral=after_abort or is_collateral(message),
             time=time.time(),
             peer_timeout=is_peer_timeout(message),
+            after_abort=after_abort,
         )
 
 

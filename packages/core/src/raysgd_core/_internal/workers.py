@@ -16,6 +16,7 @@ from raysgd_core._internal.placement import Slot
 __all__ = [
     "ActorSpec",
     "Worker",
+    "abort_workers",
     "await_started",
     "form_group",
     "kill_worker",
@@ -127,8 +128,10 @@ def form_group(
     timeout_s: float,
     formation_timeout_s: float,
     remote_gpu_index: Optional[int],
+    generation: int = 0,
 ) -> None:
-    """Form a new process group over `workers` (rank = position), replacing any old one."""
+    """Form a new process group over `workers` (rank = position), replacing any old one;
+    `generation` names it (an abort meant for an older group is void)."""
 
     world_size = len(workers)
     if world_size == 0:
@@ -166,6 +169,7 @@ def form_group(
             timeout_s=timeout_s,
             formation_timeout_s=formation_timeout_s,
             gpu_index=gpu_index,
+            generation=generation,
         )
 
     pending = {
@@ -191,6 +195,17 @@ def form_group(
     raise_for(outcome, node_of)
     for w in workers:
         w.device = outcome.results[w.rank]
+
+
+def abort_workers(workers: list[Worker], generation: int) -> None:
+    """Abort the collectives of group `generation` on `workers` (see `abort.py`) without
+    waiting: on a remote worker's control thread, beside the call it may be blocked in."""
+    for w in workers:
+        if w.actor is not None and w.alive:
+            try:
+                w.actor.abort.remote(generation)
+            except Exception:  # its actor is gone: nothing left to release
+                logger.debug("abort could not be sent", exc_info=True)
 
 
 def kill_worker(worker: Worker, *, unresponsive: bool = False) -> None:

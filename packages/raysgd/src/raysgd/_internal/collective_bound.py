@@ -19,9 +19,9 @@ and restores. The first step of each later call (its data loader starts) waits u
 `FIRST_STEP_MULTIPLE` x `peer_timeout_s`, or the step bound when that is longer. A step's duration is the time between two
 step boundaries of one call, its data loading included.
 
-A rank that fails does not release the peers waiting for it: the group's other references (DDP
-holds one) keep its connections open, so they wait out their bound; these bounds are what makes
-such a wait short.
+A rank that fails or dies releases every rank at once (the group is aborted: see raysgd_core's
+`abort`), so these bounds matter for silent peers only: the first rank that waits out its bound
+has the group aborted on the others, so a silent peer costs one bound, whatever the group's size.
 """
 
 from __future__ import annotations

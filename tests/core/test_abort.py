@@ -1,0 +1,161 @@
+"""A failed rank releases every rank blocked in a collective, whatever the group's size.
+
+With two workers the one survivor is the failed rank's neighbour and sees its connection close.
+From three up, most survivors wait on ranks that are themselves waiting: only aborting the group
+on every rank lets them out. Every test here holds a reference to the group on each worker, as a
+DDP wrapper or FSDP's state does, so that destroying the group does not close its connections.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+from raysgd_core import WorkerDiedError, WorkerError, WorkerGroup, get_context
+
+pytestmark = pytest.mark.timeout(120)
+
+# More workers than the shared cluster's CPUs would hold at one each.
+_SIX = dict(num_cpus_per_worker=0.5)
+
+
+class StepError(ValueError):
+    """A user error raised by one rank (shipped by value)."""
+
+
+def _hold_group_then_all_reduce(bound_s: float = 0.0) -> float:
+    import torch
+    import torch.distributed as dist
+
+    from raysgd_core import set_collective_timeout
+
+    get_context().store["held"] = dist.group.WORLD
+    if bound_s:
+        set_collective_timeout(bound_s)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _rank_raises(victim: int) -> float:
+    if get_context().world_rank == victim:
+        time.sleep(1.0)  # the others are inside the all_reduce by now
+        raise StepError("rank failed outside any collective")
+    return _hold_group_then_all_reduce()
+
+
+def _rank_exits(victim: int) -> float:
+    if get_context().world_rank == victim:
+        time.sleep(1.0)
+        os._exit(1)
+    return _hold_group_then_all_reduce()
+
+
+def _rank_stops_others_staggered(victim: int, bound_s: float) -> float:
+    rank = get_context().world_rank
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGSTOP)  # silent: alive, connections open, never answers
+    # The ranks enter the collective one after another, so their bounds run out at different
+    # times: the last ones would still be waiting when the first one gives up.
+    time.sleep(1.5 * rank)
+    return _hold_group_then_all_reduce(bound_s)
+
+
+def _pids(group: WorkerGroup) -> list[int]:
+    return [w.pid for w in group.workers]
+
+
+def test_a_user_error_releases_every_waiting_rank_and_kills_none(ray_local):
+    # A short grace: a rank still blocked after it would be killed as stuck.
+    with WorkerGroup(6, peer_grace_s=3, **_SIX) as group:
+        pids = _pids(group)
+        with pytest.raises(WorkerError) as info:
+            group.execute(_rank_raises, 3)
+        assert info.value.rank == 3 and isinstance(info.value.__cause__, StepError)
+        assert info.value.lost_ranks == []
+        report = group.recover(6, timeout_s=60)
+        assert report.kept == {r: r for r in range(6)} and report.started == []
+        assert _pids(group) == pids
+        assert group.execute(_hold_group_then_all_reduce) == [6.0] * 6
+
+
+def test_a_crash_releases_ranks_that_were_not_its_neighbours(ray_local):
+    with WorkerGroup(6, peer_grace_s=3, **_SIX) as group:
+        pids = _pids(group)
+        with pytest.raises(WorkerDiedError) as info:
+            group.execute(_rank_exits, 3)
+        assert info.value.ranks == [3] and info.value.silent == []
+        report = group.recover(5, timeout_s=60)
+        # Every survivor kept: none was still blocked when the grace ran out.
+        assert report.kept == {0: 0, 1: 1, 2: 2, 4: 3, 5: 4} and report.lost == [3]
+        assert _pids(group) == pids[:3] + pids[4:]
+        assert group.execute(_hold_group_then_all_reduce) == [5.0] * 5
+
+
+def test_a_silent_rank_costs_one_bound_and_only_it_is_lost(ray_local):
+    # The first rank to wait out its bound names the silent one; the others are let go at once
+    # rather than each waiting out a bound of its own (the last would be killed as silent too).
+    with WorkerGroup(6, peer_grace_s=100, **_SIX) as group:
+        pids = _pids(group)
+        with pytest.raises(WorkerDiedError) as info:
+            group.execute(_rank_stops_others_staggered, 2, 3.0)
+        assert info.value.ranks == [2] and info.value.silent == [2]
+        report = group.recover(5, timeout_s=60)
+        assert report.kept == {0: 0, 1: 1, 3: 2, 4: 3, 5: 4}
+        assert _pids(group) == pids[:2] + pids[3:]
+
+
+# ---------------------------------------------------------------------- gloo's connections
+def _form_and_abort(rank: int, world: int, port: int, out: multiprocessing.Queue) -> None:
+    import torch.distributed as dist
+
+    from raysgd_core._internal.abort import GroupConnections, listening_endpoints
+
+    # As raysgd forms a group: the rendezvous store first, then what listens is noted.
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
+    before = listening_endpoints()
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30)
+    )
+    connections = GroupConnections.gather("gloo", before)
+    found = len(connections.connections())
+    dist.barrier()
+    # The abort ends the group: a collective after it raises at once.
+    connections.abort()
+    try:
+        dist.barrier()
+        released = False
+    except RuntimeError:
+        released = True
+    out.put((rank, len(connections.peers), found, released))
+    time.sleep(1)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_gloo_connections_are_found_one_per_peer():
+    # What abort.py relies on: one listener per rank and group, and one connection per pair of
+    # ranks with one end on a listener. If torch's gloo changes that, this fails first.
+    world, port = 3, _free_port()
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_form_and_abort, args=(r, world, port, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    found = sorted(out.get(timeout=60) for _ in range(world))
+    for p in procs:
+        p.join(30)
+    # Each rank: the other ranks' listeners, its one connection to each of them, and a
+    # collective after the abort raised.
+    assert found == [(r, world - 1, world - 1, True) for r in range(world)]
