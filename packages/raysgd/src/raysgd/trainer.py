@@ -421,12 +421,17 @@ class TorchTrainer:
         info: Optional[dict[str, Any]] = None,
     ) -> Union[dict[str, Any], list[dict[str, Any]]]:
         """Evaluate on the validation data: `batch_count`, `num_samples`, `val_loss`,
-        `last_val_loss`, `val_accuracy`, `last_val_accuracy` (and custom metrics)."""
+        `last_val_loss`, `val_accuracy`, `last_val_accuracy` (and custom metrics).
+
+        A worker lost meanwhile is replaced and the call done again on the new group, from the
+        start of a validation pass (every row counted once)."""
         self._check_alive()
         if num_steps is not None:
             check_int("num_steps", num_steps)
         with self._goodput.call():
-            results = self._recovery.call(worker.validate, num_steps, profile, info)
+            results = self._recovery.again_once(
+                lambda: self._recovery.call(worker.validate, num_steps, profile, info)
+            )
         self._goodput.observe(self._recovery.events, 0.0)
         return self._results("validate", results, None, reduce_results)
 
