@@ -147,11 +147,13 @@ def _wait_for_coordinators(expected: int, timeout_s: float = 15.0) -> int:
     return live
 
 
-def _make(datasets: dict[str, Any], tmp_path: Path, **kwargs: Any) -> TorchTrainer:
+def _make(
+    datasets: dict[str, Any], tmp_path: Path, num_workers: int = 2, **kwargs: Any
+) -> TorchTrainer:
     return TorchTrainer(
         training_operator_cls=RecordingOperator,
         config={BATCH_SIZE: GLOBAL_BATCH, "marker_dir": str(tmp_path)},
-        num_workers=2,
+        num_workers=num_workers,
         datasets=datasets,
         dataset_options=OPTIONS,
         timeout_s=60,  # safety net only: no test depends on it
@@ -280,24 +282,29 @@ def test_every_worker_lost_mid_epoch_restarts_all_and_resplits(tmp_path: Path) -
 
 
 @pytest.mark.timeout(180)
-def test_fsdp_splits_the_datasets_and_resplits_after_a_lost_worker(tmp_path: Path) -> None:
-    trainer = _make({"train": _from_numpy(NUM_ROWS)}, tmp_path, strategy="fsdp")
+def test_fsdp_on_four_workers_splits_the_datasets_and_resplits_after_a_lost_worker(
+    tmp_path: Path,
+) -> None:
+    trainer = _make(
+        {"train": _from_numpy(NUM_ROWS)}, tmp_path, 4, strategy="fsdp", num_cpus_per_worker=0.5
+    )
     try:
         pids = trainer.apply_all_workers(os.getpid)
-        # Rank 1 dies mid-epoch; its shards come back from rank 0's replica in a new worker, and
-        # the epoch is redone from its start over a new split of two.
-        (tmp_path / "die-rank1").touch()
+        # Rank 2 (neither of rank 0's neighbours) dies mid-epoch; its shards come back from rank
+        # 3's replica in a new worker, and the epoch is redone from its start over a new split.
+        (tmp_path / "die-rank2").touch()
         result = trainer.train(max_retries=1)
-        assert (tmp_path / "die-rank1.done").exists() and trainer.failures == 1
+        assert (tmp_path / "die-rank2.done").exists() and trainer.failures == 1
         now = trainer.apply_all_workers(os.getpid)
-        assert trainer.num_workers == 2 and now[0] == pids[0] and now[1] != pids[1]
+        assert trainer.num_workers == 4 and now[:3] == [pids[0], pids[1], pids[3]]
+        assert now[3] not in pids
         resize = next(e for e in trainer.recovery_events if e.kind == "resize")
-        assert (resize.path, resize.num_workers_after) == ("keep-healthy", 2)
+        assert (resize.path, resize.num_workers_after) == ("keep-healthy", 4)
 
         _assert_once(_ids(trainer), NUM_ROWS)
-        assert result["epoch"] == 1 and result["num_samples"] == NUM_ROWS - NUM_ROWS % 2
+        assert result["epoch"] == 1 and result["num_samples"] == NUM_ROWS - NUM_ROWS % 4
         params = trainer.apply_all_operators(_params)
-        assert params[0] == params[1] != _initial_params()
+        assert params.count(params[0]) == 4 and params[0] != _initial_params()
         assert np.isfinite(result["train_loss"])
     finally:
         trainer.shutdown()

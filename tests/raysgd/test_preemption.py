@@ -146,11 +146,13 @@ def _reclaim_at_marker(
     return thread, {}
 
 
-def _trainer(folder: Path, hold_step: Optional[int] = None, **kwargs: Any) -> TorchTrainer:
+def _trainer(
+    folder: Path, hold_step: Optional[int] = None, num_workers: int = 2, **kwargs: Any
+) -> TorchTrainer:
     return TorchTrainer(
         training_operator_cls=SlowLinearOperator,
         config={BATCH_SIZE: GLOBAL_BATCH, "marker_dir": str(folder), "hold_step": hold_step},
-        num_workers=2,
+        num_workers=num_workers,
         timeout_s=60,  # safety net only
         **kwargs,
     )
@@ -160,8 +162,8 @@ def _weights(trainer: TorchTrainer) -> list[torch.Tensor]:
     return [p.detach().clone() for p in trainer.get_model(to_cpu=True).parameters()]
 
 
-def _cluster(cluster: Any, nodes: int) -> list[Any]:
-    added = [cluster.add_node(num_cpus=1) for _ in range(nodes)]
+def _cluster(cluster: Any, nodes: int, cpus: int = 1) -> list[Any]:
+    added = [cluster.add_node(num_cpus=cpus) for _ in range(nodes)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
     return added
@@ -235,33 +237,37 @@ def _full_loss(operator: Any) -> float:
 
 
 @pytest.mark.timeout(240)
-def test_a_notice_between_two_calls_moves_an_fsdp_worker_with_its_shards(
+def test_a_notice_between_two_calls_moves_fsdp_workers_of_four_with_their_shards(
     ray_multinode: Any, tmp_path: Path
 ) -> None:
-    nodes = _cluster(ray_multinode, 3)
+    # Four workers of half a CPU over three nodes: the drained node holds one or two of them,
+    # and the others (rank 0's neighbours or not) hand over and re-form around the move.
+    nodes = _cluster(ray_multinode, 3, cpus=2)
     losses = {}
     for name in ("reference", "moved"):
         folder = tmp_path / name
         folder.mkdir()
-        trainer = _trainer(folder, strategy="fsdp")
+        trainer = _trainer(folder, num_workers=4, strategy="fsdp", num_cpus_per_worker=0.5)
         try:
             trainer.train()
             if name == "moved":
-                victim = _on(nodes, trainer.apply_all_workers(_node_id)[1])
+                where = trainer.apply_all_workers(_node_id)
+                victim = _on(nodes, where[2])
                 _drain(ray_multinode, victim.node_id, None)  # a notice without a deadline
             trainer.train()  # the notice came between the calls: acted on before this one
             losses[name] = trainer.apply_all_operators(_full_loss)
             if name == "moved":
                 (move,) = [e for e in trainer.recovery_events if e.kind == "preemption"]
                 assert move.nodes == (victim.node_id,) and move.steps_redone == 0
+                assert move.ranks == tuple(r for r, n in enumerate(where) if n == victim.node_id)
                 assert "no deadline" in move.message
-                assert trainer.failures == 0 and trainer.num_workers == 2
+                assert trainer.failures == 0 and trainer.num_workers == 4
                 assert victim.node_id not in trainer.apply_all_workers(_node_id)
                 rows = rows_by_epoch(folder)
                 assert sorted(rows[1]) == sorted(rows[2]) == list(range(ROWS))
         finally:
             trainer.shutdown()
-    # The moved worker's shards went to its successor: the same model as without the notice.
+    # The moved workers' shards went to their successors: the same model as without the notice.
     assert losses["moved"] == pytest.approx(losses["reference"], rel=1e-5)
 
 
