@@ -292,3 +292,71 @@ def test_unregistered_attributes_say_what_to_do() -> None:
         _ = op.model
     assert op.config == {} and op.world_size == 1 and op.device == torch.device("cpu")
     assert op.device_ids is None and op.use_gpu is False and op.use_fp16 is False
+
+
+class Scaled(nn.Module):
+    """A block whose own reset_parameters sets its child's weight its way (after the child's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3, 3)
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.proj.weight, 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+class Bare(nn.Module):
+    """A module with a parameter of its own and no reset_parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def _meta_operator(build: Any, init: Any = None) -> type[TrainingOperator]:
+    class MetaOperator(TrainingOperator):
+        def setup(self, config: dict[str, Any]) -> None:
+            torch.manual_seed(0)
+            with torch.device("meta"):
+                model = build()
+            optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+            self.register(models=model, optimizers=optimizer, criterion=nn.MSELoss())
+            self.register_data(train_loader=tiny_loader(64, 16, inputs=1))
+
+    if init is not None:
+        MetaOperator.init_weights = init  # type: ignore[method-assign]
+    return MetaOperator
+
+
+def test_a_model_built_on_the_meta_device_gets_memory_and_its_layers_values() -> None:
+    runner = OperatorRunner(
+        _meta_operator(lambda: nn.Sequential(nn.Linear(1, 3), Scaled(), nn.Linear(3, 1))), {}
+    )
+    model = runner.operator.model
+    assert all(not p.is_meta and p.device.type == "cpu" for p in model.parameters())
+    # Each layer's own initialisation, the block's after its child's (innermost first).
+    assert torch.equal(model[1].proj.weight, torch.full((3, 3), 0.5))
+    assert model[0].weight.abs().max() <= 1.0 and model[0].weight.std() > 0
+    # The optimizer steps the new parameters: training moves the loss.
+    losses = [runner.train_epoch()["train_loss"] for _ in range(5)]
+    assert losses[-1] < losses[0]
+    assert runner.operator.optimizer.param_groups[0]["params"][0] is model[0].weight
+
+
+def test_init_weights_can_be_overridden_and_a_module_nothing_fills_is_named() -> None:
+    def ones(self: Any, model: nn.Module) -> None:
+        for p in model.parameters():
+            p.fill_(1.0)
+
+    runner = OperatorRunner(
+        _meta_operator(lambda: nn.Sequential(Bare(), nn.Linear(3, 1)), ones), {}
+    )
+    assert all(torch.equal(p, torch.ones_like(p)) for p in runner.operator.model.parameters())
+    with pytest.raises(ValueError, match=r"\['0'\] have parameters but no reset_parameters"):
+        OperatorRunner(_meta_operator(lambda: nn.Sequential(Bare(), nn.Linear(3, 1))), {})

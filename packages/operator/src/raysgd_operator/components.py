@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ from torch import nn
 
 from raysgd_operator._internal import loaders as _loaders
 from raysgd_operator._internal.dataset_loader import DatasetLoader
+from raysgd_operator._internal.meta_init import materialize, on_meta, reset_parameters
 from raysgd_operator._internal.precision import Precision, check_apex_args
 from raysgd_operator._internal.shapes import Shape, flatten, reshape
 from raysgd_operator.batch import BATCH_SIZE
@@ -120,8 +121,10 @@ class Components:
         schedulers: Any = None,
         ddp_args: dict[str, Any] | None = None,
         apex_args: dict[str, Any] | None = None,
+        init_weights: Callable[[nn.Module], None] = reset_parameters,
     ) -> tuple[Any, ...]:
-        """See `TrainingOperator.register`."""
+        """See `TrainingOperator.register`; `init_weights` fills a model built on the meta
+        device once it has memory (`TrainingOperator.init_weights`)."""
         if ddp_args is not None and not isinstance(ddp_args, dict):
             raise ValueError(f"ddp_args must be a dict, got {type(ddp_args).__name__}")
         check_apex_args(apex_args)
@@ -143,7 +146,14 @@ class Components:
                     f"optimizers must be torch.optim.Optimizer objects, got {type(o).__name__}"
                 )
         device = self.rank_info.device
-        model_list = [m.to(device) for m in model_list]
+        # A model built on the meta device gets memory where it will live: after sharding (each
+        # worker then holds its shards only), else here, before it is wrapped.
+        on_meta_device = [m for m in model_list if on_meta(m)]
+        for m in model_list:
+            if m not in on_meta_device:
+                m.to(device)
+            elif not self.strategy.sharded:
+                materialize(m, device, init_weights, opt_list)
         if isinstance(criterion, nn.Module):
             criterion = criterion.to(device)
         if apex_args:
@@ -163,6 +173,9 @@ class Components:
         self.ddp_args = dict(ddp_args or {})
         self.criterion = criterion
         self.wrapped = self._wrap(self.models, sync=not self._restoring)
+        for m in on_meta_device:
+            if self.strategy.sharded:
+                materialize(m, device, init_weights, self.optimizers)
         if schedulers is not None:
             self.schedulers, self.scheduler_shape = flatten(
                 schedulers, lambda s: not isinstance(s, (list, tuple)), "schedulers"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from raysgd_operator._internal import meta_init as _meta_init
 from raysgd_operator._internal.shapes import reshape, same_objects
 from raysgd_operator.components import Components
 
@@ -108,13 +109,17 @@ class OperatorBase:
 
         Models (and the criterion, when a module) are moved to ``self.device``, handed to the
         precision backend, and wrapped by the strategy (``DistributedDataParallel(**ddp_args)``
-        by default) when distributed. Returns ``(models, optimizers[, criterion][, schedulers])``,
-        each in the shape given (one object, tuple or list), the models being the wrapped ones.
+        by default) when distributed. A model built on the meta device (``with
+        torch.device("meta"):``) gets memory on ``self.device`` and its first values from
+        ``init_weights(model)``: after sharding under ``fsdp`` (each worker then holds only its
+        shards), before wrapping otherwise (``ddp`` then gives every worker rank 0's values).
+        Returns ``(models, optimizers[, criterion][, schedulers])``, each in the shape given (one
+        object, tuple or list), the models being the wrapped ones.
         """
         # The keywords are named in the signature above because it is the user's typed API; they
         # are forwarded whole, so that `Components.register` alone says what each one does.
         keywords = {name: value for name, value in locals().items() if name != "self"}
-        returned = self._components.register(**keywords)
+        returned = self._components.register(**keywords, init_weights=self.init_weights)
         given = [models, optimizers, criterion]
         # ``self.model = Net()`` before register must not hide the registered model afterwards.
         # (Precision backends such as Apex may have replaced the objects: those count too.)
@@ -125,6 +130,19 @@ class OperatorBase:
             if values and all(id(v) in ids for v in values):
                 del self._assigned[name]
         return returned
+
+    def init_weights(self, model: Any) -> None:
+        """Fill the parameters and buffers of `model`, a model built on the meta device, once
+        they have memory on this worker's device (under ``fsdp``: this worker's shards, as
+        DTensors). Runs under ``torch.no_grad()``.
+
+        The default calls every submodule's ``reset_parameters()``, innermost first (torch's
+        layers have one), and raises ValueError naming a module with parameters but none.
+        Override it for another initialisation, and to recompute buffers that a module fills in
+        its ``__init__`` (a rotary embedding's frequencies, say): ``to_empty`` leaves them
+        uninitialised.
+        """
+        _meta_init.reset_parameters(model)
 
     def register_data(self, *, train_loader: Any = None, validation_loader: Any = None) -> None:
         """Register the training and validation data (DataLoaders or any iterables of batches).

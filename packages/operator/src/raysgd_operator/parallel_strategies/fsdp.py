@@ -19,6 +19,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from raysgd_base import check_number
+from raysgd_operator._internal.meta_init import repoint_optimizers
 from raysgd_operator._internal.precision import Precision
 from raysgd_operator.parallel_strategy import ParallelStrategy, WrapContext
 
@@ -145,7 +146,7 @@ class FSDPStrategy(ParallelStrategy):
             fully_shard(model, mesh=mesh, **kwargs)
             after = dict(model.named_parameters())
             replaced.update({pid: after[name] for pid, name in before.items() if name in after})
-        _repoint_optimizers(optimizers, replaced)
+        repoint_optimizers(optimizers, replaced)
         return list(models)
 
     def whole_model(self, model: nn.Module) -> Optional[nn.Module]:
@@ -221,22 +222,3 @@ def _gradient_sync_off(model: Any) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)
-
-
-def _repoint_optimizers(optimizers: Sequence[Optimizer], replaced: dict[int, nn.Parameter]) -> None:
-    """Make optimizers built over the unsharded parameters step the sharded ones instead.
-
-    `fully_shard` replaces each parameter with a new (DTensor) one of the same name; users build
-    their optimizer before registering, so its groups still hold the old objects. Optimizer state
-    keyed by the old objects would be silently orphaned, so a non-empty state is an error.
-    """
-    for optimizer in optimizers:
-        if not any(id(p) in replaced for g in optimizer.param_groups for p in g["params"]):
-            continue
-        if len(optimizer.state):
-            raise ValueError(
-                "strategy 'fsdp' needs optimizers that have not stepped yet: register them right "
-                "after creating them"
-            )
-        for group in optimizer.param_groups:
-            group["params"] = [replaced.get(id(p), p) for p in group["params"]]
