@@ -168,3 +168,40 @@ def test_apply_operator_and_shutdown() -> None:
     runner.train_epoch(num_steps=2)
     runner.shutdown()
     assert runner.state_dict()["position"] == 0
+
+
+class IndexRecordingOperator(NoisyOperator):
+    """Records the batch_idx and global_step of every batch it trains."""
+
+    def setup(self, config: dict[str, Any]) -> None:
+        super().setup(config)
+        self.seen: list[tuple[int, int]] = []
+
+    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        self.seen.append((batch_info["batch_idx"], batch_info["global_step"]))
+        return super().train_batch(batch, batch_info)
+
+
+def test_a_state_saved_inside_a_call_numbers_the_next_calls_batches_on_from_it() -> None:
+    # A periodic checkpoint is taken between two steps of a call: loading it (load(), resume=True)
+    # must go on with the batch numbers the interrupted call would have given, as an in-call
+    # recovery does, not from 0.
+    first = OperatorRunner(IndexRecordingOperator, {}, scheduler_step_freq="epoch")
+    saved: list[dict[str, Any]] = []
+    first.add_step_hook(lambda: saved.append(first.state_dict()) if first.step == 6 else None)
+    first.train_epoch()  # 10 batches
+    assert first.operator.seen == [(i, i) for i in range(10)]
+
+    resumed = OperatorRunner(IndexRecordingOperator, {}, scheduler_step_freq="epoch")
+    resumed.load_state_dict(reload(saved[0]))
+    resumed.train_epoch()  # the rest of the epoch
+    assert resumed.operator.seen == [(i, i) for i in range(6, 10)]
+    # A call after it starts at 0 again (each call numbers its batches, as RaySGD's did).
+    resumed.train_epoch(num_steps=2)
+    assert resumed.operator.seen[-2:] == [(0, 10), (1, 11)]
+
+    # A state saved between calls: the next call starts at 0.
+    between = OperatorRunner(IndexRecordingOperator, {}, scheduler_step_freq="epoch")
+    between.load_state_dict(reload(first.state_dict()))
+    between.train_epoch(num_steps=1)
+    assert between.operator.seen == [(0, 10)]

@@ -57,6 +57,9 @@ class CallRecord:
         finished: The call returned on this worker.
         recovered: The call went on after a failure (its metrics then cover the steps since it
             began, including those finished before the failure by workers that survived it).
+        first_index: The `batch_idx` of the call's first step: 0, or, for the first call after
+            a state saved inside a call was loaded (a periodic checkpoint), that call's steps
+            then, so that the numbering goes on as it would have without the interruption.
     """
 
     call_id: Hashable
@@ -67,6 +70,7 @@ class CallRecord:
     epoch: Optional[int] = None
     finished: bool = False
     recovered: bool = False
+    first_index: int = 0
 
     def remaining(self) -> Optional[int]:
         """Steps still to take (None: to the end of `epoch`)."""

@@ -127,6 +127,8 @@ class OperatorRunner:
         # The operator's global_step as it was when the last step finished.
         self._global_step_at_step = 0
         self._call: CallRecord | None = None
+        # The steps of the call a loaded state was saved in (the next call's first batch_idx).
+        self._loaded_call_steps = 0
         self._finished_at: float | None = None
         self._meters: AverageMeterCollection | None = None
         #: The last `train_epoch` call stopped at a boundary on request (`request_stop`).
@@ -200,8 +202,14 @@ class OperatorRunner:
         op.timers.reset()
         call = self._call
         if call is None or call.finished or call_id is None or call.call_id != call_id:
-            call = CallRecord(call_id=call_id, num_steps=num_steps, start_step=self.step)
+            call = CallRecord(
+                call_id=call_id,
+                num_steps=num_steps,
+                start_step=self.step,
+                first_index=self._loaded_call_steps,
+            )
             self._meters = AverageMeterCollection()
+        self._loaded_call_steps = 0
         self._call = call
         meters = self._meters
         remaining = call.remaining()
@@ -218,7 +226,10 @@ class OperatorRunner:
             # before its own.
             until = call.epoch if remaining is None else None
             batches = self._train.begin_call(
-                remaining, meters=meters, first_index=max(0, call.steps), until_epoch=until
+                remaining,
+                meters=meters,
+                first_index=call.first_index + max(0, call.steps),
+                until_epoch=until,
             )
             if call.epoch is None:
                 self._call = call = dataclasses.replace(call, epoch=self.epoch)
@@ -226,7 +237,9 @@ class OperatorRunner:
                 # The call's epoch had just ended when the call stopped: nothing is left of it.
                 self.epoch -= 1
                 self._train.reset()
-                batches = CallBatches(iter(()), 0, meters=meters, first_index=call.steps)
+                batches = CallBatches(
+                    iter(()), 0, meters=meters, first_index=call.first_index + call.steps
+                )
         call_info = {**self._base_info(num_steps), "epoch_idx": self.epoch - 1, **(info or {})}
         finished = False
         try:
@@ -385,7 +398,16 @@ class OperatorRunner:
             "step": self.step,
             # As it was when the last step finished (a custom loop may count a batch at its start).
             "global_step": self._global_step_at_step,
+            # Steps into the call in progress (0 between calls): where a loaded state's next
+            # call numbers its batches from.
+            "call_steps": self._call_steps(),
         }
+
+    def _call_steps(self) -> int:
+        call = self._call
+        if call is None or call.finished:
+            return 0
+        return call.first_index + max(0, call.steps)
 
     def adopt(self, position: Mapping[str, Any], call: CallRecord | None) -> None:
         """Go on from the recovery source's `position_state` and call: the next `train_epoch` with
@@ -484,6 +506,7 @@ class OperatorRunner:
             self.precision.load_state_dict(state["precision"])
         op.load_state_dict(state.get("operator"))
         self._set_position(state)
+        self._loaded_call_steps = int(state.get("call_steps", 0))
         self._val.reset()
 
     def _set_position(self, state: Mapping[str, Any]) -> None:
