@@ -188,7 +188,7 @@ def test_a_state_saved_inside_a_call_numbers_the_next_calls_batches_on_from_it()
     # recovery does, not from 0.
     first = OperatorRunner(IndexRecordingOperator, {}, scheduler_step_freq="epoch")
     saved: list[dict[str, Any]] = []
-    first.add_step_hook(lambda: saved.append(first.state_dict()) if first.step == 6 else None)
+    first.add_step_hook(lambda: saved.append(first.state_dict()) if first.step in (6, 10) else None)
     first.train_epoch()  # 10 batches
     assert first.operator.seen == [(i, i) for i in range(10)]
 
@@ -200,8 +200,10 @@ def test_a_state_saved_inside_a_call_numbers_the_next_calls_batches_on_from_it()
     resumed.train_epoch(num_steps=2)
     assert resumed.operator.seen[-2:] == [(0, 10), (1, 11)]
 
-    # A state saved between calls: the next call starts at 0.
-    between = OperatorRunner(IndexRecordingOperator, {}, scheduler_step_freq="epoch")
-    between.load_state_dict(reload(first.state_dict()))
-    between.train_epoch(num_steps=1)
-    assert between.operator.seen == [(0, 10)]
+    # A state saved between calls, or at the last step of an epoch (its call ends there): the
+    # next call starts at 0.
+    for state in (first.state_dict(), saved[1]):
+        between = OperatorRunner(IndexRecordingOperator, {}, scheduler_step_freq="epoch")
+        between.load_state_dict(reload(state))
+        between.train_epoch(num_steps=1)
+        assert between.operator.seen == [(0, 10)]

@@ -32,6 +32,10 @@ class WorkerContext:
             unless the caller bounds it tighter with `raysgd_core.set_collective_timeout`.
         store: a dict that lives as long as the worker process (kept across `WorkerGroup.recover`);
             frameworks keep their per-worker objects here.
+        generation: which of the `WorkerGroup`'s process groups this is (it counts the groups
+            formed, the same on every rank): what tells this group apart from an earlier one in
+            which a kept worker may have had another rank (name a `DeviceMesh` by it, so that
+            nothing cached for the old group's mesh is used for the new one).
     """
 
     world_rank: int
@@ -44,6 +48,7 @@ class WorkerContext:
     backend: str
     timeout_s: float
     store: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    generation: int = 0
 
 
 _current: contextvars.ContextVar[Optional[WorkerContext]] = contextvars.ContextVar(

@@ -21,7 +21,12 @@ from torch import nn
 
 from raysgd_operator._internal import loaders as _loaders
 from raysgd_operator._internal.dataset_loader import DatasetLoader
-from raysgd_operator._internal.meta_init import materialize, on_meta, reset_parameters
+from raysgd_operator._internal.meta_init import (
+    materialize,
+    on_meta,
+    repoint_optimizers,
+    reset_parameters,
+)
 from raysgd_operator._internal.precision import Precision, check_apex_args
 from raysgd_operator._internal.shapes import Shape, flatten, reshape
 from raysgd_operator.batch import BATCH_SIZE
@@ -40,12 +45,14 @@ LOADER_KINDS = ("train", "validation")
 @dataclass(frozen=True)
 class RankInfo:
     """One worker's rank, local rank, group size and device in its process group (where its
-    actor runs, its Ray placement group, is raysgd_core's business)."""
+    actor runs, its Ray placement group, is raysgd_core's business), and which group that is
+    (`group`: a re-formed group has another number, the same on every rank)."""
 
     world_rank: int = 0
     local_rank: int = 0
     world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    group: int = 0
 
     @property
     def device_ids(self) -> list[int] | None:
@@ -224,17 +231,26 @@ class Components:
         rank_info: RankInfo,
         config: dict[str, Any],
         datasets: Mapping[str, Any] | None = None,
-    ) -> bool:
+    ) -> dict[int, nn.Module] | None:
         """Adopt a re-formed process group: re-wrap the models, re-split the loaders built here.
 
         `config` is the new per-worker config (``BATCH_SIZE`` already split) and `datasets` this
         worker's shards of the datasets split over the new group (the old shards belong to a split
-        over the old group and are never read again). Returns False, changing nothing, when the
-        strategy cannot re-wrap or a loader cannot follow (the user's own sampler, an iterable
-        dataset whose batch size would have to change).
+        over the old group and are never read again). A strategy that cannot wrap its modules
+        again (sharded ones are bound to their group) gives unwrapped copies, which are wrapped in
+        their place, with the optimizers pointed at their parameters and emptied (the caller
+        loads the state into them).
+
+        Returns the modules replaced (``{id(old module or submodule): new one}``, empty when the
+        models were re-wrapped in place), or None, changing nothing, when neither can be done or
+        a loader cannot follow (the user's own sampler, an iterable dataset whose batch size would
+        have to change).
         """
+        copies: list[nn.Module] = []
         if self.registered and not self.strategy.rewrappable:
-            return False  # e.g. sharded modules: the caller builds the worker again
+            copies = [self.strategy.unwrapped_copy(m) for m in self.models]  # type: ignore[misc]
+            if any(c is None for c in copies):
+                return None  # the caller builds the worker again
         new_batch = config.get(BATCH_SIZE)
         moved = (rank_info.world_rank, rank_info.world_size) != (
             self.rank_info.world_rank,
@@ -261,7 +277,7 @@ class Components:
             if not _loaders.can_rebuild(source):
                 # The user's own sampler (or an iterable) cannot follow: their setup must run
                 # again with the new rank and size.
-                return False
+                return None
             rebuilds[kind] = batch
         self.rank_info, self.config = rank_info, config
         self.dataset_iterators = shards
@@ -275,10 +291,48 @@ class Components:
                 rank=rank_info.world_rank,
                 batch_size=batch_size,
             )
+        if copies:
+            return self._replace_models(copies)
         if self.registered:
             # A re-formed group's state is restored right after: wrapping must not sync it.
             self.wrapped = self._wrap(self.models, sync=False)
-        return True
+        return {}
+
+    def _replace_models(self, copies: list[nn.Module]) -> dict[int, nn.Module]:
+        """Wrap `copies` (unwrapped, on the meta device) for the current group in place of the
+        models, give them memory, and point the optimizers at their parameters. The optimizers'
+        state is dropped and the parameters' values are undefined until a state is loaded; the
+        buffers keep the old models' values (a buffer not saved in a state dict stays right)."""
+        device = self.rank_info.device
+        old_models = self.models
+        by_name = {
+            id(p): (i, name)
+            for i, model in enumerate(old_models)
+            for name, p in model.named_parameters()
+        }
+        for optimizer in self.optimizers:
+            optimizer.state.clear()
+        self.precision.setup(copies, self.optimizers, device)
+        self.wrapped = self._wrap(copies, sync=False)
+        for old, new in zip(old_models, copies):
+            new.to_empty(device=device)
+            buffers = dict(old.named_buffers())
+            with torch.no_grad():
+                for name, buffer in new.named_buffers():
+                    if name in buffers:
+                        buffer.copy_(buffers[name])
+        params = {
+            (i, name): p for i, model in enumerate(copies) for name, p in model.named_parameters()
+        }
+        repoint_optimizers(
+            self.optimizers, {pid: params[key] for pid, key in by_name.items() if key in params}
+        )
+        self.models = copies
+        replaced: dict[int, nn.Module] = {}
+        for old, new in zip(old_models, copies):
+            subs = dict(new.named_modules())
+            replaced.update({id(m): subs[n] for n, m in old.named_modules() if n in subs})
+        return replaced
 
     # -- internals ---------------------------------------------------------------------------
     def _wrap(self, models: list[nn.Module], *, sync: bool) -> list[nn.Module]:
@@ -292,6 +346,7 @@ class Components:
                 device_ids=self.rank_info.device_ids,
                 ddp_args=dict(self.ddp_args),
                 sync_initial_state=sync,
+                group=self.rank_info.group,
             )
             wrapped = self.strategy.wrap(wrapped, self.optimizers, context)
         self._uncompiled = {}

@@ -47,6 +47,10 @@ class WrapContext:
         sync_initial_state: make every worker start from rank 0's parameters (a new group);
             False when the workers' state is restored right after wrapping (a recovery), so that
             wrapping must not overwrite the state a survivor holds.
+        group: which process group this is (the same on every rank; another one after a
+            resize). A strategy that builds a `DeviceMesh` names it by this: torch compares meshes
+            by their shape and names only, and would reuse what it cached for an earlier group's
+            mesh, in which this worker may have had another rank.
     """
 
     device: torch.device
@@ -55,6 +59,7 @@ class WrapContext:
     device_ids: list[int] | None = None
     ddp_args: dict[str, Any] = field(default_factory=dict)
     sync_initial_state: bool = True
+    group: int = 0
 
 
 class ParallelStrategy:
@@ -69,7 +74,10 @@ class ParallelStrategy:
       optimizer does not step (gradient accumulation); gradients must then stay local.
     - `clip_grad_norm(...)` clips with the total norm over all workers' parameters.
     - `rewrappable`: whether `wrap` may be called again on the original modules after the process
-      group was re-formed with another size; when False the runner builds a new operator instead.
+      group was re-formed with another size. When False, `unwrapped_copy(model)` gives a copy of
+      each module as it was before wrapping (on the meta device), which the runner wraps for the
+      new group in its place, keeping the operator; a strategy that cannot give one (None) has
+      the runner build a new operator instead.
     - `sharded`: whether each worker holds only a part of the parameters (checkpoints are then
       written per worker, in `torch.distributed.checkpoint` format).
     - `whole_model(model)` gives the user's whole module: the unwrapped model itself when every
@@ -95,6 +103,12 @@ class ParallelStrategy:
     def whole_model(self, model: nn.Module) -> nn.Module | None:
         """The user's whole module (see the class docstring); the base class unwraps it."""
         return self.unwrap(model)
+
+    def unwrapped_copy(self, model: nn.Module) -> nn.Module | None:
+        """For a strategy that is not `rewrappable`: a copy of the user's `model` as it was
+        before `wrap`, its tensors on the meta device (no memory), to wrap for a new group in
+        its place; None when the strategy keeps no such copy."""
+        return None
 
     def whole_model_nbytes(self, model: nn.Module) -> int:
         """What `whole_model` brings into one process: every parameter and buffer, in bytes."""

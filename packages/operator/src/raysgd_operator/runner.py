@@ -91,12 +91,13 @@ class OperatorRunner:
         datasets: Mapping[str, Any] | None = None,
         options: TrainingOptions | None = None,
         restoring: bool = False,
+        group: int = 0,
         **option_overrides: Any,
     ) -> None:
         """`options` is the trainer's `TrainingOptions`; keyword options (``use_fp16="bf16"``,
         ``scheduler_step_freq="epoch"``, ...) build or override one, for direct use and tests.
         `restoring`: a state is loaded right after (a recovery): wrapping does not sync from
-        rank 0."""
+        rank 0. `group`: which process group the worker is in (`RankInfo.group`)."""
         if not (isinstance(operator_cls, type) and issubclass(operator_cls, TrainingOperator)):
             raise TypeError(
                 f"operator_cls must be a TrainingOperator subclass, got {operator_cls!r}"
@@ -115,7 +116,7 @@ class OperatorRunner:
         self.options = options
         self.components = Components(
             options=options,
-            rank_info=RankInfo(world_rank, local_rank, world_size, device),
+            rank_info=RankInfo(world_rank, local_rank, world_size, device, group),
             precision=get_precision(options.use_fp16, device=device, apex_args=options.apex_args),
             config=config,
             datasets=datasets,
@@ -405,8 +406,10 @@ class OperatorRunner:
 
     def _call_steps(self) -> int:
         call = self._call
-        if call is None or call.finished:
+        if call is None or call.finished or call.remaining() == 0:
             return 0
+        if call.num_steps is None and not self._train.is_open():
+            return 0  # its epoch is over: the call ends at this boundary
         return call.first_index + max(0, call.steps)
 
     def adopt(self, position: Mapping[str, Any], call: CallRecord | None) -> None:
@@ -593,17 +596,28 @@ class OperatorRunner:
         world_size: int,
         config: dict[str, Any],
         datasets: Mapping[str, Any] | None = None,
+        group: int = 0,
     ) -> bool:
-        """Adopt a re-formed process group: re-wrap DDP, re-shard the loaders the runner built.
+        """Adopt a re-formed process group (`group`: `RankInfo.group`), keeping the operator: re-wrap DDP, re-shard the
+        loaders the runner built. Sharded models are replaced by copies sharded over the new group
+        (`Components.rebind`): their values are undefined until the caller loads a state, and the
+        operator's own attributes that held the old modules hold the new ones.
 
         ``config`` is the new per-worker config (``BATCH_SIZE`` already split) and ``datasets`` this
-        worker's shards of the datasets split over the new group. Returns False when a loader cannot
-        follow (the user's own sampler or an IterableDataset whose batch size or sharding would have
-        to change); the caller should then build a new runner.
+        worker's shards of the datasets split over the new group. Returns False when the models or
+        a loader cannot follow (a strategy without unwrapped copies, the user's own sampler or an
+        IterableDataset whose batch size or sharding would have to change); the caller should then
+        build a new runner.
         """
-        rank_info = RankInfo(world_rank, local_rank, world_size, self.device)
-        if not self.components.rebind(rank_info, dict(config), datasets):
+        rank_info = RankInfo(world_rank, local_rank, world_size, self.device, group)
+        replaced = self.components.rebind(rank_info, dict(config), datasets)
+        if replaced is None:
             return False
+        if replaced:
+            _swap_references(self.operator, replaced)
+            # The journal copies the running statistics of the models' normalisation layers.
+            self.journal.close()
+            self.journal = StepJournal(self.components.optimizers, self.components.models)
         # The pass in progress was split for the old group: the next one re-splits from the same
         # place (the caller then adopts the position the restore chose).
         self._set_position(self.position_state())
@@ -614,3 +628,34 @@ class OperatorRunner:
         """Drop the data iterators (and with them any DataLoader worker processes)."""
         self._train.reset()
         self._val.reset()
+
+
+def _swap_references(operator: TrainingOperator, replaced: Mapping[int, nn.Module]) -> None:
+    """Point the operator's own attributes (and the lists, tuples and dicts they hold) that
+    hold a replaced module (`replaced`: ``{id(old): new}``) at its replacement."""
+
+    def swap(value: Any) -> Any:
+        if isinstance(value, nn.Module):
+            return replaced.get(id(value), value)
+        if isinstance(value, list):
+            return [swap(v) for v in value]
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return tuple(swap(v) for v in value)
+        if isinstance(value, dict):
+            return {k: swap(v) for k, v in value.items()}
+        return value
+
+    attributes = vars(operator)
+    for name, value in list(attributes.items()):
+        if name != "_components" and _holds(value, replaced):
+            attributes[name] = swap(value)
+
+
+def _holds(value: Any, replaced: Mapping[int, nn.Module]) -> bool:
+    if isinstance(value, nn.Module):
+        return id(value) in replaced
+    if isinstance(value, (list, tuple)):
+        return any(_holds(v, replaced) for v in value)
+    if isinstance(value, dict):
+        return any(_holds(v, replaced) for v in value.values())
+    return False

@@ -169,6 +169,7 @@ class WorkerRuntime:
             backend=backend,
             timeout_s=float(timeout_s),
             store=self.store,
+            generation=generation,
         )
         if _in_actor():
             _ctx._process_default[0] = self.context

@@ -6,6 +6,9 @@ Sides, all on the same 2-worker job (`workload.py`), each run in a fresh process
   the path the trainer takes when it can; the path it reports is recorded).
 - raysgd_fsdp: as raysgd with ``strategy="fsdp"``: the lost worker's shards come back from the
   survivor's in-memory replica and every worker rebuilds its sharded model for the new group.
+  ``--snapshot-every K`` sets its `snapshot_every` (the trainer's default, "auto", otherwise);
+  it redoes the steps since the last snapshot, and ``step_s`` (the median step before the kill)
+  shows what the snapshots cost the steps.
 - raysgd_all_killed: every rank dies at step k, so every worker is started anew. The trainer has
   no switch to force its "full-restart" path (it falls back to it only when re-joining survivors
   fails), so this is the cost of that path (new processes, imports, data) measured the only way a
@@ -37,7 +40,7 @@ import argparse
 import json
 import os
 import tempfile
-from typing import Any
+from typing import Any, Optional
 
 from raysgd_examples.bench import _common
 
@@ -100,6 +103,8 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
             make = _digits.make_trainer if base == "raysgd_digits" else _raysgd.make_trainer
             # raysgd_fsdp: the same job sharded; the lost shards come back from a peer's replica
             extra: dict[str, Any] = {"strategy": "fsdp"} if base == "raysgd_fsdp" else {}
+            if base == "raysgd_fsdp" and args.snapshot_every is not None:
+                extra["snapshot_every"] = _snapshot_every(args.snapshot_every)
             if base != side:
                 extra["spare_workers"] = 1
             with _common.local_ray(num_cpus=args.workers + 2, settle=True, raysgd=True):
@@ -118,7 +123,25 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"unknown side {side!r}")
         result["recovery_s"] = recovery_from_timeline(Timeline(cfg["timeline"]))
         result["steps_redone"] = steps_redone_from_timeline(Timeline(cfg["timeline"]))
+        before = step_s_before_kill(Timeline(cfg["timeline"]))
+        if before is not None:
+            result["step_s"] = before
     return result
+
+
+def _snapshot_every(value: str) -> Any:
+    return value if value == "auto" else int(value)
+
+
+def step_s_before_kill(timeline: Any) -> Optional[float]:
+    """The median time between two consecutive steps stamped before the kill (None: too few)."""
+    import statistics
+
+    events = timeline.read()
+    kill = min(e["t"] for e in events if e["event"] == "kill")
+    stamps = sorted(e["t"] for e in events if e["event"] == "step" and e["t"] < kill)
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return statistics.median(gaps) if gaps else None
 
 
 def _wait_for_spare(trainer: Any, timeout_s: float = 60.0) -> None:
@@ -153,6 +176,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = _common.bench_parser(__doc__.splitlines()[0], sides=SIDES, repeats=3)
     parser.add_argument("--kill-at", type=int, default=None, help="step at which a rank dies")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--snapshot-every", default=None, help='raysgd_fsdp: its snapshot_every (an int or "auto")'
+    )
     args = _common.parse_args(parser, argv, steps=10, quick_steps=4)
     if args.kill_at is None:
         args.kill_at = 1 if args.quick else 3

@@ -129,7 +129,12 @@ class FSDPStrategy(ParallelStrategy):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh(context.device.type, (context.world_size,))
+        # Named by the group (see `WrapContext.group`): a survivor of a resize gets a new rank.
+        mesh = init_device_mesh(
+            context.device.type,
+            (context.world_size,),
+            mesh_dim_names=(f"raysgd_group_{context.group}",),
+        )
         kwargs = self._policies(context.precision)
         replaced: dict[int, nn.Parameter] = {}
         for model in models:
@@ -170,6 +175,12 @@ class FSDPStrategy(ParallelStrategy):
         whole = copy.deepcopy(skeleton).to_empty(device="cpu")
         whole.load_state_dict(state)
         return whole
+
+    def unwrapped_copy(self, model: nn.Module) -> Optional[nn.Module]:
+        """A copy of the skeleton kept when `model` was sharded: its structure and attributes as
+        they were, every tensor on the meta device."""
+        skeleton = self._skeletons.get(model)
+        return None if skeleton is None else copy.deepcopy(skeleton)
 
     def no_sync(self, model: nn.Module) -> ContextManager[Any]:
         from torch.distributed.fsdp import FSDPModule

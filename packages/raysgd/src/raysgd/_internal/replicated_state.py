@@ -51,6 +51,7 @@ class ReplicatedState(WorkerState):
             world_size=ctx.world_size,
             config=dict(args.config),
             datasets=my_dataset_splits(args.dataset_splits),
+            group=ctx.generation,
         ):
             # The loaders cannot follow (the user's own sampler): set up again, keeping the state.
             old = runner

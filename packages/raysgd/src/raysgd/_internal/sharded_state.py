@@ -1,8 +1,9 @@
 """A sharded training state (``fsdp``): each worker holds its part, and in-memory snapshots of its
 part and of a peer's, so that a lost worker's part comes back without a disk.
 
-Every `snapshot_every` steps (and when the trainer asks: at start-up, after a restore or a load,
-before workers leave) every worker, at the same step boundary:
+Every `snapshot_every` steps, or as often as their measured cost allows (`snapshot_schedule`), and
+when the trainer asks (at start-up, after a restore or a load, before workers leave) every worker,
+at the same step boundary:
 
 1. hands its part of the models and optimizers to `torch.distributed.checkpoint.async_save`, which
    copies it to CPU memory before training goes on and writes it in a thread of its own;
@@ -38,9 +39,22 @@ import torch
 
 from raysgd._internal.checkpoint import METADATA_FILE, SHARDED, STATE_FILE, write_state
 from raysgd._internal.restore_plan import HeldSnapshot, Holding, RestorePlan
+from raysgd._internal.snapshot_schedule import SnapshotSchedule
 from raysgd._internal.storage import Storage
-from raysgd._internal.worker_runner import RUNNER_KEY, RunnerArgs, build_runner
-from raysgd._internal.worker_state import LoadSource, Staged, WorkerState, keep, load_into
+from raysgd._internal.worker_runner import (
+    RUNNER_KEY,
+    RunnerArgs,
+    build_runner,
+    my_dataset_splits,
+)
+from raysgd._internal.worker_state import (
+    STATE_KEY,
+    LoadSource,
+    Staged,
+    WorkerState,
+    keep,
+    load_into,
+)
 from raysgd_core import get_context
 from raysgd_operator import AverageMeterCollection, CallRecord, OperatorRunner
 
@@ -138,21 +152,30 @@ def _scratch_dir(expected_bytes: int) -> Optional[str]:
 class Snapshots:
     """This worker's snapshots and the step hook that takes them (see the module docstring)."""
 
-    def __init__(self, runner: OperatorRunner, every: int) -> None:
+    def __init__(self, runner: OperatorRunner, every: Union[int, str]) -> None:
         self.runner = runner
-        self.every = int(every)
+        self.schedule = SnapshotSchedule(every)
         self.held: dict[int, Generation] = {}
         self._group: Any = None
         self._thread: Optional[threading.Thread] = None
         #: (step, thread) of the snapshot taken last (held once its thread has finished).
         self.taking: Optional[tuple[int, threading.Thread]] = None
         self._failed: Optional[BaseException] = None
-        if self.every > 0:
+        # The last step boundary (after its snapshot, if any), and the call it was in.
+        self._boundary: Optional[tuple[float, Any]] = None
+        if self.schedule.every > 0:
             runner.add_step_hook(self._on_step)
 
     def _on_step(self) -> None:
-        if self.runner.step % self.every == 0:
+        now, call = time.perf_counter(), self.runner.call
+        running = self._thread is not None and self._thread.is_alive()
+        if self._boundary is not None and _same_call(self._boundary[1], call):
+            self.schedule.stepped(now - self._boundary[0], running)
+        if not running:
+            self.schedule.finished()
+        if self.schedule.due(self.runner.step):
             self.take(wait=False)
+        self._boundary = (time.perf_counter(), call)
 
     def take(self, *, wait: bool) -> Generation | None:
         """Snapshot this worker's part now (every worker calls it at the same step). With `wait`,
@@ -183,6 +206,7 @@ class Snapshots:
         )
         step, size = runner.step, dist.get_world_size()
         staged = time.perf_counter()
+        self.schedule.taken(step, staged - started)
 
         def finish() -> None:
             try:
@@ -267,6 +291,13 @@ class Snapshots:
             request.wait()
         return received
 
+    def regroup(self) -> None:
+        """The process group was re-formed: the snapshots held belong to the old one, and the
+        swap group is made again over the new one at the next snapshot."""
+        self.join()
+        self.held.clear()
+        self.taking, self._group, self._boundary = None, None, None
+
     def join(self, timeout_s: Optional[float] = None) -> None:
         """Wait for the snapshot in flight (if any) to be held."""
         thread = self._thread
@@ -277,6 +308,14 @@ class Snapshots:
         if self._failed is not None:
             logger.warning("a sharded snapshot failed: %s", self._failed)
             self._failed = None
+
+
+def _same_call(a: Any, b: Any) -> bool:
+    """Whether two call records are of one call (a step's time across two calls includes the
+    driver's time between them)."""
+    if a is None or b is None:
+        return False
+    return (a.call_id, a.start_step) == (b.call_id, b.start_step)
 
 
 def _tensors_of(tree: Any) -> list[torch.Tensor]:
@@ -318,15 +357,35 @@ class ShardedState(WorkerState):
 
     @classmethod
     def restore(cls, args: RunnerArgs, plan: RestorePlan) -> ShardedState:
-        """Build a new runner (sharded modules cannot change their group), load the snapshot into
-        it, resharded for the new group, and go on with the plan's call from the snapshot's step
-        (with this rank's share of the call's metrics up to there); or load the fallback."""
+        """Shard this worker's models over the new group (a survivor keeps its runner and
+        operator, with models sharded anew; a new worker builds them), load the snapshot into
+        them, resharded, and go on with the plan's call from the snapshot's step (with this
+        rank's share of the call's metrics up to there); or load the fallback."""
         ctx = get_context()
-        old: Optional[OperatorRunner] = ctx.store.pop(RUNNER_KEY, None)
-        if old is not None:
-            old.shutdown()
-        runner = build_runner(args, restoring=True)
-        state = keep(cls(runner))
+        runner: Optional[OperatorRunner] = ctx.store.get(RUNNER_KEY)
+        kept = ctx.store.get(STATE_KEY)
+        if runner is not None and isinstance(kept, cls) and kept.runner is runner:
+            if runner.rebind(
+                world_rank=ctx.world_rank,
+                local_rank=ctx.local_rank,
+                world_size=ctx.world_size,
+                config=dict(args.config),
+                datasets=my_dataset_splits(args.dataset_splits),
+                group=ctx.generation,
+            ):
+                kept.snapshots.regroup()
+                state = kept
+            else:
+                # A strategy without unwrapped copies, or loaders that cannot follow: set up again.
+                runner.shutdown()
+                runner = None
+        elif runner is not None:
+            runner.shutdown()
+            runner = None
+        if runner is None:
+            ctx.store.pop(RUNNER_KEY, None)
+            runner = build_runner(args, restoring=True)
+            state = keep(cls(runner))
         if plan.snapshot is None:
             load_into(runner, plan.fallback)
             runner.adopt_snapshot(None, None)

@@ -67,6 +67,7 @@ def build_runner(args: RunnerArgs, *, restoring: bool = False) -> OperatorRunner
         datasets=my_dataset_splits(args.dataset_splits),
         options=args.options,
         restoring=restoring,
+        group=ctx.generation,
     )
     ctx.store[RUNNER_KEY] = runner
     return runner

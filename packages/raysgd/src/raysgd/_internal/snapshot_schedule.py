@@ -1,0 +1,82 @@
+"""When a sharded state's next snapshot falls due: every K steps, or K chosen by measurement.
+
+A snapshot costs the training loop two things: the copy of the worker's part to host memory (the
+loop waits for it), and the steps that run slower while its thread writes, reads and swaps the
+part with the peer (on a machine whose cores the training uses). Both are measured: the wait
+directly, the slowdown as the steps' time while a snapshot's thread runs beyond the time of the
+steps while none does. With ``snapshot_every="auto"`` the interval is the shortest that keeps
+that cost under `BUDGET` of the training time::
+
+    K = ceil(cost of one snapshot / (BUDGET x the time of a step without one))
+
+so that a lost worker redoes as few steps as the cost allows: a cheap snapshot of a small model
+on slow steps is taken every step or two, an expensive one of a large model less often. Until
+both are measured (the snapshot taken at start-up, the steps before the first interval ends) the
+interval is `FIRST_INTERVAL`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+__all__ = ["BUDGET", "FIRST_INTERVAL", "MAX_INTERVAL", "SnapshotSchedule"]
+
+#: The share of the training time the snapshots may cost with ``snapshot_every="auto"``.
+BUDGET = 0.03
+#: The interval before the cost and the step time are known.
+FIRST_INTERVAL = 20
+#: The longest interval "auto" picks: a state this much costlier than a step is better served by
+#: checkpoints.
+MAX_INTERVAL = 1000
+#: Weight of the newest measurement in the running means (recent steps count more).
+_NEW = 0.2
+
+
+def _mean(old: Optional[float], new: float) -> float:
+    return new if old is None else (1 - _NEW) * old + _NEW * new
+
+
+class SnapshotSchedule:
+    """When the next snapshot falls due, from the measured cost (see the module docstring).
+
+    Args:
+        every: Steps between snapshots, 0 for none between the ones the trainer asks for, or
+            "auto".
+    """
+
+    def __init__(self, every: Union[int, str]) -> None:
+        self.auto = every == "auto"
+        self.every = FIRST_INTERVAL if self.auto else int(every)
+        #: The step of the last snapshot taken.
+        self.last_step = 0
+        #: Mean seconds of a step while no snapshot's thread runs.
+        self.step_s: Optional[float] = None
+        #: Mean cost of one snapshot in seconds of training (the wait plus the slowdown).
+        self.cost_s: Optional[float] = None
+        self._pending: Optional[float] = None  # the cost of the snapshot in flight so far
+
+    def due(self, step: int) -> bool:
+        """Whether a snapshot falls due at `step`."""
+        return self.every > 0 and step - self.last_step >= self.every
+
+    def taken(self, step: int, wait_s: float) -> None:
+        """A snapshot was taken at `step`; the loop waited `wait_s` for its copy."""
+        self.last_step = step
+        self._pending = wait_s
+
+    def stepped(self, duration_s: float, snapshot_running: bool) -> None:
+        """A step took `duration_s`, with a snapshot's thread running or not."""
+        if snapshot_running and self._pending is not None and self.step_s is not None:
+            self._pending += max(0.0, duration_s - self.step_s)
+        elif not snapshot_running:
+            self.step_s = _mean(self.step_s, duration_s)
+
+    def finished(self) -> None:
+        """The snapshot in flight is held: its cost is known; choose the next interval."""
+        if self._pending is None:
+            return
+        self.cost_s, self._pending = _mean(self.cost_s, self._pending), None
+        if self.auto and self.step_s:
+            wanted = math.ceil(self.cost_s / (BUDGET * self.step_s))
+            self.every = min(MAX_INTERVAL, max(1, wanted))
