@@ -151,6 +151,27 @@ def test_fsdp_example_resumes_its_checkpoint_on_fewer_workers(cluster: str) -> N
     assert abs(after["val_accuracy"] - before["val_accuracy"]) <= 1 / before["num_samples"]
 
 
+def test_transformer_lm_built_on_the_meta_device_holds_half_per_worker_and_learns(
+    cluster: str,
+) -> None:
+    output = run_example("transformer_lm", "--smoke", address=cluster)
+
+    # Each of the 2 workers holds half of every parameter: the whole model never existed there.
+    assert "share of the parameters per worker: 0.50, 0.50" in output, output[-4000:]
+    # Below a uniform guess over 128 characters (ln 128 = 4.85) after one epoch.
+    assert number_after("train_loss=", output) < 4.5
+    assert number_after("val_loss=", output) < 4.5
+    assert "sample: 'def " in output
+
+
+def test_lstm_lm_carries_each_workers_hidden_state_through_a_checkpoint(cluster: str) -> None:
+    output = run_example("lstm_lm", "--smoke", address=cluster)
+
+    assert "hidden state restored on every worker: True" in output, output[-4000:]
+    assert "epoch 2 finished" in output
+    assert number_after("train_loss=", output) < number_after("epoch 1: train_loss=", output)
+
+
 def test_digits_trains_above_chance(cluster: str) -> None:
     output = run_example("digits", "--smoke", address=cluster)
 

@@ -402,3 +402,21 @@ def test_tqdm_without_a_terminal_redraws_rarely_and_ends_its_line(
     assert len(draws) <= 2, draws  # the empty bar and the finished one, not one per batch
     assert "8/8" in draws[-1] and out.err.endswith("\n")
     assert out.out == "epoch table\n"
+
+
+def test_a_loop_that_counts_something_else_than_rows_is_told_apart() -> None:
+    # After a lost worker the group's count of a call's rows stands in for num_samples; that is
+    # right only where the batches counted rows, not tokens.
+    class TokenCounting(LinearOperator):
+        def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+            metrics = super().train_batch(batch, batch_info)
+            metrics["num_samples"] = 7 * metrics["num_samples"]  # "tokens"
+            return metrics
+
+    rows = OperatorRunner(LinearOperator, {})
+    rows.train_epoch()
+    assert rows.counts_rows
+    tokens = OperatorRunner(TokenCounting, {})
+    result = tokens.train_epoch()
+    assert not tokens.counts_rows
+    assert result["num_samples"] == 7 * rows.train_epoch()["num_samples"]

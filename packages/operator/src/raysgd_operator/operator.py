@@ -11,6 +11,7 @@ import torch
 
 from raysgd_operator._internal.base import OperatorBase
 from raysgd_operator._internal.precision import Precision
+from raysgd_operator._internal.stream import CallBatches
 from raysgd_operator.components import Components
 from raysgd_operator.creator import from_creators as _from_creators
 from raysgd_operator.metrics import NUM_SAMPLES, AverageMeterCollection, TimerCollection
@@ -29,6 +30,24 @@ def _is_tty(stream: Any) -> bool:
         return bool(stream.isatty())
     except (AttributeError, ValueError):  # no isatty, or a closed stream
         return False
+
+
+def _rows(batch: Any) -> int | None:
+    """The rows of a batch (its first tensor's first dimension), None when it has no tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else None
+    if isinstance(batch, (list, tuple)):
+        return next((r for r in map(_rows, batch) if r is not None), None)
+    if isinstance(batch, dict):
+        return next((r for r in map(_rows, batch.values()) if r is not None), None)
+    return None
+
+
+def _counts_other_than_rows(num_samples: Any, batch: Any) -> bool:
+    """Whether a batch's `num_samples` is plainly not its rows (tokens, say). A count given as
+    a tensor is not read (that would wait for the device at every batch)."""
+    rows = _rows(batch)
+    return isinstance(num_samples, int) and rows is not None and num_samples != rows
 
 
 def _length(iterator: Any) -> int | None:
@@ -276,6 +295,10 @@ class TrainingOperator(OperatorBase):
                 if self.options.scheduler_step_freq == "batch" and stepped:
                     self._step_schedulers()
                 num_samples = metrics.pop(NUM_SAMPLES, 1)
+                if _counts_other_than_rows(num_samples, batch) and isinstance(
+                    iterator, CallBatches
+                ):
+                    iterator.counts_other_than_rows = True
                 meters.update(metrics, n=num_samples)
                 self.global_step += 1
                 if bar is not None:
@@ -375,3 +398,22 @@ class TrainingOperator(OperatorBase):
 
     def load_state_dict(self, state: Any) -> None:
         """Restore what ``state_dict`` returned."""
+        return None
+
+    def rank_state_dict(self) -> Any:
+        """State that differs from worker to worker (a hidden state carried across batches, a
+        stateful data iterator's position, a per-rank random stream): plain tensors and
+        containers, as ``state_dict``. None (the default): there is none.
+
+        Every rank's is saved in checkpoints (`save`, `checkpoint_every`, ``checkpoint="auto"``)
+        and in ``fsdp``'s in-memory snapshots, and comes back through `load_rank_state_dict`:
+        on a load, to the worker of the same rank; after a lost worker, a survivor keeps its
+        own (restored with the snapshot under ``fsdp``), and its replacement gets the lost
+        worker's where a snapshot or a checkpoint being restored holds it.
+        """
+        return None
+
+    def load_rank_state_dict(self, state: Any) -> None:
+        """Take back what `rank_state_dict` returned for this worker's place, or None: there is
+        none for it (a replacement for a worker whose state went with it, a rank the saved run
+        did not have), so this worker starts its own afresh."""

@@ -17,7 +17,7 @@ from raysgd_operator._internal.precision import get_precision
 from raysgd_operator._internal.rng import rng_state, set_rng_state
 from raysgd_operator._internal.step_journal import StepJournal
 from raysgd_operator._internal.stream import BatchStream, CallBatches
-from raysgd_operator._internal.tensors import cpu_copy, host_like, on_device
+from raysgd_operator._internal.tensors import cpu_copy, host_like, on_device, same_device_copy
 from raysgd_operator.batch import BATCH_SIZE
 from raysgd_operator.components import Components, RankInfo
 from raysgd_operator.metrics import BATCH_COUNT, AverageMeterCollection
@@ -134,6 +134,9 @@ class OperatorRunner:
         self._meters: AverageMeterCollection | None = None
         #: The last `train_epoch` call stopped at a boundary on request (`request_stop`).
         self.yielded = False
+        #: Every batch so far reported its rows as its `num_samples` (the default loop's count):
+        #: a call's rows, which the group knows across a lost worker, are then its num_samples.
+        self.counts_rows = True
         self._step_hooks: list[Callable[[], None]] = []
         # Without a loader of its kind a stream is at position 0 with no epoch in progress, so that
         # the state and position of a runner that only validates (or whose own loop brings its
@@ -152,6 +155,9 @@ class OperatorRunner:
         self.operator = operator_cls(config, components=self.components)
         self._global_step_at_step = self.operator.global_step
         self.journal = StepJournal(self.components.optimizers, self.components.models)
+        # The operator's per-rank state as it was when the last step finished (see `progress`).
+        self._rank_state_at_step: Any = None
+        self._commit_rank_state()
 
     @property
     def device(self) -> torch.device:
@@ -250,6 +256,9 @@ class OperatorRunner:
         finally:
             self._train.end_call(remaining, finished=finished)
         self.yielded = bool(getattr(batches, "yielded", False))
+        self.counts_rows = self.counts_rows and not getattr(
+            batches, "counts_other_than_rows", False
+        )
         # A call stopped at a step boundary on request goes on later: it is not finished.
         self._call = call = dataclasses.replace(self._call, finished=not self.yielded)
         metrics["epoch"] = self.epoch
@@ -270,8 +279,13 @@ class OperatorRunner:
                 # The next batch is the call's own once the step count reaches the call's start.
                 self._meters.recording = self.step >= self._call.start_step
         self.journal.commit()
+        self._commit_rank_state()
         for hook in self._step_hooks:
             hook()
+
+    def _commit_rank_state(self) -> None:
+        if self.has_rank_state:
+            self._rank_state_at_step = same_device_copy(self.operator.rank_state_dict())
 
     def add_step_hook(self, hook: Callable[[], None]) -> None:
         """Call `hook()` every time a training step is finished (after the counters moved)."""
@@ -374,7 +388,10 @@ class OperatorRunner:
     def progress(self) -> Progress:
         """How far this worker got (asked after a failure). A worker left in the middle of a batch
         with some of its optimizers stepped is first rolled back to its last finished step where
-        the journal can (several optimizers); otherwise it reports itself as not clean."""
+        the journal can (several optimizers); otherwise it reports itself as not clean. Its
+        per-rank state goes back to that step too (a survivor redoes the batch it was in)."""
+        if self._train.in_flight and self.has_rank_state:
+            self.operator.load_rank_state_dict(same_device_copy(self._rank_state_at_step))
         return Progress(
             step=self.step,
             epoch=self.epoch,
@@ -443,9 +460,25 @@ class OperatorRunner:
 
     def take_over(self, old: OperatorRunner) -> None:
         """Become `old` (a runner this worker had to build again after a resize): its state, its
-        place and the call it was in, with the metrics it recorded."""
+        own per-rank state, its place and the call it was in, with the metrics it recorded."""
         self.load_state_dict(old.state_dict(live=True))
+        self.load_rank_state(old.operator.rank_state_dict())
         self._call, self._meters = old._call, old._meters
+
+    @property
+    def has_rank_state(self) -> bool:
+        """Whether the operator keeps a per-rank state (overrides `rank_state_dict`); the same
+        on every worker."""
+        return type(self.operator).rank_state_dict is not TrainingOperator.rank_state_dict
+
+    def rank_state(self) -> Any:
+        """This worker's per-rank state (`TrainingOperator.rank_state_dict`), on the CPU."""
+        return cpu_copy(self.operator.rank_state_dict())
+
+    def load_rank_state(self, state: Any) -> None:
+        """Give the operator `state` as its per-rank state (None: it starts its own afresh)."""
+        self.operator.load_rank_state_dict(state)
+        self._commit_rank_state()
 
     @property
     def call(self) -> CallRecord | None:

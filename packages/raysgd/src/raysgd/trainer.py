@@ -344,6 +344,9 @@ class TorchTrainer:
         After a lost worker the call goes on from the last step the group finished; its results
         then count every step of the call once, and `num_samples` every row once, also those of
         workers lost in it (whose loss values are lost with them: the averages cover the rest).
+        A `train_batch` whose `num_samples` counts something else than rows (tokens, say) gets
+        the sum of what the workers counted: the steps a lost worker finished in the call are
+        then missing from it (its counts went with it; the group knows only its rows).
         An exception raised by user code is not retried: it is raised in the one form every
         method gives it (see the class docstring).
         """

@@ -1,11 +1,15 @@
 """Sharded vs replicated: per-worker memory and throughput of `strategy="fsdp"` against `"ddp"`.
 
-Both sides train the same transformer with the same global batch on 2 workers, one after the other
-in one run. Per worker it records the bytes of parameters, gradients and optimizer state it holds
-(exact: counted from its local tensors), its peak resident memory (CPU) or peak allocated CUDA
-memory (GPU), and the samples per second over the timed steps. Ratios are fsdp / ddp.
+The sides train the same transformer with the same global batch on 2 workers, one after the other
+in one run: ``ddp``, ``fsdp`` (the model built whole on every worker, then sharded) and
+``fsdp_meta`` (built on the meta device: sharded before it has memory, each worker then filling
+only its shards). Per worker it records the peak resident memory (CPU) or peak allocated CUDA
+memory (GPU) once the trainer is constructed (``setup_peak_mb``: what building the model cost),
+and after training the bytes of parameters, gradients and optimizer state it holds (exact:
+counted from its local tensors), its peak memory, and the samples per second over the timed
+steps (``--steps 0``: construction only). Ratios are against ddp.
 
-    hatch run bench:fsdp [--quick] [--steps N] [--workers N] [--out DIR]
+    hatch run bench:fsdp [--quick] [--steps N] [--workers N] [--width W] [--layers L] [--out DIR]
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ class _Operator(TrainingOperator):
     def setup(self, config: dict[str, Any]) -> None:
         torch.manual_seed(0)
         width, layers = config["width"], config["layers"]
-        layer = nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True)
-        model = nn.Sequential(nn.TransformerEncoder(layer, layers, enable_nested_tensor=False))
+        with torch.device("meta" if config["meta"] else "cpu"):
+            layer = nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True)
+            model = nn.Sequential(nn.TransformerEncoder(layer, layers, enable_nested_tensor=False))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.register(models=model, optimizers=optimizer, criterion=nn.MSELoss())
         n = config[BATCH_SIZE] * (config["steps"] + 2)
@@ -65,7 +70,8 @@ def _worker_memory(operator: Any) -> dict[str, float]:
     return {"state_mb": state / 2**20, "peak_mb": peak / 2**20}
 
 
-def _side(strategy: str, args: argparse.Namespace) -> dict[str, Any]:
+def _side(side: str, args: argparse.Namespace) -> dict[str, Any]:
+    strategy = "ddp" if side == "ddp" else "fsdp"
     trainer = TorchTrainer(
         training_operator_cls=_Operator,
         config={
@@ -73,6 +79,7 @@ def _side(strategy: str, args: argparse.Namespace) -> dict[str, Any]:
             "width": args.width,
             "layers": args.layers,
             "steps": args.steps,
+            "meta": side == "fsdp_meta",
         },
         num_workers=args.workers,
         use_gpu="auto",
@@ -80,18 +87,22 @@ def _side(strategy: str, args: argparse.Namespace) -> dict[str, Any]:
         strategy_args={"shard_modules": nn.TransformerEncoderLayer} if strategy == "fsdp" else None,
     )
     try:
-        trainer.train(num_steps=2, max_retries=0)  # warm-up (allocator, first collectives)
-        started = time.perf_counter()
-        trainer.train(num_steps=args.steps, max_retries=0)
-        elapsed = time.perf_counter() - started
-        memory = trainer.apply_all_operators(_worker_memory)
+        built = trainer.apply_all_operators(_worker_memory)
+        result = {"setup_peak_mb_per_worker": max(m["peak_mb"] for m in built)}
+        if args.steps:
+            trainer.train(num_steps=2, max_retries=0)  # warm-up (allocator, first collectives)
+            started = time.perf_counter()
+            trainer.train(num_steps=args.steps, max_retries=0)
+            elapsed = time.perf_counter() - started
+            memory = trainer.apply_all_operators(_worker_memory)
+            result.update(
+                samples_per_s=args.steps * args.batch * args.workers / elapsed,
+                state_mb_per_worker=max(m["state_mb"] for m in memory),
+                peak_mb_per_worker=max(m["peak_mb"] for m in memory),
+            )
     finally:
         trainer.shutdown()
-    return {
-        "samples_per_s": args.steps * args.batch * args.workers / elapsed,
-        "state_mb_per_worker": max(m["state_mb"] for m in memory),
-        "peak_mb_per_worker": max(m["peak_mb"] for m in memory),
-    }
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -106,9 +117,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.width, args.layers = 4, 64, 2
-    sides = {strategy: _side(strategy, args) for strategy in ("ddp", "fsdp")}
+    sides = {side: _side(side, args) for side in ("ddp", "fsdp", "fsdp_meta")}
     ratios = {
-        key: sides["fsdp"][key] / sides["ddp"][key] for key in sides["ddp"] if sides["ddp"][key]
+        side: {key: sides[side][key] / base for key, base in sides["ddp"].items() if base}
+        for side in ("fsdp", "fsdp_meta")
     }
     result = {
         "benchmark": "fsdp",
@@ -116,9 +128,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": _common.machine_info(),
         "args": vars(args),
         "sides": sides,
-        "ratio_fsdp_over_ddp": ratios,
+        "ratio_over_ddp": ratios,
     }
-    print(json.dumps({"sides": sides, "ratio_fsdp_over_ddp": ratios}, indent=2))
+    print(json.dumps({"sides": sides, "ratio_over_ddp": ratios}, indent=2))
     path = Path(args.out) / "fsdp.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")

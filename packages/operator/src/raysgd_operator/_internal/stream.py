@@ -54,6 +54,9 @@ class CallBatches:
         #: node about to be reclaimed); it goes on later. A loop should then skip what it does at
         #: the end of an epoch (the default loop skips its "epoch" scheduler step).
         self.yielded = False
+        #: Set by a loop whose batches reported a `num_samples` other than their rows (tokens,
+        #: say): the call's rows are then not its num_samples.
+        self.counts_other_than_rows = False
 
     def __iter__(self) -> Iterator[Any]:
         return self._batches

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["cpu_copy", "host_like", "on_device"]
+__all__ = ["cpu_copy", "host_like", "on_device", "same_device_copy"]
 
 
 def on_device(module: nn.Module) -> bool:
@@ -42,6 +42,18 @@ def cpu_copy(obj: Any, into: Any = None) -> Any:
     if isinstance(obj, (list, tuple)):
         earlier = into if isinstance(into, (list, tuple)) and len(into) == len(obj) else ()
         return type(obj)(cpu_copy(v, e) for v, e in itertools.zip_longest(obj, earlier))
+    return copy.deepcopy(obj)
+
+
+def same_device_copy(obj: Any) -> Any:
+    """A copy of `obj` whose tensors are detached clones where they are (no wait for a device,
+    no host memory): a snapshot that later in-place changes of the original do not reach."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: same_device_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(same_device_copy(v) for v in obj)
     return copy.deepcopy(obj)
 
 

@@ -22,7 +22,15 @@ from raysgd._internal.worker_runner import (
     build_runner,
     my_dataset_splits,
 )
-from raysgd._internal.worker_state import Staged, WorkerState, keep, load_into
+from raysgd._internal.worker_state import (
+    RANK_STATES,
+    Staged,
+    WorkerState,
+    apply_rank_state,
+    gather_rank_states,
+    keep,
+    load_into,
+)
 from raysgd_core import get_context
 from raysgd_operator import OperatorRunner
 
@@ -60,9 +68,12 @@ class ReplicatedState(WorkerState):
             old.shutdown()
         if runner is None:
             runner = build_runner(args, restoring=True)
+            # A new worker: no per-rank state of the rank it takes exists any more (its worker
+            # held it), unless the fallback below brings the saved ones.
+            apply_rank_state(runner, None, None)
         state = keep(cls(runner))
         if not plan.found:
-            load_into(runner, plan.fallback)
+            load_into(runner, plan.fallback, plan.rank_source(rank))
             # The copy or checkpoint predates the interrupted call: every worker, kept or new,
             # starts that call again from the loaded step (a survivor's own record of it would
             # have it run fewer steps than the new workers, and the group would wait in a
@@ -86,10 +97,13 @@ class ReplicatedState(WorkerState):
 
     def stage(self) -> Optional[Staged]:
         """Rank 0 copies the whole state to host memory, into the previous checkpoint's copy
-        (kept for that); the others write nothing."""
+        (kept for that), with every rank's per-rank state; the others write nothing."""
+        rank_states = gather_rank_states(self.runner, 0)
         if get_context().world_rank != 0:
             return None
         self._staged = self.runner.state_dict(into=self._staged)
+        if rank_states is not None:
+            self._staged[RANK_STATES] = rank_states
         return _WholeCopy(self._staged)
 
     def stage_ahead(self) -> Optional[Callable[[], None]]:

@@ -113,6 +113,10 @@ class RestorePlan:
         description: Where the state comes from, in words ("rank 1 at step 30", ...).
         finished_at: When the surviving workers last finished a step (`time.time()`; None when
             none did): the loss was detected that long after the group's last progress.
+        rank_sources: For each rank of the re-formed group, the rank of the group before whose
+            per-rank state (`TrainingOperator.rank_state_dict`) it takes from a snapshot or a
+            checkpoint: a kept worker its own, a replacement a lost worker's; None for a worker
+            that starts its own afresh. Empty: every rank takes its own number's.
     """
 
     step: int
@@ -124,6 +128,11 @@ class RestorePlan:
     fallback: Any = None
     description: str = ""
     finished_at: Optional[float] = None
+    rank_sources: tuple[Optional[int], ...] = ()
+
+    def rank_source(self, rank: int) -> Optional[int]:
+        """Whose per-rank state rank `rank` takes (see `rank_sources`)."""
+        return self.rank_sources[rank] if rank < len(self.rank_sources) else rank
 
     @property
     def found(self) -> bool:

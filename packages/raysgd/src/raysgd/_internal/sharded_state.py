@@ -48,10 +48,12 @@ from raysgd._internal.worker_runner import (
     my_dataset_splits,
 )
 from raysgd._internal.worker_state import (
+    RANK_STATES,
     STATE_KEY,
     LoadSource,
     Staged,
     WorkerState,
+    gather_rank_states,
     keep,
     load_into,
 )
@@ -193,6 +195,11 @@ class Snapshots:
         runner, rank = self.runner, dist.get_rank()
         started = time.perf_counter()
         tensors, state = runner.sharded_parts()
+        # Every worker keeps every rank's per-rank state (small): whichever survives has the
+        # lost ones' for their replacements.
+        rank_states = gather_rank_states(runner, None)
+        if rank_states is not None:
+            state[RANK_STATES] = rank_states
         meters = runner.call_meters()
         call = runner.call
         size_estimate = sum(
@@ -386,13 +393,19 @@ class ShardedState(WorkerState):
             ctx.store.pop(RUNNER_KEY, None)
             runner = build_runner(args, restoring=True)
             state = keep(cls(runner))
+        rank = ctx.world_rank
         if plan.snapshot is None:
-            load_into(runner, plan.fallback)
+            load_into(runner, plan.fallback, plan.rank_source(rank))
             runner.adopt_snapshot(None, None)
             return state
         snapshot = plan.snapshot
-        load_into(runner, LoadSource(None, snapshot.metadata, snapshot.state, snapshot.files))
-        rank = ctx.world_rank
+        # Every worker goes back to the snapshot, its per-rank state too: a survivor its own as
+        # it was then, a replacement the lost worker's.
+        load_into(
+            runner,
+            LoadSource(None, snapshot.metadata, snapshot.state, snapshot.files),
+            plan.rank_source(rank),
+        )
         runner.adopt_snapshot(
             plan.call, snapshot.meters[rank] if rank < len(snapshot.meters) else None
         )
@@ -414,6 +427,9 @@ class ShardedState(WorkerState):
         directory = folder.path if direct else tempfile.mkdtemp(prefix="raysgd-part-")
         try:
             rest = self.runner.sharded_snapshot(directory)
+            rank_states = gather_rank_states(self.runner, 0)
+            if rank_states is not None:
+                rest[RANK_STATES] = rank_states
             if rank == 0:
                 torch.save(rest, os.path.join(directory, STATE_FILE))
             if direct:

@@ -21,6 +21,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Optional, Union
 
 import ray
@@ -159,6 +160,8 @@ class TrainingState:
             plan = plan_from_snapshots(holdings, group.world_size)
         if not plan.found:
             plan = self._fall_back(plan, holdings)
+        if report is not None:
+            plan = replace(plan, rank_sources=rank_sources(report, group.world_size))
         group.execute(worker.restore, *self._workers.runner_args(), plan)
         if not self.whole:
             group.execute(worker.capture)  # every part has a copy again, in the new layout
@@ -226,15 +229,15 @@ class TrainingState:
         a worker on this node or of one that shares it), else through the driver."""
         group = self._workers.group
         if not location.is_local:
-            group.execute_single(0, worker.save_file, location)
+            group.execute(worker.save_file, location, 0)
             return location.url
         path = location.path
         rank = self._workers.writer_rank(os.path.dirname(path))
         if rank is not None:
-            group.execute_single(rank, worker.save_file, location)
+            group.execute(worker.save_file, location, rank)
             logger.debug("checkpoint %s written by rank %d", path, rank)
         else:
-            write_file(path, group.execute_single(0, worker.state_bytes))
+            write_file(path, group.execute(worker.state_bytes)[0])
             logger.debug(
                 "checkpoint %s written through the driver (no worker shares its disk)", path
             )
@@ -360,7 +363,7 @@ class TrainingState:
         from raysgd._internal.checkpoint import state_from_bytes
 
         if self.whole:
-            return state_from_bytes(self._workers.group.execute_single(0, worker.state_bytes))
+            return state_from_bytes(self._workers.group.execute(worker.state_bytes)[0])
         tmp = tempfile.mkdtemp(prefix="raysgd-state-")
         try:
             folder = self.location(os.path.join(tmp, "state"))
@@ -419,6 +422,18 @@ class TrainingState:
                     break
         # Each worker takes its own share (the argument is every worker's, in rank order).
         group.execute(worker.adopt_parts, step, given)
+
+
+def rank_sources(report: RecoveryReport, world_size: int) -> tuple[Optional[int], ...]:
+    """Whose per-rank state each rank of the re-formed group takes (`RestorePlan.rank_sources`):
+    a kept worker its own old rank's, the new workers the lost ranks' in order (a grow's new
+    workers, with none lost, none)."""
+    sources: list[Optional[int]] = [None] * world_size
+    for old, new in report.kept.items():
+        sources[new] = old
+    for new, old in zip(sorted(report.started), sorted(report.lost)):
+        sources[new] = old
+    return tuple(sources)
 
 
 def _replace_dir(tmp: str, path: str) -> None:

@@ -30,7 +30,15 @@ from raysgd._internal.worker_runner import (
     build_runner,
     current_runner,
 )
-from raysgd._internal.worker_state import STATE_KEY, LoadSource, WorkerState, keep, worker_state
+from raysgd._internal.worker_state import (
+    RANK_STATES,
+    STATE_KEY,
+    LoadSource,
+    WorkerState,
+    gather_rank_states,
+    keep,
+    worker_state,
+)
 from raysgd_core import get_context
 from raysgd_operator import OperatorRunner, TrainingOptions
 
@@ -70,8 +78,8 @@ class TrainAnswer(NamedTuple):
     Attributes:
         metrics: This worker's metrics of the call.
         step: Finished steps since training began.
-        rows: Rows the whole group trained in the call when it went on after a recovery and the
-            split is known, else None.
+        rows: Rows the whole group trained in the call when it went on after a recovery, the
+            split is known and the batches counted their rows as `num_samples`, else None.
         yielded: The call stopped early at a step boundary because a node of the group is
             draining (see `preemption`).
     """
@@ -185,9 +193,13 @@ def save(folder: Storage) -> Optional[dict[str, Any]]:
     return worker_state().save(folder)
 
 
-def save_file(location: Storage) -> None:
-    """Write this worker's whole state as one checkpoint file at `location`, atomically."""
-    write_state(location.parent(), location.name, current_runner().state_dict())
+def save_file(location: Storage, writer: int) -> None:
+    """Rank `writer` writes the whole state as one checkpoint file at `location`, atomically,
+    with every rank's per-rank state (every worker calls this: the latter is a collective)."""
+    runner = current_runner()
+    rank_states = gather_rank_states(runner, writer)
+    if get_context().world_rank == writer:
+        write_state(location.parent(), location.name, _with_rank_states(runner, rank_states))
 
 
 def load(source: LoadSource) -> LoadAnswer:
@@ -213,9 +225,21 @@ def finish_uploads() -> Optional[str]:
     return periodic.error
 
 
-def state_bytes() -> bytes:
-    """This worker's whole state, serialised (asked for by the user: `state_dict`, `save`)."""
-    return state_to_bytes(current_runner().state_dict())
+def state_bytes() -> Optional[bytes]:
+    """The whole state, serialised, with every rank's per-rank state, on rank 0 (None on the
+    others; every worker calls this: asked for by the user, `state_dict`, `save`)."""
+    runner = current_runner()
+    rank_states = gather_rank_states(runner, 0)
+    if get_context().world_rank != 0:
+        return None
+    return state_to_bytes(_with_rank_states(runner, rank_states))
+
+
+def _with_rank_states(runner: OperatorRunner, rank_states: Optional[list]) -> dict[str, Any]:
+    state = runner.state_dict()
+    if rank_states is not None:
+        state[RANK_STATES] = rank_states
+    return state
 
 
 def state_copy(limit_bytes: int) -> tuple[Optional[bytes], int, int, float]:
@@ -262,7 +286,9 @@ def train_epoch(
     finally:
         bound.end_call(finished)
     call = runner.call
-    rows = call.rows if call is not None and call.recovered else None
+    # The group's count of the call's rows replaces the workers' (a lost worker's went with it)
+    # only where they counted rows: a count of something else keeps the survivors' sum.
+    rows = call.rows if call is not None and call.recovered and runner.counts_rows else None
     periodic = get_context().store.get(UPLOAD_KEY)
     return TrainAnswer(
         metrics,

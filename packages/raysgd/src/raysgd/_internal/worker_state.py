@@ -20,7 +20,7 @@ import abc
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional
 
@@ -34,10 +34,13 @@ from raysgd_core import get_context
 from raysgd_operator import OperatorRunner
 
 __all__ = [
+    "RANK_STATES",
     "STATE_KEY",
     "LoadSource",
     "Staged",
     "WorkerState",
+    "apply_rank_state",
+    "gather_rank_states",
     "keep",
     "load_into",
     "worker_state",
@@ -45,6 +48,8 @@ __all__ = [
 
 #: Key of this worker's `WorkerState` in its store.
 STATE_KEY = "raysgd.worker_state"
+#: Where a saved state keeps every rank's `TrainingOperator.rank_state_dict`, in rank order.
+RANK_STATES = "rank_states"
 
 
 @dataclass(frozen=True)
@@ -155,9 +160,41 @@ def keep(state: WorkerState) -> WorkerState:
     return state
 
 
-def load_into(runner: OperatorRunner, source: LoadSource) -> None:
+def gather_rank_states(runner: OperatorRunner, dst: Optional[int]) -> Optional[list[Any]]:
+    """Every rank's per-rank state (`OperatorRunner.rank_state`), in rank order: on rank `dst`,
+    or on every rank with None; None elsewhere, and when the operator keeps none. A collective:
+    every worker calls it at once (whether the operator keeps one is the same on all)."""
+    import torch.distributed as dist
+
+    if not runner.has_rank_state:
+        return None
+    mine = runner.rank_state()
+    everyone: list[Any] = [None] * dist.get_world_size()
+    if dst is None:
+        dist.all_gather_object(everyone, mine)
+        return everyone
+    dist.gather_object(mine, everyone if dist.get_rank() == dst else None, dst=dst)
+    return everyone if dist.get_rank() == dst else None
+
+
+def apply_rank_state(
+    runner: OperatorRunner, states: Optional[Sequence[Any]], source: Optional[int]
+) -> None:
+    """Give the operator the per-rank state `states` holds for rank `source` of the run they
+    were saved in; None when there is none for it (the operator starts its own afresh)."""
+    if not runner.has_rank_state:
+        return
+    have = states is not None and source is not None and 0 <= source < len(states)
+    runner.load_rank_state(states[source] if have else None)  # type: ignore[index]
+
+
+def load_into(runner: OperatorRunner, source: LoadSource, rank_source: Optional[int] = -1) -> None:
     """Load `source` into `runner`: a whole state into any strategy (each worker keeps its part
-    when sharded), a sharded folder into any strategy and size (a collective)."""
+    when sharded), a sharded folder into any strategy and size (a collective). The operator's
+    per-rank state is the one saved for rank `rank_source` (-1: this worker's rank; None: none,
+    it starts afresh)."""
+    if rank_source == -1:
+        rank_source = get_context().world_rank
     if source.whole is not None:
         whole = source.whole
         if isinstance(whole, Storage):
@@ -166,12 +203,15 @@ def load_into(runner: OperatorRunner, source: LoadSource) -> None:
         else:
             data = ray.get(whole) if isinstance(whole, ray.ObjectRef) else whole
             where = "state"
-        runner.load_state_dict(state_from_bytes(data, source=where))
+        state = state_from_bytes(data, source=where)
+        runner.load_state_dict(state)
+        apply_rank_state(runner, state.get(RANK_STATES), rank_source)
         return
     assert source.metadata is not None and source.state is not None
     files = source.files
     if isinstance(files, Storage) and files.is_local and os.path.isdir(files.path):
         runner.load_sharded(files.path, source.state)
+        apply_rank_state(runner, source.state.get(RANK_STATES), rank_source)
         return
     # Fetch only the files holding parts of this worker's new shard (all when it cannot tell).
     names = set(files) if isinstance(files, dict) else set(files.listdir())
@@ -192,6 +232,7 @@ def load_into(runner: OperatorRunner, source: LoadSource) -> None:
         runner.load_sharded(directory, source.state)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+    apply_rank_state(runner, source.state.get(RANK_STATES), rank_source)
 
 
 def _write(directory: str, name: str, data: Any) -> None:
