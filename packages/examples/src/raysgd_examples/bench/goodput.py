@@ -1,7 +1,7 @@
 """Goodput under a failure rate: the same job with and without failures, raysgd beside torchrun and
 Ray Train.
 
-The job: the benchmark CNN (`workload.py`), 2 workers, `--steps` steps. Each side runs it once
+The job: the benchmark CNN (`workload.py`), `--workers` workers (2 by default), `--steps` steps. Each side runs it once
 without failures (its own 1.0 line) and once per failure schedule; goodput is the clean run's wall
 time over the run's (the share of the time that went into work that was kept, as Meta's effective
 training time ratio counts it). Also reported: the steps done again, and the recoveries.
@@ -208,9 +208,9 @@ def _run_side(
     if side in _OURS:
         from raysgd_examples.bench import _raysgd
 
-        with _common.local_ray(num_cpus=4, settle=True, raysgd=True):
+        with _common.local_ray(num_cpus=args.workers + 2, settle=True, raysgd=True):
             trainer = _raysgd.make_trainer(
-                {**cfg, "checkpoint": None}, num_workers=2, **_trainer_options(side)
+                {**cfg, "checkpoint": None}, num_workers=args.workers, **_trainer_options(side)
             )
             try:
                 pids = lambda: [w.pid for w in trainer.worker_group.workers]  # noqa: E731
@@ -225,15 +225,15 @@ def _run_side(
             _common.run_torchrun(
                 "raysgd_examples.bench._torchrun_worker",
                 [json.dumps(cfg)],
-                nproc=2,
+                nproc=args.workers,
                 extra=["--max-restarts=100"],
                 timeout=args.timeout,
             )
         elif side == "ray_train":
             from raysgd_examples.bench import _ray_train
 
-            with _common.local_ray(settle=True):
-                _ray_train.fit({**cfg, "report": True}, num_workers=2, max_failures=100)
+            with _common.local_ray(num_cpus=max(4, args.workers + 2), settle=True):
+                _ray_train.fit({**cfg, "report": True}, num_workers=args.workers, max_failures=100)
         else:
             raise ValueError(f"unknown side {side!r}")
     return injector.injected
@@ -289,6 +289,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; print the table; write ``<out>/goodput.json`` and a chart."""
     parser = _common.bench_parser(__doc__.splitlines()[0], sides=SIDES, repeats=1, timeout_s=3600.0)
     parser.add_argument("--schedules", default="kill30,kill60,freeze")
+    parser.add_argument("--workers", type=int, default=2, help="workers per side (not drain)")
     parser.add_argument("--checkpoint-every", type=int, default=25)
     parser.add_argument("--freeze-for", type=float, default=120.0)
     parser.add_argument(

@@ -94,7 +94,7 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
         elif side == "ray_train":
             from raysgd_examples.bench import _ray_train
 
-            with _common.local_ray(settle=True):
+            with _common.local_ray(num_cpus=max(4, args.workers + 2), settle=True):
                 _ray_train.fit(cfg, num_workers=args.workers, max_failures=1)
         elif side.startswith("raysgd"):
             from raysgd_examples.bench import _digits, _raysgd

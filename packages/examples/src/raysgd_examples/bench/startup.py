@@ -77,7 +77,7 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
                 ray.shutdown()
             return {"first_step_s": done - args.launched}
         if side == "raysgd_warm":
-            with _common.local_ray(settle=True, raysgd=True):
+            with _common.local_ray(num_cpus=max(4, args.workers + 2), settle=True, raysgd=True):
                 start = time.time()
                 return {"first_step_s": _raysgd_first_step(cfg, args.workers) - start}
         if side in ("ray_train_cold", "ray_train_warm"):
@@ -85,7 +85,7 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
 
             cfg["report"] = True
             cold = side == "ray_train_cold"
-            with _common.local_ray(settle=not cold):
+            with _common.local_ray(num_cpus=max(4, args.workers + 2), settle=not cold):
                 start = args.launched if cold else time.time()
                 _ray_train.fit(cfg, num_workers=args.workers)
                 fit_s = time.time() - start
