@@ -159,3 +159,20 @@ def test_gloo_connections_are_found_one_per_peer():
     # Each rank: the other ranks' listeners, its one connection to each of them, and a
     # collective after the abort raised.
     assert found == [(r, world - 1, world - 1, True) for r in range(world)]
+
+
+def test_nccl_groups_keep_a_survivor_alive_unless_the_user_says_otherwise(monkeypatch) -> None:
+    # What an NCCL group is built with (no GPU here: the environment it reads is what can be
+    # checked). torch's defaults end a process whose collective timed out or whose heartbeat
+    # stalled; a survivor must outlive an abort.
+    from raysgd_core._internal.process_group import NCCL_ENV_DEFAULTS, apply_nccl_env
+
+    for name in NCCL_ENV_DEFAULTS:
+        monkeypatch.delenv(name, raising=False)
+    assert apply_nccl_env() == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+        "TORCH_NCCL_ENABLE_MONITORING": "0",
+    }
+    monkeypatch.setenv("TORCH_NCCL_ENABLE_MONITORING", "1")  # the user's choice wins
+    assert apply_nccl_env()["TORCH_NCCL_ENABLE_MONITORING"] == "1"

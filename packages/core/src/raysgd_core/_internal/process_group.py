@@ -17,6 +17,7 @@ from raysgd_core._internal.abort import GroupConnections, listening_endpoints
 
 __all__ = [
     "NCCL_ENV_DEFAULTS",
+    "apply_nccl_env",
     "destroy_process_group",
     "forget_failed_group",
     "form_process_group",
@@ -38,6 +39,22 @@ NCCL_ENV_DEFAULTS = {
 }
 
 logger = logging.getLogger("raysgd_core")
+
+
+def apply_nccl_env() -> dict[str, str]:
+    """Set `NCCL_ENV_DEFAULTS` where the environment does not say otherwise (read when an NCCL
+    group is built); what is in effect now. A value that lets NCCL end the process is kept, with
+    a warning: a survivor aborted on purpose, or timed out waiting for a lost peer, would die."""
+    for name, value in NCCL_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    handling = os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+    if handling not in ("0", "2"):
+        logger.warning(
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING=%s makes NCCL end a process whose collective timed "
+            "out: a worker waiting for a lost peer dies with the state it holds (raysgd sets 2)",
+            handling,
+        )
+    return {name: os.environ[name] for name in NCCL_ENV_DEFAULTS}
 
 
 def make_master_store(host: str, world_size: int, formation_timeout_s: float) -> Any:
@@ -82,8 +99,7 @@ def form_process_group(
 
     destroy_process_group()
     if backend == "nccl":
-        for name, value in NCCL_ENV_DEFAULTS.items():
-            os.environ.setdefault(name, value)
+        apply_nccl_env()
     if rank == 0:
         if master_store is None:
             raise RuntimeError("rank 0 must create the rendezvous store first (make_master_store)")
