@@ -105,7 +105,7 @@ def test_a_worker_imports_no_checkpoint_machinery_until_it_needs_it() -> None:
     import sys
 
     code = (
-        "import sys, raysgd._internal.worker, raysgd_operator; "
+        "import sys, raysgd._internal.worker.calls, raysgd_operator; "
         "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -25,8 +25,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from raysgd import TorchTrainer, TrainingOperator
-from raysgd._internal.checkpoint import MANIFEST_NAME, complete_checkpoints, newest_complete
-from raysgd._internal.storage import Storage, StorageError
+from raysgd._internal.storage.format import MANIFEST_NAME, complete_checkpoints, newest_complete
+from raysgd._internal.storage.location import Storage, StorageError
 from raysgd.utils import BATCH_SIZE
 
 ROWS = 128
@@ -181,13 +181,12 @@ def test_checkpoints_inside_an_epoch_survive_a_worker_lost_during_an_upload(
 def _host_copy() -> Any:
     """On a worker, once its checkpoint thread is idle: where rank 0's host copy for periodic
     checkpoints lives and what it holds (None on the other ranks, which copy nothing)."""
-    from raysgd._internal.async_checkpoints import UPLOAD_KEY
-    from raysgd._internal.worker_state import worker_state
-    from raysgd_core import get_context
+    from raysgd._internal.worker.slot import this_worker
+    from raysgd._internal.worker.state import worker_state
 
-    get_context().store[UPLOAD_KEY].finish()
+    this_worker().uploads.finish()
     writers = sum(t.name == "raysgd-checkpoint" for t in threading.enumerate())
-    staged = worker_state()._staged
+    staged = worker_state()._host_copy
     if staged is None:
         return None, writers
     return {k: (t.data_ptr(), t.clone()) for k, t in staged["models"][0].items()}, writers
@@ -232,7 +231,7 @@ def _has_manifest(location: Storage, name: str) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values")
 def test_the_background_writer_gives_the_cpu_to_the_training_loop_first() -> None:
-    from raysgd._internal.async_checkpoints import WRITER_NICE, _behind_training
+    from raysgd._internal.worker.periodic_checkpoints import WRITER_NICE, _behind_training
 
     seen: dict[str, int] = {}
 

@@ -367,7 +367,7 @@ def test_snapshot_folders_left_by_killed_workers_are_swept(tmp_path) -> None:
     memory); the next worker to snapshot removes those untouched for an hour, and nothing else."""
     import time
 
-    from raysgd._internal.sharded_state import (
+    from raysgd._internal.worker.sharded import (
         SNAPSHOT_PREFIX,
         STALE_AFTER_S,
         sweep_stale_snapshots,

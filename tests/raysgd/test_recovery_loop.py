@@ -13,10 +13,10 @@ from typing import Any, Optional
 
 import pytest
 
-from raysgd._internal.elastic import Stage
-from raysgd._internal.preemption import Preemption
-from raysgd._internal.recovery import Recovery
-from raysgd._internal.restore_plan import RestoreOutcome
+from raysgd._internal.driver.group_view import Stage
+from raysgd._internal.driver.preemption import Preemption
+from raysgd._internal.driver.recovery import Recovery
+from raysgd._internal.driver.restore_plan import RestoreOutcome
 from raysgd_core import RecoveryReport, WorkerDiedError, WorkerError
 from raysgd_fault import (
     Action,
@@ -86,6 +86,23 @@ class FakeGroup:
         return 0
 
 
+class FakeState:
+    """The loop's view of the training state: each restore recorded (and answered by `restore`,
+    when given), each hand-over passed to `hand_over` (when given)."""
+
+    def __init__(self, restore: Any = None, hand_over: Any = None) -> None:
+        self.restored: list[RecoveryReport] = []
+        self._restore, self._hand_over = restore, hand_over
+
+    def restore(self, report: RecoveryReport) -> Any:
+        self.restored.append(report)
+        return self._restore(report) if self._restore is not None else None
+
+    def hand_over(self, leaving: Sequence[int]) -> None:
+        if self._hand_over is not None:
+            self._hand_over(leaving)
+
+
 def died(group: FakeGroup, ranks: Sequence[int]) -> WorkerDiedError:
     """What a real group raises when `ranks` die: it needs recovery (its size changes only then)."""
     group.needs_recovery = True
@@ -115,18 +132,19 @@ def make_loop(
     *,
     nodes_alive: bool = True,
 ) -> tuple[Recovery, list[RecoveryReport], list[float]]:
-    restored: list[RecoveryReport] = []
+    state = FakeState()
     sleeps: list[float] = []
     loop = Recovery(
-        group=group,
+        group=group,  # type: ignore[arg-type]
         num_workers=num_workers,
-        restore=restored.append,
+        state=state,
         policy=policy or DefaultPolicy(base_wait_s=0.5),
         sleep=sleeps.append,
         # A lost worker's slot is free again at once when its node lives on (a killed process).
         reclaimable=lambda nodes: len(nodes) if nodes_alive else 0,
     )
-    return loop, restored, sleeps
+    loop.fake_state = state  # type: ignore[attr-defined]
+    return loop, state.restored, sleeps
 
 
 def actions(loop: Recovery) -> list[str]:
@@ -327,12 +345,14 @@ def test_survivors_train_on_while_their_replacement_starts_then_it_joins() -> No
     group.spares_starting, group.spares_up = 0, 1
     # A worker lost while the boundary's state is made restorable: counted, nothing joins (the
     # next run() recovers the group first).
-    assert loop.join_spares(prepare=lambda: raise_(died(group, [0]))) is False
+    loop.fake_state._hand_over = lambda leaving: raise_(died(group, [0]))
+    assert loop.join_spares() is False
     assert loop.failures == 2 and group.recover_calls == [1] and group.needs_recovery
     group.needs_recovery, group.dead = False, 0
     prepared: list[int] = []
+    loop.fake_state._hand_over = lambda leaving: prepared.append(group.world_size)
     # Up: it joins at this step boundary, the state of the boundary made restorable first.
-    assert loop.join_spares(prepare=lambda: prepared.append(group.world_size)) is True
+    assert loop.join_spares() is True
     assert prepared == [1]
     assert group.recover_calls == [1, 2] and group.world_size == 2 and len(restored) == 2
     assert loop.joining() == [] and loop.failures == 2
@@ -365,20 +385,24 @@ def test_grow_that_starts_nobody_backs_off() -> None:
 def test_a_move_off_a_draining_node_is_no_failure_and_reports_what_was_redone() -> None:
     group = FakeGroup(size=2, room=3)
     steps = iter([0, 2, 0])  # what the restores find: nothing redone, then two steps
+    handed: list[str] = []
+    state = FakeState(
+        lambda report: RestoreOutcome("rank 0 at step 7", 7, next(steps)),
+        lambda leaving: handed.append("x"),
+    )
     loop = Recovery(
-        group=group,
+        group=group,  # type: ignore[arg-type]
         num_workers=2,
-        restore=lambda report: RestoreOutcome("rank 0 at step 7", 7, next(steps)),
+        state=state,
         policy=DefaultPolicy(base_wait_s=0.5),
         sleep=lambda s: None,
         reclaimable=lambda nodes: 0,
     )
-    handed: list[str] = []
     moves = Preemption(
         group=group,  # type: ignore[arg-type]
         recovery=loop,
-        hand_over=lambda leaving: handed.append("x"),
-        local_checkpoint=lambda: None,
+        state=state,
+        checkpoints=None,  # type: ignore[arg-type]  # rank 0 runs elsewhere: never asked
     )
     assert moves.move_off([1], {"drained": None})
     assert handed == ["x"] and group.recover_calls == [2] and group.world_size == 2
@@ -401,15 +425,17 @@ def test_a_move_off_a_draining_node_is_no_failure_and_reports_what_was_redone() 
 def test_a_node_lost_during_a_move_is_a_preemption_recovered_by_the_next_run() -> None:
     group = FakeGroup(size=2, room=3)
     loop, restored, _ = make_loop(group, 2)
+    state = loop.fake_state  # type: ignore[attr-defined]
 
     def hand_over(leaving: Sequence[int]) -> None:  # the node went before the deadline
         raise died(group, [1])
 
+    state._hand_over = hand_over
     moves = Preemption(
         group=group,  # type: ignore[arg-type]
         recovery=loop,
-        hand_over=hand_over,
-        local_checkpoint=lambda: None,
+        state=state,
+        checkpoints=None,  # type: ignore[arg-type]  # rank 0 runs elsewhere: never asked
     )
     moved = moves.move_off([1], {"node": 1e12})
     assert moved is False and group.needs_recovery

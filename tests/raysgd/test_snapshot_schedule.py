@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raysgd._internal.snapshot_schedule import (
+from raysgd._internal.worker.snapshot_schedule import (
     BUDGET,
     FIRST_INTERVAL,
     MAX_INTERVAL,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from raysgd._internal.validation import DEFAULT_START_TIMEOUT_S, start_timeout
+from raysgd._internal.driver.arguments import DEFAULT_START_TIMEOUT_S, start_timeout
 from raysgd_core import WorkerGroup
 
 

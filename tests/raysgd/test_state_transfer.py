@@ -9,7 +9,7 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from raysgd._internal.state_transfer import broadcast_state
+from raysgd._internal.worker.transfer import broadcast_state
 from raysgd_core import WorkerGroup, get_context
 
 pytestmark = pytest.mark.timeout(120)

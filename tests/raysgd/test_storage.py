@@ -14,7 +14,8 @@ import uuid
 
 import pytest
 
-from raysgd._internal.checkpoint import (
+from raysgd._internal.storage.errors import redact
+from raysgd._internal.storage.format import (
     MANIFEST_NAME,
     Manifest,
     checkpoint_name,
@@ -26,8 +27,7 @@ from raysgd._internal.checkpoint import (
     write_manifest,
     write_state,
 )
-from raysgd._internal.storage import Storage, StorageError
-from raysgd._internal.storage_errors import redact
+from raysgd._internal.storage.location import Storage, StorageError
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -129,7 +129,7 @@ def test_a_refused_direct_write_goes_on_through_the_page_cache(tmp_path):
     through the cache instead, none lost."""
     import fcntl
 
-    from raysgd._internal.direct_writes import DirectFile
+    from raysgd._internal.storage.direct_writes import DirectFile
 
     path = tmp_path / "part.bin"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT)
@@ -152,8 +152,7 @@ def test_file_operations(root):
     root.write_bytes("sub/deeper/b.bin", b"xy")
     assert root.exists() and root.exists("a.bin") and root.exists("sub/deeper")
     assert root.read_bytes("a.bin") == b"1234"
-    with root.open_read("sub/deeper/b.bin") as handle:
-        assert handle.read() == b"xy"
+    assert root.read_bytes("sub/deeper/b.bin") == b"xy"
     assert root.size("a.bin") == 4
     assert root.listdir() == ["a.bin", "sub"]
     assert root.file_sizes() == {"a.bin": 4, "sub/deeper/b.bin": 2}
@@ -186,7 +185,7 @@ def test_plain_path_is_an_ordinary_absolute_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     location = Storage("ckpts")
     assert location.is_local and location.protocol == "file"
-    assert location.url == location.local_path == str(tmp_path / "ckpts") == str(location)
+    assert location.url == location.path == str(tmp_path / "ckpts") == str(location)
     assert Storage(f"file://{tmp_path}/ckpts") == location
     location.write_bytes("state.pt", b"data")
     assert (tmp_path / "ckpts" / "state.pt").read_bytes() == b"data"
@@ -231,11 +230,11 @@ def test_a_streamed_write_is_whole_or_keeps_the_old_file(root):
 
 def test_remote_locations(s3_server):
     s3 = Storage(s3_server.url("a/b/"), s3_server.storage_options)
-    assert (s3.protocol, s3.path, s3.url, s3.local_path) == (
+    assert (s3.protocol, s3.path, s3.url, s3.is_local) == (
         "s3",
         f"{s3_server.bucket}/a/b",
         s3_server.url("a/b"),
-        None,
+        False,
     )
     assert s3.name == "b" and not s3.is_local
     memory = Storage("memory://x/y")

@@ -9,7 +9,7 @@ import inspect
 import pytest
 
 from raysgd import TorchTrainer
-from raysgd._internal.trainer_keywords import DERIVED, RENAMED, TRAINER_OWN, route_keywords
+from raysgd._internal.driver.keywords import DERIVED, RENAMED, TRAINER_OWN, route_keywords
 from raysgd_core import GroupOptions
 from raysgd_operator import TrainingOptions
 

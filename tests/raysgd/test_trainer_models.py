@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from raysgd import TorchTrainer
-from raysgd._internal.cluster import driver_has_cuda
+from raysgd._internal.driver.cluster import driver_has_cuda
 
 pytestmark = pytest.mark.timeout(120)
 

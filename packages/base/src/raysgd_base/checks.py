@@ -19,13 +19,9 @@ from typing import Any, Optional
 __all__ = ["WrongTypeError", "check_int", "check_number", "check_option_names"]
 
 
-class WrongTypeError(TypeError, ValueError):
-    """A numeric argument of the wrong type (a str, a bool, None, ...).
-
-    It is a TypeError, as Python's own calls raise for a wrong type, and also a ValueError: before
-    the checks were one, some arguments refused every bad value with a ValueError, and code that
-    catches ValueError around them keeps working.
-    """
+class WrongTypeError(TypeError):
+    """A numeric argument of the wrong type (a str, a bool, None, ...): a TypeError, as Python's
+    own calls raise for a wrong type."""
 
 
 def check_int(name: str, value: Any, minimum: int = 1) -> int:

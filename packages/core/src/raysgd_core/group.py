@@ -10,7 +10,7 @@ from raysgd_base import check_int
 from raysgd_core._internal import lifecycle, spares
 from raysgd_core._internal.failures import Outcome, collect, raise_for
 from raysgd_core._internal.placement import estimate_fitting
-from raysgd_core._internal.regroup import recover as _recover
+from raysgd_core._internal.recover import recover as _recover
 from raysgd_core._internal.running import GroupSpec, RunningGroup
 from raysgd_core._internal.workers import kill_worker, record_local
 from raysgd_core.info import RecoveryReport, WorkerInfo

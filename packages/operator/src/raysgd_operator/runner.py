@@ -336,7 +336,7 @@ class OperatorRunner:
     # -- state -------------------------------------------------------------------------------
     @property
     def sharded(self) -> bool:
-        """Whether each worker holds only part of the model (see `sharded_snapshot`)."""
+        """Whether each worker holds only part of the model (see `save_sharded`)."""
         return bool(self.components.strategy.sharded)
 
     def _progress_state(self) -> dict[str, Any]:
@@ -360,13 +360,13 @@ class OperatorRunner:
         With `into`, an earlier snapshot that nothing reads any more, the model and optimizer
         tensors are copied into its tensors (a periodic checkpoint's host copy, reused).
         Not available with a sharded strategy (no worker holds the whole model): use
-        `sharded_snapshot`.
+        `save_sharded`.
         """
         parts = self.components
         if self.sharded:
             raise RuntimeError(
                 f"strategy {parts.strategy.name!r} shards the model: no worker has its whole "
-                "state (use sharded_snapshot)"
+                "state (use save_sharded)"
             )
         models = [m.state_dict() for m in parts.models]
         optimizers = [o.state_dict() for o in parts.optimizers]
@@ -497,7 +497,7 @@ class OperatorRunner:
             "strategy": parts.strategy.name,
         }
 
-    def sharded_snapshot(self, directory: str) -> dict[str, Any]:
+    def save_sharded(self, directory: str) -> dict[str, Any]:
         """Write this worker's part of the models and optimizers under `directory` in
         `torch.distributed.checkpoint` format (a collective: every worker calls it at once) and
         return the rest of the state (plain, small, the same on every worker)."""
@@ -512,7 +512,7 @@ class OperatorRunner:
         return self._meters.snapshot()
 
     def load_sharded(self, directory: str, state: dict[str, Any]) -> None:
-        """Load a checkpoint directory written by `sharded_snapshot` (with any number of workers),
+        """Load a checkpoint directory written by `save_sharded` (with any number of workers),
         resharded to this group, plus the `state` it returned. A collective, for any strategy."""
         _dcp().load_files(
             self.components.models,

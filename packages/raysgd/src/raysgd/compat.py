@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from raysgd._internal.legacy_trainer import PyTorchTrainer
+from raysgd._internal.legacy.trainer import PyTorchTrainer
 
 if TYPE_CHECKING:  # at run time resolved lazily by __getattr__ (Tune is optional)
-    from raysgd._internal.legacy_trainable import PyTorchTrainable
+    from raysgd._internal.legacy.trainable import PyTorchTrainable
 
 __all__ = ["PyTorchTrainable", "PyTorchTrainer"]
 
@@ -21,7 +21,7 @@ def __getattr__(name: str) -> Any:
             raise ImportError(
                 "PyTorchTrainable needs raysgd-tune: pip install 'raysgd[tune]'"
             ) from exc
-        from raysgd._internal.legacy_trainable import PyTorchTrainable
+        from raysgd._internal.legacy.trainable import PyTorchTrainable
 
         return PyTorchTrainable
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

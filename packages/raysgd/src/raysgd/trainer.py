@@ -16,26 +16,36 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
-from raysgd._internal import worker
-from raysgd._internal.boundary_watch import JOIN_WATCH_INTERVAL_S, WATCH_INTERVAL_S, WatchSpec
-from raysgd._internal.checkpoints import Checkpoints, checkpoint_root
-from raysgd._internal.cluster import available_memory_bytes, driver_has_cuda
-from raysgd._internal.collective_bound import slow_bound
-from raysgd._internal.datasets import DatasetSplitter, check_datasets, warn_if_no_room_for_data
-from raysgd._internal.driver import RunnerRecipe, WorkerCalls
-from raysgd._internal.driver_copy import DEFAULT_LIMIT_MB, DriverCopy
-from raysgd._internal.goodput import GoodputMeter
-from raysgd._internal.preemption import Preemption
-from raysgd._internal.recovery import Recovery, in_one_form
-from raysgd._internal.run_loggers import RunLoggers, trainer_options
-from raysgd._internal.trainer_keywords import route_keywords
-from raysgd._internal.training_state import TrainingState
-from raysgd._internal.validation import (
+from raysgd._internal.driver.arguments import (
     check_optional_args,
     check_train_args,
     resolve_operator_cls,
     start_timeout,
 )
+from raysgd._internal.driver.checkpoint_schedule import Checkpoints, checkpoint_root
+from raysgd._internal.driver.cluster import available_memory_bytes, driver_has_cuda
+from raysgd._internal.driver.datasets import (
+    DatasetSplitter,
+    check_datasets,
+    warn_if_no_room_for_data,
+)
+from raysgd._internal.driver.goodput import GoodputMeter
+from raysgd._internal.driver.keywords import route_keywords
+from raysgd._internal.driver.preemption import Preemption
+from raysgd._internal.driver.recovery import Recovery, in_one_form
+from raysgd._internal.driver.run_loggers import RunLoggers, trainer_options
+from raysgd._internal.driver.state_copy import DEFAULT_LIMIT_MB, DriverCopy
+from raysgd._internal.driver.training_state import TrainingState
+from raysgd._internal.driver.worker_calls import RunnerRecipe, WorkerCalls
+from raysgd._internal.worker import calls as worker
+from raysgd._internal.worker.boundary_watch import (
+    DRAIN,
+    JOIN_WATCH_INTERVAL_S,
+    SPARE,
+    WATCH_INTERVAL_S,
+    WatchSpec,
+)
+from raysgd._internal.worker.collective_bound import slow_bound
 from raysgd.loggers import Logger
 from raysgd_base import check_int, check_number
 from raysgd_core import (
@@ -206,7 +216,7 @@ class TorchTrainer:
         # A global batch too small to give every worker a sample fails here, not on the workers.
         check_batch_size(config or {}, self._num_workers)
         # The options of the workers and of their group, each validated once here and shipped
-        # whole. Keywords named like a field fill it (`trainer_keywords` says where the rest go).
+        # whole. Keywords named like a field fill it (`driver.keywords` says where the rest go).
         training_fields, group_fields = route_keywords(keywords)
         self._options = TrainingOptions(
             **training_fields,
@@ -294,23 +304,20 @@ class TorchTrainer:
                 storage_options=storage_options,
             )
             self._recovery = Recovery(
-                group=group,
-                num_workers=self._num_workers,
-                restore=self._state.restore,
-                policy=policy,
+                group=group, num_workers=self._num_workers, state=self._state, policy=policy
             )
             self._checkpoints = Checkpoints(
                 self._state, checkpoint_location, every=checkpoint_every, keep=keep_checkpoints
             )
-            self._start_workers()
-            if resume:
-                self._checkpoints.resume()
             self._preemption = Preemption(
                 group=group,
                 recovery=self._recovery,
-                hand_over=self._state.hand_over,
-                local_checkpoint=self._checkpoints.at_notice,
+                state=self._state,
+                checkpoints=self._checkpoints,
             )
+            self._start_workers()
+            if resume:
+                self._checkpoints.resume()
         except BaseException:
             # Whatever fails once the loggers have started (pickling the user's creators,
             # starting the workers, ...) leaves no worker running and no run open in a tracker:
@@ -392,12 +399,15 @@ class TorchTrainer:
 
         while True:
             returned = self._recovery.run(attempt, max_retries=max_retries)
-            if not any(answer.yielded for answer in returned):
+            # The workers stopped together at a step boundary, and say why: a node of theirs is
+            # draining, or a replacement started beside the smaller group is up.
+            stopped_for = {answer.stopped_for for answer in returned} - {None}
+            if not stopped_for:
                 break
-            # The workers stopped together at a step boundary: a node of theirs is draining, or
-            # a replacement started beside the smaller group is up.
-            self._recovery.join_spares(prepare=lambda: self._state.hand_over(()))
-            self._preemption.handle()
+            if SPARE in stopped_for:
+                self._recovery.join_spares()
+            if DRAIN in stopped_for:
+                self._preemption.handle()
         self._state.after_train(
             max(answer.step for answer in returned), max(answer.epochs for answer in returned)
         )

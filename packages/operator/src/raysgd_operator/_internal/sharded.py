@@ -40,6 +40,7 @@ from torch.futures import Future
 from torch.optim import Optimizer
 
 from raysgd_operator.safe_load import load_failure_reason
+from raysgd_operator.sharded_files import METADATA_FILE
 
 __all__ = [
     "METADATA_FILE",
@@ -53,8 +54,6 @@ __all__ = [
     "tensor_state",
 ]
 
-#: DCP's metadata file name inside a checkpoint directory.
-METADATA_FILE = ".metadata"
 #: Key in `others` listing the optimizers that had not stepped yet (saved without state).
 FRESH = "fresh_optimizers"
 

@@ -1,3 +1,5 @@
-"""Private pieces of the trainer: worker-side functions, recovery, checkpoints, TensorBoard."""
+"""The trainer's private parts, by where they run: `driver` (the user's process), `worker` (each
+worker process) and `storage` (checkpoint files, read and written on both sides); `legacy` keeps
+the earliest RaySGD's names working."""
 
 __all__: list[str] = []

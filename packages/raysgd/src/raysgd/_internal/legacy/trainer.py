@@ -1,7 +1,7 @@
 """`PyTorchTrainer`: `TorchTrainer` under the name of the earliest RaySGD releases.
 
 Public as `raysgd.compat.PyTorchTrainer`; it lives here so that `raysgd.compat` and the legacy Tune
-trainable (`legacy_trainable`) both import it without importing each other.
+trainable (`legacy.trainable`) both import it without importing each other.
 """
 
 from __future__ import annotations

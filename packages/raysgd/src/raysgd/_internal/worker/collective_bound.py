@@ -31,12 +31,12 @@ from collections import deque
 from datetime import timedelta
 from typing import Any, Optional, Union
 
+from raysgd._internal.worker.slot import this_worker
 from raysgd_base import check_number
 from raysgd_core import get_context, set_collective_timeout
 from raysgd_operator import OperatorRunner, TrainingOptions
 
 __all__ = [
-    "BOUND_KEY",
     "RECENT_STEPS",
     "SLOW_FLOOR_S",
     "STEP_MULTIPLE",
@@ -45,8 +45,6 @@ __all__ = [
     "slow_bound",
 ]
 
-#: Key of this worker's `CollectiveBound` in its store.
-BOUND_KEY = "raysgd.collective_bound"
 #: A step's collectives may take this many times the slowest recent step before a peer counts as
 #: silent: room for a slow batch, a garbage-collection pause or a snapshot step.
 STEP_MULTIPLE = 5.0
@@ -151,8 +149,7 @@ class CollectiveBound:
 
 def bound_for(runner: OperatorRunner) -> CollectiveBound:
     """This worker's bound for `runner` (made on first use, per runner)."""
-    store = get_context().store
-    bound: Optional[CollectiveBound] = store.get(BOUND_KEY)
-    if bound is None or bound.runner is not runner:
-        bound = store[BOUND_KEY] = CollectiveBound(runner, runner.options)
-    return bound
+    slot = this_worker()
+    if slot.bound is None or slot.bound.runner is not runner:
+        slot.bound = CollectiveBound(runner, runner.options)
+    return slot.bound

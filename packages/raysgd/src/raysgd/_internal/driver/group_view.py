@@ -1,4 +1,5 @@
-"""The recovery loop's view of a worker group (`ElasticGroup`) and its named stages (`Stage`)."""
+"""What the recovery loop works on, as narrow views: the worker group (`ElasticGroup`) and the
+training state (`RestorableState`); its named stages (`Stage`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any, Protocol
 from raysgd_core import RecoveryReport
 from raysgd_fault import Action
 
-__all__ = ["NEXT_STAGE", "ElasticGroup", "Stage", "on_live_nodes"]
+__all__ = ["NEXT_STAGE", "ElasticGroup", "RestorableState", "Stage", "on_live_nodes"]
 
 
 class ElasticGroup(Protocol):
@@ -45,6 +46,25 @@ class ElasticGroup(Protocol):
 
     def spare_readiness(self) -> list[tuple[Any, ...]]:
         """For each spare, the refs that are all done once it is up."""
+
+    def execute(self, fn: Any, *args: Any) -> list[Any]:
+        """Run `fn(*args)` on every worker; the results in rank order."""
+
+    def execute_single(self, rank: int, fn: Any, *args: Any) -> Any:
+        """Run `fn(*args)` on the worker of `rank`."""
+
+
+class RestorableState(Protocol):
+    """What the recovery loop needs of the training state; `TrainingState` is one."""
+
+    def restore(self, report: RecoveryReport) -> Any:
+        """After a resize (`report`: what the group did): make every worker of the re-formed
+        group ready to go on; may return a `RestoreOutcome`. `StateLostError` when there is no
+        state to go on from."""
+
+    def hand_over(self, leaving: Sequence[int]) -> None:
+        """At a step boundary, before the workers of `leaving` go on purpose (or spares join:
+        none leave): make the state of this boundary restorable without them."""
 
 
 class Stage(str, enum.Enum):

@@ -6,7 +6,7 @@ file in the same folder, fsynced, renamed over the target) or a URL (`s3://`, `g
 credentials: handed to fsspec as they are). It is small and picklable: the driver sends it to the
 workers, and each worker builds its own filesystem client from it on first use and writes its
 files straight to the location. What a checkpoint is on a location (its formats, and the rule that
-it is complete or invisible) is `checkpoint`'s.
+it is complete or invisible) is `format`'s.
 
 Credentials never leave `storage_options`: `repr`, `str`, log lines and error messages name the
 URL only, and every error text taken from a client library is stripped of the values of
@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from typing import IO, TYPE_CHECKING, Any, NoReturn, Optional, Union
 
-from raysgd._internal.atomic_files import SCRATCH_PREFIX, atomic_local_file, write_file
-from raysgd._internal.storage_errors import StorageError, failure_message
+from raysgd._internal.storage.atomic_files import SCRATCH_PREFIX, atomic_local_file, write_file
+from raysgd._internal.storage.errors import StorageError, failure_message
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -161,11 +161,6 @@ class Storage:
         return self._protocol == "file"
 
     @property
-    def local_path(self) -> Optional[str]:
-        """The absolute local path, or None for any other storage."""
-        return self._path if self.is_local else None
-
-    @property
     def storage_options(self) -> dict[str, Any]:
         """A copy of the options, to hand to another fsspec user (e.g. DCP's FsspecWriter).
 
@@ -261,12 +256,6 @@ class Storage:
         path = self._full(relpath)
         with self._errors("cannot read", relpath):
             return bytes(self.fs.cat_file(path))
-
-    def open_read(self, relpath: str) -> IO[bytes]:
-        """The file at `relpath` open for reading in binary, streamed (close it, or use `with`)."""
-        path = self._full(relpath)
-        with self._errors("cannot read", relpath):
-            return self.fs.open(path, "rb")
 
     def size(self, relpath: str) -> int:
         """The size of the file at `relpath` in bytes."""

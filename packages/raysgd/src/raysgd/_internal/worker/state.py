@@ -1,14 +1,14 @@
 """What one worker holds of the training state, and how it moves: one interface, chosen by the
 strategy.
 
-- `ReplicatedState` (``ddp``, ``none``; `replicated_state`): every worker holds the whole state.
+- `ReplicatedState` (``ddp``, ``none``; `worker.replicated`): every worker holds the whole state.
   After a resize the survivor furthest along sends it to the workers that need it.
-- `ShardedState` (``fsdp``; `sharded_state`): each worker holds its part of the model and
+- `ShardedState` (``fsdp``; `worker.sharded`): each worker holds its part of the model and
   optimizers, and keeps in-memory snapshots of its part and of a peer's. After a resize every
   worker is rebuilt from the newest snapshot whose every part survived.
 
 Every method runs on a worker; the driver's `training_state.TrainingState` decides (with the pure
-planners of `restore_plan`) and calls them through `worker`, which picks the kind
+planners of `driver.restore_plan`) and calls them through `calls`, which picks the kind
 (`worker.state_class`). Loading a checkpoint (`load_into`)
 is the same for both: a whole state loads into any strategy, a sharded folder into any strategy
 and size (DCP reshards it).
@@ -26,18 +26,18 @@ from typing import Any, Callable, ClassVar, Optional
 
 import ray
 
-from raysgd._internal.checkpoint import METADATA_FILE, state_from_bytes
-from raysgd._internal.restore_plan import Holding, RestorePlan
-from raysgd._internal.storage import Storage
-from raysgd._internal.worker_runner import RunnerArgs
+from raysgd._internal.driver.restore_plan import Holding, RestorePlan
+from raysgd._internal.storage.format import METADATA_FILE, state_from_bytes
+from raysgd._internal.storage.location import Storage
+from raysgd._internal.worker.runner import RunnerArgs
+from raysgd._internal.worker.slot import this_worker
 from raysgd_core import get_context
 from raysgd_operator import OperatorRunner
 
 __all__ = [
     "RANK_STATES",
-    "STATE_KEY",
+    "HostCopy",
     "LoadSource",
-    "Staged",
     "WorkerState",
     "apply_rank_state",
     "gather_rank_states",
@@ -46,8 +46,6 @@ __all__ = [
     "worker_state",
 ]
 
-#: Key of this worker's `WorkerState` in its store.
-STATE_KEY = "raysgd.worker_state"
 #: Where a saved state keeps every rank's `TrainingOperator.rank_state_dict`, in rank order.
 RANK_STATES = "rank_states"
 
@@ -71,8 +69,8 @@ class LoadSource:
     files: Any = None
 
 
-class Staged(abc.ABC):
-    """A worker's part of the state, copied to host memory (`WorkerState.stage`)."""
+class HostCopy(abc.ABC):
+    """A worker's part of the state, copied to host memory (`WorkerState.copy_to_host`)."""
 
     @abc.abstractmethod
     def write(self, folder: Storage) -> None:
@@ -111,14 +109,14 @@ class WorkerState(abc.ABC):
         for the driver to write (``{name: ObjectRef of {name: bytes}}``), else None."""
 
     @abc.abstractmethod
-    def stage(self) -> Optional[Staged]:
+    def copy_to_host(self) -> Optional[HostCopy]:
         """Copy this worker's part of the state now to host memory, for a checkpoint written in
         the background (the training loop waits only for this); None when this worker writes no
-        part. The copy may reuse the memory of this worker's previous one: stage again only once
+        part. The copy may reuse the memory of this worker's previous one: copy again only once
         that one was written."""
 
-    def stage_ahead(self) -> Optional[Callable[[], None]]:
-        """Work that makes the first `stage` as quick as later ones (allocating the host memory it
+    def prepare_host_copy(self) -> Optional[Callable[[], None]]:
+        """Work that makes the first `copy_to_host` as quick as later ones (allocating the host memory it
         copies into), to run in a background thread before that checkpoint falls due; None when
         there is none. Called on the training thread between steps."""
         return None
@@ -144,7 +142,7 @@ class WorkerState(abc.ABC):
 
 def worker_state() -> WorkerState:
     """This worker's `WorkerState`."""
-    state = get_context().store.get(STATE_KEY)
+    state = this_worker().state
     if state is None:
         raise RuntimeError("this worker holds no raysgd training state")
     return state
@@ -152,11 +150,10 @@ def worker_state() -> WorkerState:
 
 def keep(state: WorkerState) -> WorkerState:
     """Make `state` this worker's (closing the one it replaces)."""
-    store = get_context().store
-    old = store.get(STATE_KEY)
-    if old is not None and old is not state:
-        old.close()
-    store[STATE_KEY] = state
+    slot = this_worker()
+    if slot.state is not None and slot.state is not state:
+        slot.state.close()
+    slot.state = state
     return state
 
 

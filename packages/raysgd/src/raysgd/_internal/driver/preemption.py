@@ -5,8 +5,8 @@ of the node with a deadline (`raysgd_core.draining_nodes`). The workers are move
 a step boundary, so that no step is redone and no row trained twice; a move is not a failure.
 
 - Inside a `train()` call the workers look themselves (`boundary_watch`): all of them stop at the
-  same step boundary when a node of theirs drains, and the call returns early ("yielded").
-- The driver (`Preemption`) looks at the start of every `train()` call and after a yielded one, and
+  same step boundary when a node of theirs drains, and the call returns early, saying so.
+- The driver (`Preemption`) looks at the start of every `train()` call and after one stopped for a drain, and
   moves the workers off the draining nodes with one resize of the recovery loop: the state of this
   boundary is handed over (a sharded state's parts go to workers that stay), the leaving workers
   are retired, and the scaling policy sizes the group: spares or new workers
@@ -25,12 +25,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Callable, Optional
+from typing import Optional
 
 import ray
 
-from raysgd._internal.recovery import Recovery
-from raysgd._internal.recovery_log import EventKind, short_node
+from raysgd._internal.driver.checkpoint_schedule import Checkpoints
+from raysgd._internal.driver.events import EventKind, short_node
+from raysgd._internal.driver.group_view import RestorableState
+from raysgd._internal.driver.recovery import Recovery
 from raysgd_core import WorkerGroup, draining_nodes
 
 __all__ = ["SPARE_WAIT_S", "Preemption"]
@@ -55,7 +57,8 @@ class Preemption:
     Args:
         group: The trainer's worker group.
         recovery: The recovery loop, whose resize moves the workers.
-        hand_over: Makes the state of this step boundary restorable without the given ranks.
+        state: The training state, handed over before workers leave (`TrainingState.hand_over`).
+        checkpoints: Where a checkpoint goes when rank 0 cannot move (`Checkpoints.at_notice`).
         local_checkpoint: Writes a checkpoint now (None when the trainer has no checkpoint_dir).
     """
 
@@ -64,13 +67,13 @@ class Preemption:
         *,
         group: WorkerGroup,
         recovery: Recovery,
-        hand_over: Callable[[Sequence[int]], None],
-        local_checkpoint: Callable[[], Optional[str]],
+        state: RestorableState,
+        checkpoints: Checkpoints,
     ) -> None:
         self._group = group
         self._recovery = recovery
-        self._hand_over = hand_over
-        self._local_checkpoint = local_checkpoint
+        self._state = state
+        self._checkpoints = checkpoints
         #: Nodes nothing could be moved off: not watched any more.
         self.unmovable: set[str] = set()
 
@@ -126,7 +129,6 @@ class Preemption:
         left = f"{deadline - time.time():.1f} s before the deadline" if deadline else "no deadline"
         before = self._group.world_size
         leaving = sorted(ranks)
-        hand_over = lambda: self._hand_over(leaving)  # noqa: E731
         timeout_s = _until(deadline, recovery.restart_timeout_s)
         # A spare still starting (a group formed moments ago) is room the scaling policy should
         # see: wait for it, within a part of the time the notice leaves.
@@ -137,7 +139,7 @@ class Preemption:
             if len(leaving) >= before:
                 # Everyone is on a draining node: the replacements come in first, while the
                 # state is still there to give them.
-                hand_over()
+                self._state.hand_over(leaving)
                 grown = recovery.resize(before + len(leaving), "preemption", timeout_s=timeout_s)
                 resizes.append(grown)
                 if grown.lost is None and self._group.world_size <= before:
@@ -149,15 +151,9 @@ class Preemption:
                         f"({left}) and no replacement started: they stay",
                     )
             if all(r.lost is None for r in resizes):
-                staying = self._group.world_size - len(leaving)
+                # Sized by the scaling policy once the leaving workers are gone.
                 resizes.append(
-                    recovery.resize(
-                        lambda: recovery.size_for_move(alive=staying),
-                        "preemption",
-                        timeout_s=timeout_s,
-                        leaving=leaving,
-                        hand_over=hand_over,
-                    )
+                    recovery.resize(None, "preemption", timeout_s=timeout_s, leaving=leaving)
                 )
         finally:
             recovery.draining = frozenset()
@@ -213,7 +209,7 @@ class Preemption:
 
     def _local_rank_cannot_move(self, node: str) -> None:
         self.unmovable.add(node)
-        path = self._local_checkpoint()
+        path = self._checkpoints.at_notice()
         if path is None:
             logger.warning(
                 "the driver's node %s is draining: rank 0 runs in this process (use_local=True) "

@@ -37,21 +37,20 @@ from typing import Any, Optional, Union
 import ray
 import torch
 
-from raysgd._internal.checkpoint import METADATA_FILE, SHARDED, STATE_FILE, write_state
-from raysgd._internal.restore_plan import HeldSnapshot, Holding, RestorePlan
-from raysgd._internal.snapshot_schedule import SnapshotSchedule
-from raysgd._internal.storage import Storage
-from raysgd._internal.worker_runner import (
-    RUNNER_KEY,
+from raysgd._internal.driver.restore_plan import HeldSnapshot, Holding, RestorePlan
+from raysgd._internal.storage.format import METADATA_FILE, SHARDED, STATE_FILE, write_state
+from raysgd._internal.storage.location import Storage
+from raysgd._internal.worker.runner import (
     RunnerArgs,
     build_runner,
     my_dataset_splits,
 )
-from raysgd._internal.worker_state import (
+from raysgd._internal.worker.slot import this_worker
+from raysgd._internal.worker.snapshot_schedule import SnapshotSchedule
+from raysgd._internal.worker.state import (
     RANK_STATES,
-    STATE_KEY,
+    HostCopy,
     LoadSource,
-    Staged,
     WorkerState,
     gather_rank_states,
     keep,
@@ -75,7 +74,7 @@ class Generation:
     step: int
     world_size: int
     metadata: bytes
-    #: The small rest of the state (`OperatorRunner.sharded_snapshot`'s dict).
+    #: The small rest of the state (`OperatorRunner.save_sharded`'s dict).
     state: dict[str, Any]
     #: The call in progress when it was taken (its rows so far), or None.
     call: Optional[CallRecord]
@@ -212,8 +211,8 @@ class Snapshots:
             process_group=self._group,
         )
         step, size = runner.step, dist.get_world_size()
-        staged = time.perf_counter()
-        self.schedule.taken(step, staged - started)
+        copied = time.perf_counter()
+        self.schedule.taken(step, copied - started)
 
         def finish() -> None:
             try:
@@ -235,8 +234,8 @@ class Snapshots:
                 logger.debug(
                     "snapshot at step %d: %.3f s in the loop, %.3f s saving, %.3f s swapping",
                     step,
-                    staged - started,
-                    saved - staged,
+                    copied - started,
+                    saved - copied,
                     time.perf_counter() - saved,
                 )
             except BaseException as exc:  # kept for `join`; a lost peer ends the swap here
@@ -298,7 +297,7 @@ class Snapshots:
             request.wait()
         return received
 
-    def regroup(self) -> None:
+    def on_new_group(self) -> None:
         """The process group was re-formed: the snapshots held belong to the old one, and the
         swap group is made again over the new one at the next snapshot."""
         self.join()
@@ -369,8 +368,8 @@ class ShardedState(WorkerState):
         them, resharded, and go on with the plan's call from the snapshot's step (with this
         rank's share of the call's metrics up to there); or load the fallback."""
         ctx = get_context()
-        runner: Optional[OperatorRunner] = ctx.store.get(RUNNER_KEY)
-        kept = ctx.store.get(STATE_KEY)
+        slot = this_worker()
+        runner, kept = slot.runner, slot.state
         if runner is not None and isinstance(kept, cls) and kept.runner is runner:
             if runner.rebind(
                 world_rank=ctx.world_rank,
@@ -380,7 +379,7 @@ class ShardedState(WorkerState):
                 datasets=my_dataset_splits(args.dataset_splits),
                 group=ctx.generation,
             ):
-                kept.snapshots.regroup()
+                kept.snapshots.on_new_group()
                 state = kept
             else:
                 # A strategy without unwrapped copies, or loaders that cannot follow: set up again.
@@ -390,7 +389,7 @@ class ShardedState(WorkerState):
             runner.shutdown()
             runner = None
         if runner is None:
-            ctx.store.pop(RUNNER_KEY, None)
+            slot.runner = None
             runner = build_runner(args, restoring=True)
             state = keep(cls(runner))
         rank = ctx.world_rank
@@ -426,7 +425,7 @@ class ShardedState(WorkerState):
         direct = folder.is_local and os.path.isdir(folder.path)
         directory = folder.path if direct else tempfile.mkdtemp(prefix="raysgd-part-")
         try:
-            rest = self.runner.sharded_snapshot(directory)
+            rest = self.runner.save_sharded(directory)
             rank_states = gather_rank_states(self.runner, 0)
             if rank_states is not None:
                 rest[RANK_STATES] = rank_states
@@ -444,7 +443,7 @@ class ShardedState(WorkerState):
             if not direct:
                 shutil.rmtree(directory, ignore_errors=True)
 
-    def stage(self) -> Optional[Staged]:
+    def copy_to_host(self) -> Optional[HostCopy]:
         """A snapshot of this step (the one the step hook took, or one taken now): DCP stages the
         part in host memory; the rest happens in the snapshot's thread."""
         step = self.runner.step
@@ -453,7 +452,7 @@ class ShardedState(WorkerState):
             self.snapshots.take(wait=False)
             taking = self.snapshots.taking
         assert taking is not None
-        return _SnapshotPart(self.snapshots, step, taking[1])
+        return _SnapshotHostCopy(self.snapshots, step, taking[1])
 
     @classmethod
     def parts(cls, world_size: int) -> list[str]:
@@ -476,7 +475,7 @@ class ShardedState(WorkerState):
         self.snapshots.join()
 
 
-class _SnapshotPart(Staged):
+class _SnapshotHostCopy(HostCopy):
     """This worker's part of the snapshot at `step`, once its thread has finished it."""
 
     def __init__(self, snapshots: Snapshots, step: int, thread: threading.Thread) -> None:

@@ -6,7 +6,7 @@ goes on from them.
   `path`. Without a `checkpoint_dir`, "auto" makes a temporary folder, says where, and removes it
   at `shutdown()` (a state kept past the trainer needs a `checkpoint_dir`).
 - `checkpoint_every=N` writes one every N steps inside the calls, asynchronously, each into a new
-  folder under `checkpoint_dir` with its manifest last (`async_checkpoints`), keeping the newest
+  folder under `checkpoint_dir` with its manifest last (`worker.periodic_checkpoints`), keeping the newest
   `keep_checkpoints` complete ones.
 - `resume=True` loads, before the first call, the newest complete checkpoint in `checkpoint_dir`
   (the auto one included): the models, optimizers, schedulers, the precision backend's state, the
@@ -15,7 +15,7 @@ goes on from them.
 - A preemption notice that rank 0 cannot move from (it runs in the driver's process) writes one at
   once, when there is a `checkpoint_dir`.
 
-The writing itself is the workers' (`TrainingState`, `async_checkpoints`): the state does not pass
+The writing itself is the workers' (`TrainingState`, `worker.periodic_checkpoints`): the state does not pass
 through the driver. `checkpoint_dir` may be a path or any fsspec URL (with `storage_options`); it
 is checked before any worker starts.
 """
@@ -29,10 +29,10 @@ import tempfile
 import uuid
 from typing import Any, Optional, Union
 
-from raysgd._internal.async_checkpoints import CheckpointPlan
-from raysgd._internal.checkpoint import newest_complete
-from raysgd._internal.storage import Storage, as_storage
-from raysgd._internal.training_state import TrainingState
+from raysgd._internal.driver.training_state import TrainingState
+from raysgd._internal.storage.format import newest_complete
+from raysgd._internal.storage.location import Storage, as_storage
+from raysgd._internal.worker.periodic_checkpoints import CheckpointPlan
 from raysgd_base import check_int
 
 __all__ = ["Checkpoints", "checkpoint_root"]

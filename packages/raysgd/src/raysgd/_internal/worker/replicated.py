@@ -1,7 +1,7 @@
 """A replicated training state (``ddp``, ``none``): every worker holds all of it.
 
 After a resize the survivor furthest along (`restore_plan.plan_from_peers`) sends its live tensors
-to the workers that need them over the new process group (`state_transfer`), and every worker
+to the workers that need them over the new process group (`worker.transfer`), and every worker
 takes its place in the epoch and the call it was in. A survivor keeps its runner, re-bound to its
 new rank and size (built again, keeping its state, when the user's loaders cannot follow).
 """
@@ -12,25 +12,25 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from raysgd._internal.checkpoint import WHOLE, WHOLE_FILE, write_state
-from raysgd._internal.restore_plan import Holding, RestorePlan
-from raysgd._internal.state_transfer import broadcast_state
-from raysgd._internal.storage import Storage
-from raysgd._internal.worker_runner import (
-    RUNNER_KEY,
+from raysgd._internal.driver.restore_plan import Holding, RestorePlan
+from raysgd._internal.storage.format import WHOLE, WHOLE_FILE, write_state
+from raysgd._internal.storage.location import Storage
+from raysgd._internal.worker.runner import (
     RunnerArgs,
     build_runner,
     my_dataset_splits,
 )
-from raysgd._internal.worker_state import (
+from raysgd._internal.worker.slot import this_worker
+from raysgd._internal.worker.state import (
     RANK_STATES,
-    Staged,
+    HostCopy,
     WorkerState,
     apply_rank_state,
     gather_rank_states,
     keep,
     load_into,
 )
+from raysgd._internal.worker.transfer import broadcast_state
 from raysgd_core import get_context
 from raysgd_operator import OperatorRunner
 
@@ -43,7 +43,7 @@ class ReplicatedState(WorkerState):
     kind = WHOLE
     whole = True
     #: Rank 0's last host copy for a periodic checkpoint, which the next one is copied into.
-    _staged: Optional[dict[str, Any]] = None
+    _host_copy: Optional[dict[str, Any]] = None
 
     def holding(self) -> Holding:
         return Holding(self.runner.progress())
@@ -52,7 +52,7 @@ class ReplicatedState(WorkerState):
     def restore(cls, args: RunnerArgs, plan: RestorePlan) -> ReplicatedState:
         ctx = get_context()
         rank = ctx.world_rank
-        runner: Optional[OperatorRunner] = ctx.store.get(RUNNER_KEY)
+        runner: Optional[OperatorRunner] = this_worker().runner
         if runner is not None and not runner.rebind(
             world_rank=rank,
             local_rank=ctx.local_rank,
@@ -95,28 +95,28 @@ class ReplicatedState(WorkerState):
         write_state(folder, WHOLE_FILE, self.runner.state_dict())
         return None
 
-    def stage(self) -> Optional[Staged]:
+    def copy_to_host(self) -> Optional[HostCopy]:
         """Rank 0 copies the whole state to host memory, into the previous checkpoint's copy
         (kept for that), with every rank's per-rank state; the others write nothing."""
         rank_states = gather_rank_states(self.runner, 0)
         if get_context().world_rank != 0:
             return None
-        self._staged = self.runner.state_dict(into=self._staged)
+        self._host_copy = self.runner.state_dict(into=self._host_copy)
         if rank_states is not None:
-            self._staged[RANK_STATES] = rank_states
-        return _WholeCopy(self._staged)
+            self._host_copy[RANK_STATES] = rank_states
+        return _WholeHostCopy(self._host_copy)
 
-    def stage_ahead(self) -> Optional[Callable[[], None]]:
+    def prepare_host_copy(self) -> Optional[Callable[[], None]]:
         """Rank 0 maps its host copy's memory ahead of the first checkpoint: a copy into new
         memory, which the system maps and zeroes page by page, takes several times as long as
         one into memory in use, and every worker waits for rank 0's copy."""
-        if get_context().world_rank != 0 or self._staged is not None:
+        if get_context().world_rank != 0 or self._host_copy is not None:
             return None
         live = self.runner.state_dict(live=True)  # references: shapes and dtypes, no copy
 
         def allocate() -> None:
-            if self._staged is None:
-                self._staged = OperatorRunner.host_buffers(live)
+            if self._host_copy is None:
+                self._host_copy = OperatorRunner.host_buffers(live)
 
         return allocate
 
@@ -125,7 +125,7 @@ class ReplicatedState(WorkerState):
         return [WHOLE_FILE]
 
 
-class _WholeCopy(Staged):
+class _WholeHostCopy(HostCopy):
     """The whole state in host memory, written as the folder's one part."""
 
     def __init__(self, state: dict[str, Any]) -> None:

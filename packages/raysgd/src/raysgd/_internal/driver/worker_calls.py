@@ -18,22 +18,15 @@ from typing import Any, Optional
 
 import ray
 
-from raysgd._internal import worker
-from raysgd._internal.datasets import DatasetSplitter
-from raysgd._internal.worker_runner import RunnerArgs
-from raysgd_core import WorkerError, WorkerGroup
+from raysgd._internal.driver.datasets import DatasetSplitter
+from raysgd._internal.worker import calls as worker
+from raysgd._internal.worker.runner import RunnerArgs
+from raysgd_core import WorkerGroup
 from raysgd_operator import BATCH_SIZE, TrainingOptions, split_batch_size
 
-__all__ = ["RunnerRecipe", "WorkerCalls", "in_one_form"]
+__all__ = ["RunnerRecipe", "WorkerCalls"]
 
 logger = logging.getLogger("raysgd")
-
-
-def in_one_form(error: WorkerError) -> WorkerError:
-    """The form every user exception takes when it leaves the trainer: `error` as an instance of
-    both `WorkerError` and its cause's class (`WorkerError.as_instance_of_cause`), keeping the
-    traceback of where the group raised it."""
-    return error.as_instance_of_cause().with_traceback(error.__traceback__)
 
 
 @dataclass

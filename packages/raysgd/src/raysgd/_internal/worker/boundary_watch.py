@@ -7,7 +7,7 @@ after a loss which is now up (the driver lets it join). `BoundaryWatch` is a ste
 boundary every so often rank 0 looks (asking Ray for the draining nodes and `ray.wait`-ing on the
 spares' readiness refs with no timeout: about a millisecond) and broadcasts the answer, with the
 number of steps until the next look, to every worker. All of them thus stop at the same boundary
-and the call returns "yielded", to be continued by the driver after its change. A look costs one
+and the call returns saying why (`stopped_for`), to be continued by the driver after its change. A look costs one
 small broadcast; rank 0 spaces the looks so that they come about once per `interval_s` of
 training, whatever a step takes.
 """
@@ -22,13 +22,15 @@ from typing import Any, Optional
 
 import torch
 
+from raysgd._internal.worker.slot import this_worker
 from raysgd_core import draining_nodes, get_context
 from raysgd_operator import OperatorRunner
 
 __all__ = [
+    "DRAIN",
     "JOIN_WATCH_INTERVAL_S",
+    "SPARE",
     "WATCH_INTERVAL_S",
-    "WATCH_KEY",
     "BoundaryWatch",
     "WatchSpec",
     "watch_for",
@@ -38,8 +40,11 @@ __all__ = [
 WATCH_INTERVAL_S = 1.0
 #: How often while a spare may join: the group trains slower until it has.
 JOIN_WATCH_INTERVAL_S = 0.25
-#: Key of this worker's `BoundaryWatch` in its store.
-WATCH_KEY = "raysgd.boundary_watch"
+#: Why the workers stopped: a node of theirs is draining (the driver moves them off it).
+DRAIN = "drain"
+#: Why the workers stopped: a spare is up (the driver lets it join).
+SPARE = "spare"
+_REASONS = {1: DRAIN, 2: SPARE}
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,8 @@ class BoundaryWatch:
     def __init__(self, runner: OperatorRunner) -> None:
         self.runner = runner
         self.spec: Optional[WatchSpec] = None
+        #: Why the call stopped early (`DRAIN`, `SPARE`), None when it did not.
+        self.stopped_for: Optional[str] = None
         self._next_check = 0
         self._since: tuple[int, float] = (0, 0.0)
         runner.add_step_hook(self._on_step)
@@ -84,6 +91,7 @@ class BoundaryWatch:
         """Watch `spec` from the call's first step boundary on (None: watch nothing). Every worker
         arms at the same step, so the looks fall on the same boundaries everywhere."""
         self.spec = spec
+        self.stopped_for = None
         self._next_check = self.runner.step + 1
         self._since = (self.runner.step, time.monotonic())
 
@@ -97,8 +105,10 @@ class BoundaryWatch:
         steps = 1
         stop = 0
         if ctx.world_rank == 0:
-            draining = bool(spec.nodes) and bool(spec.nodes & set(draining_nodes()))
-            stop = int(draining or _any_up(spec.joining))
+            if spec.nodes and spec.nodes & set(draining_nodes()):
+                stop = 1  # a move comes first: a spare can join after it
+            elif _any_up(spec.joining):
+                stop = 2
             done, since = self._since
             per_step = (time.monotonic() - since) / max(1, self.runner.step - done)
             steps = max(1, math.ceil(spec.interval_s / per_step)) if per_step > 0 else 1
@@ -110,15 +120,16 @@ class BoundaryWatch:
         self._next_check = self.runner.step + steps
         self._since = (self.runner.step, time.monotonic())
         if stop:
+            self.stopped_for = _REASONS[stop]
             self.runner.request_stop()
 
 
 def watch_for(runner: OperatorRunner, spec: Optional[WatchSpec]) -> None:
     """Arm this worker's watch for the call about to run (made on first use, per runner)."""
-    store = get_context().store
-    watch: Optional[BoundaryWatch] = store.get(WATCH_KEY)
+    slot = this_worker()
+    watch = slot.watch
     if watch is None or watch.runner is not runner:
         if spec is None:
             return
-        watch = store[WATCH_KEY] = BoundaryWatch(runner)
+        watch = slot.watch = BoundaryWatch(runner)
     watch.arm(spec)

@@ -14,7 +14,7 @@ from typing import Any
 
 from ray.tune import PlacementGroupFactory
 
-from raysgd._internal.legacy_trainer import PyTorchTrainer
+from raysgd._internal.legacy.trainer import PyTorchTrainer
 from raysgd.trainer import TorchTrainer
 from raysgd_tune.trainable import BaseTorchTrainable, trial_resources
 

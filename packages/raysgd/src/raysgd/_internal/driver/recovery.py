@@ -47,10 +47,9 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Callable, Optional, TypeVar
 
-from raysgd._internal.elastic import NEXT_STAGE, ElasticGroup, Stage, on_live_nodes
-from raysgd._internal.recovery_log import (
+from raysgd._internal.driver.events import (
     EventKind,
     FailureRecord,
     RecoveryEvent,
@@ -61,7 +60,14 @@ from raysgd._internal.recovery_log import (
     short_node,
     where_lost,
 )
-from raysgd._internal.restore_plan import RestoreOutcome, StateLostError
+from raysgd._internal.driver.group_view import (
+    NEXT_STAGE,
+    ElasticGroup,
+    RestorableState,
+    Stage,
+    on_live_nodes,
+)
+from raysgd._internal.driver.restore_plan import RestoreOutcome, StateLostError
 from raysgd_base import check_number
 from raysgd_core import RecoveryReport, WorkerDiedError, WorkerError, preempted_nodes
 from raysgd_fault import (
@@ -145,10 +151,10 @@ class Recovery:
     Args:
         group: The worker group (see `ElasticGroup`).
         num_workers: The size asked for; the group is regrown towards it.
-        restore: Called with the `RecoveryReport` after every successful resize: make every worker
-            of the re-formed group ready to go on with the interrupted work; it may return a
-            `RestoreOutcome` (recorded in the resize event). An exception there counts as a loss
-            during the restart, except `StateLostError`, which ends the call.
+        state: The training state (see `RestorableState`): restored after every successful
+            resize, to go on with the interrupted work (a `RestoreOutcome` it returns is recorded
+            in the resize event; an exception counts as a loss during the restart, except
+            `StateLostError`, which ends the call), and handed over before workers leave.
         policy: The failure policy deciding retry / wait / give up and the size after a loss.
         scaling: Sizes the group when no worker was lost (a grow, a move off a draining node);
             by default the failure policy's `scaling`.
@@ -163,7 +169,7 @@ class Recovery:
         *,
         group: ElasticGroup,
         num_workers: int,
-        restore: Callable[[RecoveryReport], Any],
+        state: RestorableState,
         policy: FailurePolicy,
         scaling: Optional[ScalingPolicy] = None,
         restart_timeout_s: float = DEFAULT_RESTART_TIMEOUT_S,
@@ -173,7 +179,7 @@ class Recovery:
         check_number("restart_timeout_s", restart_timeout_s, above=0)
         self._group = group
         self._num_workers = int(num_workers)
-        self._restore = restore
+        self._state = state
         self.policy = policy
         self.scaling = scaling if scaling is not None else policy.scaling
         self._restart_timeout_s = float(restart_timeout_s)
@@ -241,8 +247,8 @@ class Recovery:
         """`fn(*args)` on every worker (or on `rank`), guarded."""
         with self.guarded():
             if rank is None:
-                return self._group.execute(fn, *args)  # type: ignore[attr-defined]
-            return self._group.execute_single(rank, fn, *args)  # type: ignore[attr-defined]
+                return self._group.execute(fn, *args)
+            return self._group.execute_single(rank, fn, *args)
 
     def read(self, fn: Callable[..., T], *args: Any, rank: int = 0) -> T:
         """`fn(*args)` on `rank` for something the user asked to read (the state, the model): a
@@ -345,13 +351,14 @@ class Recovery:
             return []
         return self._group.spare_readiness()
 
-    def join_spares(self, prepare: Optional[Callable[[], None]] = None) -> bool:
+    def join_spares(self) -> bool:
         """At a step boundary inside a call, the group below its size: let the spares that are
-        up join, as the scaling policy sizes the grow; `prepare()` first makes the state of this
-        boundary restorable (a sharded state is snapshotted: the joining workers take it, and
-        nothing is redone). Returns whether the group grew. A spare lost while joining is one
-        more loss; the group is then re-formed at its old size. A worker lost in `prepare` is
-        counted and left to the next `run()`, which recovers the group first."""
+        up join, as the scaling policy sizes the grow; the state of this boundary is first made
+        restorable (`RestorableState.hand_over`: a sharded state is snapshotted, the joining
+        workers take it, and nothing is redone). Returns whether the group grew. A spare lost
+        while joining is one more loss; the group is then re-formed at its old size. A worker
+        lost in the hand-over is counted and left to the next `run()`, which recovers the group
+        first."""
         current = self._world_size()
         up = len(self._group.spares)
         if current >= self._num_workers or not up:
@@ -361,12 +368,11 @@ class Recovery:
             # Not asked again in this call: the workers would otherwise stop at every look.
             self._join_declined = True
             return False
-        if prepare is not None:
-            try:
-                prepare()
-            except WorkerDiedError as err:
-                self.count_loss(err, during_restart=False, alive=current - len(err.ranks))
-                return False
+        try:
+            self._state.hand_over(())
+        except WorkerDiedError as err:
+            self.count_loss(err, during_restart=False, alive=current - len(err.ranks))
+            return False
         if not self._resize_counting(decision.num_workers, "grow").ok:
             self._resize_counting(max(1, current), "repair after a failed grow")
         return self._world_size() > current
@@ -451,19 +457,19 @@ class Recovery:
 
     def resize(
         self,
-        num_workers: Union[int, Callable[[], int]],
+        num_workers: Optional[int],
         reason: str,
         *,
         timeout_s: Optional[float] = None,
         leaving: Sequence[int] = (),
-        hand_over: Optional[Callable[[], None]] = None,
     ) -> ResizeResult:
-        """Resize the group to `num_workers`, as one transaction: `hand_over()` (the state is
-        made restorable without the workers of `leaving`) and those workers retired, then
+        """Resize the group to `num_workers`, as one transaction: the state handed over (made
+        restorable without the workers of `leaving`) and those workers retired, then
         `group.recover` (healthy workers kept, the rest started, within `timeout_s`), then the
-        state restored on the new group. `num_workers` may be a function, asked once the leaving
-        workers are gone (their room then counts). Every event is derived from the returned result; a
-        worker lost meanwhile is in `ResizeResult.lost`, for the caller to count.
+        state restored on the new group. `num_workers` None: as the scaling policy sizes a move
+        (`size_for_move`), asked once the leaving workers are gone (their room then counts).
+        Every event is derived from the returned result; a worker lost meanwhile is in
+        `ResizeResult.lost`, for the caller to count.
 
         Raises:
             StateLostError: no worker, copy or checkpoint holds the state (retrying cannot help).
@@ -474,21 +480,20 @@ class Recovery:
         restored: Optional[RestoreOutcome] = None
         lost: Optional[BaseException] = None
         formed = started
-        target = num_workers if isinstance(num_workers, int) else 0
+        target = num_workers or 0
         try:
             if leaving:
-                if hand_over is not None:
-                    hand_over()
+                self._state.hand_over(leaving)
                 self._group.retire(leaving)
-            if not isinstance(num_workers, int):
-                target = max(1, num_workers())
+            if num_workers is None:
+                target = max(1, self.size_for_move(alive=before - len(leaving)))
             report = self._group.recover(
                 target,
                 timeout_s=timeout_s if timeout_s is not None else self._restart_timeout_s,
             )
             formed = time.monotonic()
             if report.world_size >= 1:
-                outcome = self._restore(report)
+                outcome = self._state.restore(report)
                 if isinstance(outcome, RestoreOutcome):
                     restored = outcome
                     report = dataclasses.replace(report, steps_redone=outcome.steps_redone)

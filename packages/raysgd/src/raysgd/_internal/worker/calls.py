@@ -1,8 +1,7 @@
 """Functions the trainer runs on its workers through `WorkerGroup.execute`.
 
-Each worker keeps one long-lived `OperatorRunner` and its `WorkerState` in its
-`get_context().store` (`worker_runner`, `worker_state`), so every call after construction ships
-only its own arguments. The training state stays on the workers: it reaches the driver only when
+Each worker keeps one long-lived `OperatorRunner` and its `WorkerState` in its `WorkerSlot`
+(`slot`), so every call after construction ships only its own arguments. The training state stays on the workers: it reaches the driver only when
 the user asks for it (`state_bytes`, `get_models`) or for the bounded copy (`state_copy`).
 These functions are module-level and importable on the workers (raysgd is installed there), so
 Ray pickles them by reference. An operator class arrives as a top-level argument: Ray resolves
@@ -17,28 +16,27 @@ import uuid
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple, Optional
 
-from raysgd._internal.async_checkpoints import UPLOAD_KEY, CheckpointPlan, periodic_for
-from raysgd._internal.boundary_watch import WatchSpec, watch_for
-from raysgd._internal.checkpoint import state_to_bytes, write_state
-from raysgd._internal.collective_bound import bound_for
-from raysgd._internal.restore_plan import Holding, RestorePlan
-from raysgd._internal.state_transfer import flatten
-from raysgd._internal.storage import Storage
-from raysgd._internal.worker_runner import (
-    RUNNER_KEY,
+from raysgd._internal.driver.restore_plan import Holding, RestorePlan
+from raysgd._internal.storage.format import state_to_bytes, write_state
+from raysgd._internal.storage.location import Storage
+from raysgd._internal.worker.boundary_watch import WatchSpec, watch_for
+from raysgd._internal.worker.collective_bound import bound_for
+from raysgd._internal.worker.periodic_checkpoints import CheckpointPlan, periodic_for, uploads
+from raysgd._internal.worker.runner import (
     RunnerArgs,
     build_runner,
     current_runner,
 )
-from raysgd._internal.worker_state import (
+from raysgd._internal.worker.slot import this_worker
+from raysgd._internal.worker.state import (
     RANK_STATES,
-    STATE_KEY,
     LoadSource,
     WorkerState,
     gather_rank_states,
     keep,
     worker_state,
 )
+from raysgd._internal.worker.transfer import flatten
 from raysgd_core import get_context
 from raysgd_operator import OperatorRunner, TrainingOptions
 
@@ -80,14 +78,15 @@ class TrainAnswer(NamedTuple):
         step: Finished steps since training began.
         rows: Rows the whole group trained in the call when it went on after a recovery, the
             split is known and the batches counted their rows as `num_samples`, else None.
-        yielded: The call stopped early at a step boundary because a node of the group is
-            draining (see `preemption`).
+        stopped_for: Why the call stopped early at a step boundary, None when it did not: a node
+            of the group is draining (`boundary_watch.DRAIN`: the driver moves its workers off
+            it) or a spare is up (`SPARE`: the driver lets it join).
     """
 
     metrics: dict
     step: int
     rows: Optional[int]
-    yielded: bool
+    stopped_for: Optional[str]
     #: Epochs finished (the one in progress not counted).
     epochs: int = 0
     #: The mean duration of the recent steps, in seconds.
@@ -109,10 +108,10 @@ def state_class(sharded: bool) -> type[WorkerState]:
     """The `WorkerState` kind of a strategy that does (or does not) shard the model."""
     if sharded:
         # Imported on first use: a replicated run never needs the snapshot machinery.
-        from raysgd._internal.sharded_state import ShardedState
+        from raysgd._internal.worker.sharded import ShardedState
 
         return ShardedState
-    from raysgd._internal.replicated_state import ReplicatedState
+    from raysgd._internal.worker.replicated import ReplicatedState
 
     return ReplicatedState
 
@@ -146,9 +145,9 @@ def create_runner(
 def drop_runner(graceful: bool) -> None:
     """Forget this worker's runner and state; with `graceful`, let them release their resources
     first."""
-    store = get_context().store
-    state = store.pop(STATE_KEY, None)
-    runner = store.pop(RUNNER_KEY, None)
+    slot = this_worker()
+    state, runner = slot.state, slot.runner
+    slot.state = slot.runner = None
     if graceful:
         if state is not None:
             state.close()
@@ -159,7 +158,7 @@ def drop_runner(graceful: bool) -> None:
 # ------------------------------------------------------------------------------ the state
 def holding() -> Holding:
     """What this worker holds of the training state (a new worker: nothing)."""
-    state = get_context().store.get(STATE_KEY)
+    state = this_worker().state
     return Holding(None) if state is None else state.holding()
 
 
@@ -218,7 +217,7 @@ def load(source: LoadSource) -> LoadAnswer:
 
 def finish_uploads() -> Optional[str]:
     """Wait for this worker's checkpoint upload in flight; why the last one failed, if it did."""
-    periodic = get_context().store.get(UPLOAD_KEY)
+    periodic = uploads()
     if periodic is None:
         return None
     periodic.finish()
@@ -271,7 +270,7 @@ def train_epoch(
     watching `watch`'s nodes for a drain (see `preemption`), its collectives bounded by the step
     time (see `collective_bound`; `step_hint_s` is the group's recent step time, for a worker that
     measured none), writing the checkpoints `checkpoints` asks for in the background (see
-    `async_checkpoints`)."""
+    `worker.periodic_checkpoints`)."""
     runner = current_runner()
     watch_for(runner, watch)
     periodic_for(worker_state(), checkpoints)
@@ -289,12 +288,13 @@ def train_epoch(
     # The group's count of the call's rows replaces the workers' (a lost worker's went with it)
     # only where they counted rows: a count of something else keeps the survivors' sum.
     rows = call.rows if call is not None and call.recovered and runner.counts_rows else None
-    periodic = get_context().store.get(UPLOAD_KEY)
+    periodic, watch = uploads(), this_worker().watch
+    stopped_for = watch.stopped_for if watch is not None and runner.yielded else None
     return TrainAnswer(
         metrics,
         runner.step,
         rows,
-        runner.yielded,
+        stopped_for,
         runner.finished_epochs,
         bound.mean_step_s(),
         periodic.take_blocked() if periodic is not None else 0.0,

@@ -1,13 +1,13 @@
 """Checkpoints inside an epoch, written in the background (`checkpoint_every=N`).
 
 At every N-th step boundary of a `train()` call every worker stages its part of the training state
-in host memory (`WorkerState.stage`: the loop waits only for this copy) and hands it to its writer
+in host memory (`WorkerState.copy_to_host`: the loop waits only for this copy) and hands it to its writer
 thread (one per worker, kept between checkpoints), which writes it into a new checkpoint folder
 under `checkpoint_dir` (`checkpoint.checkpoint_name`: a folder per attempt). Rank 0 then waits, in
 its thread, until every part is there and writes the manifest last, so an upload cut short (a
 worker lost, storage unreachable) leaves the previous checkpoint the newest complete one; it then
 removes the checkpoints past `keep_checkpoints`. Before the first checkpoint falls due the same
-thread has the state map the memory of its host copy (`WorkerState.stage_ahead`), so that no
+thread has the state map the memory of its host copy (`WorkerState.prepare_host_copy`), so that no
 checkpoint's copy waits for the system to map fresh pages. The thread runs at the lowest CPU
 priority: on a machine whose cores the training keeps busy it writes in the time the loop leaves
 idle (waits in collectives, data loading) instead of slowing every step, and all ranks with it.
@@ -31,18 +31,17 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from raysgd._internal.atomic_files import SCRATCH_PREFIX
-from raysgd._internal.checkpoint import checkpoint_name, prune, write_manifest
-from raysgd._internal.storage import Storage
-from raysgd._internal.worker_state import WorkerState
+from raysgd._internal.storage.atomic_files import SCRATCH_PREFIX
+from raysgd._internal.storage.format import checkpoint_name, prune, write_manifest
+from raysgd._internal.storage.location import Storage
+from raysgd._internal.worker.slot import this_worker
+from raysgd._internal.worker.state import WorkerState
 from raysgd_core import get_context
 
-__all__ = ["UPLOAD_KEY", "CheckpointPlan", "PeriodicCheckpoints", "periodic_for"]
+__all__ = ["CheckpointPlan", "PeriodicCheckpoints", "periodic_for", "uploads"]
 
 logger = logging.getLogger("raysgd")
 
-#: Key of this worker's `PeriodicCheckpoints` in its store.
-UPLOAD_KEY = "raysgd.periodic_checkpoints"
 #: How long rank 0 waits for the other workers' parts of one checkpoint before giving it up.
 PARTS_TIMEOUT_S = 300.0
 #: The marker a worker leaves when its part of a checkpoint failed (never a part: a scratch name).
@@ -89,7 +88,7 @@ class PeriodicCheckpoints:
         )
         self._writer: Optional[threading.Thread] = None
         self._pending: Optional[threading.Event] = None  # set once the job in flight is done
-        #: The state whose `stage_ahead` work was started (once per state: a restore makes one).
+        #: The state whose `prepare_host_copy` work was started (once per state: a restore makes one).
         self._ahead: Optional[WorkerState] = None
         state.runner.add_step_hook(self._on_step)
 
@@ -139,15 +138,15 @@ class PeriodicCheckpoints:
         # Every worker finds the same folder on its own: the name derives from the attempt.
         name = checkpoint_name(epoch, step, token=plan.token)
         folder = plan.root.join(name)
-        staged = self.state.stage()
+        host_copy = self.state.copy_to_host()
         self.blocked_s += time.perf_counter() - started
         expected = type(self.state).parts(ctx.world_size)
         rank = ctx.world_rank
 
         def upload() -> None:
             try:
-                if staged is not None:
-                    staged.write(folder)
+                if host_copy is not None:
+                    host_copy.write(folder)
                 if rank == 0:
                     _wait_for(folder, expected)
                     write_manifest(
@@ -165,12 +164,12 @@ class PeriodicCheckpoints:
         self._submit(upload)
 
     def _stage_ahead(self) -> None:
-        """Once per state, between checkpoints: run its `stage_ahead` work in the writer's slot
+        """Once per state, between checkpoints: run its `prepare_host_copy` work in the writer's slot
         (a checkpoint that falls due meanwhile waits for it, as for an upload)."""
         if self._ahead is self.state or self.busy:
             return
         self._ahead = self.state
-        work = self.state.stage_ahead()
+        work = self.state.prepare_host_copy()
         if work is None:
             return
 
@@ -259,13 +258,18 @@ def _wait_for(folder: Storage, parts: list[str]) -> None:
 def periodic_for(state: WorkerState, plan: Optional[CheckpointPlan]) -> None:
     """Arm this worker's periodic checkpoints for the call about to run (made on first use, one
     per runner: its step hook stays with the runner, and a kept runner keeps it)."""
-    store = get_context().store
-    periodic: Optional[PeriodicCheckpoints] = store.get(UPLOAD_KEY)
+    slot = this_worker()
+    periodic = slot.uploads
     if periodic is None or periodic.state.runner is not state.runner:
         if plan is None:
             return
         if periodic is not None:
             periodic.close()  # its runner is gone; its last upload, if any, is left to finish
-        periodic = store[UPLOAD_KEY] = PeriodicCheckpoints(state)
+        periodic = slot.uploads = PeriodicCheckpoints(state)
     periodic.state = state
     periodic.arm(plan)
+
+
+def uploads() -> Optional[PeriodicCheckpoints]:
+    """This worker's periodic checkpoints, if any were armed."""
+    return this_worker().uploads

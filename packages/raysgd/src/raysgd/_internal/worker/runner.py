@@ -1,9 +1,9 @@
 """The runner every worker keeps, and what it is built from.
 
-Each worker keeps one long-lived `OperatorRunner` in its `get_context().store` (the operator, its
-data iterators, epoch and step counters) and, beside it, its `WorkerState` (what it holds of the
-training state: see `worker_state`). Both are built from `RunnerArgs`, which the driver makes for
-the group's size (`driver.RunnerRecipe`).
+Each worker keeps one long-lived `OperatorRunner` in its `WorkerSlot` (the operator, its data
+iterators, epoch and step counters) and, beside it, its `WorkerState` (what it holds of the
+training state: see `state`). Both are built from `RunnerArgs`, which the driver makes for the
+group's size (`driver.worker_calls.RunnerRecipe`).
 """
 
 from __future__ import annotations
@@ -13,13 +13,11 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from raysgd._internal.worker.slot import this_worker
 from raysgd_core import get_context
 from raysgd_operator import OperatorRunner, TrainingOptions
 
-__all__ = ["RUNNER_KEY", "RunnerArgs", "build_runner", "current_runner", "my_dataset_splits"]
-
-#: Key of the runner in the worker's `store` (namespaced: the store is shared with other libraries).
-RUNNER_KEY = "raysgd.runner"
+__all__ = ["RunnerArgs", "build_runner", "current_runner", "my_dataset_splits"]
 
 
 class RunnerArgs(NamedTuple):
@@ -36,7 +34,7 @@ class RunnerArgs(NamedTuple):
 
 def current_runner() -> OperatorRunner:
     """This worker's runner."""
-    runner = get_context().store.get(RUNNER_KEY)
+    runner = this_worker().runner
     if runner is None:
         raise RuntimeError("this worker has no raysgd runner (it was shut down or never set up)")
     return runner
@@ -69,5 +67,5 @@ def build_runner(args: RunnerArgs, *, restoring: bool = False) -> OperatorRunner
         restoring=restoring,
         group=ctx.generation,
     )
-    ctx.store[RUNNER_KEY] = runner
+    this_worker().runner = runner
     return runner

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Union
 
-from raysgd._internal.direct_writes import DirectFile, open_flags
+from raysgd._internal.storage.direct_writes import DirectFile, open_flags
 
 __all__ = ["SCRATCH_PREFIX", "atomic_local_file", "write_file"]
 

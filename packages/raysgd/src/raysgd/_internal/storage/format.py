@@ -43,9 +43,10 @@ from typing import Any, NoReturn, Optional, Union
 
 import torch
 
-from raysgd._internal.storage import PathLike, Storage, as_storage, is_scratch
+from raysgd._internal.storage.location import PathLike, Storage, as_storage, is_scratch
 from raysgd_base import check_int
 from raysgd_operator import load_failure_reason, read_dcp_metadata
+from raysgd_operator.sharded_files import METADATA_FILE
 
 __all__ = [
     "CHECKPOINT_KEYS",
@@ -77,8 +78,6 @@ logger = logging.getLogger("raysgd")
 
 #: Keys every raysgd (and RaySGD 1.x) whole state has; used to tell a checkpoint from another file.
 CHECKPOINT_KEYS = ("models",)
-#: DCP's metadata file in a sharded folder.
-METADATA_FILE = ".metadata"
 #: The small rest of a sharded state in its folder (epoch, position, schedulers, ...).
 STATE_FILE = "raysgd_state.pt"
 #: The whole state in a folder of kind `WHOLE`.

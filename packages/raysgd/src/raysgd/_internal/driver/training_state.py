@@ -1,12 +1,12 @@
 """The training state as the driver handles it: where it is, how it is restored, saved and loaded.
 
-The state lives on the workers (`worker_state`: what each holds, chosen by the strategy). The
+The state lives on the workers (`worker.state`: what each holds, chosen by the strategy). The
 driver keeps only what is small: the step the workers finished last, the last checkpoint written
 or loaded, and, for a whole state up to `state_copy_limit_mb`, a bounded copy (`DriverCopy`).
 After a resize it asks every worker what it holds, lets the strategy's planner decide
 (`restore_plan`), falls back on the copy or the last checkpoint when no worker holds a state, and
 has the workers restore. Checkpoints are written and read by the workers themselves
-(`checkpoint`): a whole state as one file (RaySGD's format), a sharded one as a folder of parts
+(`storage.format`): a whole state as one file (RaySGD's format), a sharded one as a folder of parts
 with a manifest; either loads whatever the strategy and the number of workers.
 
 Nothing here repairs or retries: the recovery loop calls `restore` inside a resize, and the
@@ -27,9 +27,18 @@ from typing import Any, Optional, Union
 import ray
 import torch
 
-from raysgd._internal import worker
-from raysgd._internal.atomic_files import write_file
-from raysgd._internal.checkpoint import (
+from raysgd._internal.driver.restore_plan import (
+    RestoreOutcome,
+    RestorePlan,
+    StateLostError,
+    missing_parts,
+    plan_from_peers,
+    plan_from_snapshots,
+)
+from raysgd._internal.driver.state_copy import DriverCopy
+from raysgd._internal.driver.worker_calls import WorkerCalls
+from raysgd._internal.storage.atomic_files import write_file
+from raysgd._internal.storage.format import (
     GATHERED_FORMAT,
     MANIFEST_NAME,
     SHARDED,
@@ -42,18 +51,9 @@ from raysgd._internal.checkpoint import (
     state_to_bytes,
     write_manifest,
 )
-from raysgd._internal.driver import WorkerCalls
-from raysgd._internal.driver_copy import DriverCopy
-from raysgd._internal.restore_plan import (
-    RestoreOutcome,
-    RestorePlan,
-    StateLostError,
-    missing_parts,
-    plan_from_peers,
-    plan_from_snapshots,
-)
-from raysgd._internal.storage import Storage, as_storage
-from raysgd._internal.worker_state import LoadSource
+from raysgd._internal.storage.location import Storage, as_storage
+from raysgd._internal.worker import calls as worker
+from raysgd._internal.worker.state import LoadSource
 from raysgd_core import RecoveryReport, WorkerError
 
 __all__ = [
@@ -360,7 +360,7 @@ class TrainingState:
     def state_dict(self) -> dict[str, Any]:
         """The whole state in this process: a whole state's dict, or a sharded state's folder
         as bytes (`GATHERED_FORMAT`), which `load_state_dict` takes back."""
-        from raysgd._internal.checkpoint import state_from_bytes
+        from raysgd._internal.storage.format import state_from_bytes
 
         if self.whole:
             return state_from_bytes(self._workers.group.execute(worker.state_bytes)[0])
