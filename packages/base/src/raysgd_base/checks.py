@@ -19,9 +19,10 @@ from typing import Any, Optional
 __all__ = ["WrongTypeError", "check_int", "check_number", "check_option_names"]
 
 
-class WrongTypeError(TypeError):
+class WrongTypeError(TypeError, ValueError):
     """A numeric argument of the wrong type (a str, a bool, None, ...): a TypeError, as Python's
-    own calls raise for a wrong type."""
+    own calls raise for a wrong type, and a ValueError, as every other bad value of an argument
+    is, so that `except ValueError` catches any bad value."""
 
 
 def check_int(name: str, value: Any, minimum: int = 1) -> int:

@@ -207,8 +207,10 @@ class WorkerRuntime:
         except BaseException as exc:
             after_abort = self._aborted
             # Peers may be blocked in a collective waiting for this rank, or for a peer that
-            # waits for it: the abort releases them at once instead of after their bound.
-            self.abort()
+            # waits for it: the abort releases them at once instead of after their bound (done
+            # already when the group was aborted: this rank's failure is its consequence).
+            if not after_abort:
+                self.abort()
             self.destroy()
             # A SystemExit means this process is ending (a user's sys.exit()), and so does a
             # SIGTERM (the node shuts down: `terminate`). Returned as a Failure it would read as
