@@ -31,7 +31,7 @@ from raysgd_core import preempted_nodes
 
 ROWS = 192
 GLOBAL_BATCH = 8  # 4 per worker: 24 steps per epoch on 2 workers
-STEP_S = 0.15  # each step sleeps this long, so that a notice arrives mid-epoch
+STEP_S = 0.1  # each step sleeps this long, so that a notice arrives mid-epoch
 #: The notice's deadline where the test waits for the node's removal: room for a move (a new
 #: worker starts in about 5 s here), and no longer, since the test then waits it out.
 DEADLINE_S = 12
@@ -102,11 +102,20 @@ def _drain(cluster: Any, node_id: str, deadline_s: Optional[int]) -> None:
 
 
 def _reclaim_at_step(
-    cluster: Any, folder: Path, step: int, node: Any, deadline_s: int, *, remove_after_s: float
+    cluster: Any,
+    folder: Path,
+    step: int,
+    node: Any,
+    deadline_s: int,
+    *,
+    remove_after_s: float,
+    remove_now: Optional[threading.Event] = None,
 ) -> tuple[threading.Thread, dict[str, float]]:
-    """Drain `node` once rank 0 finished `step`, and remove it `remove_after_s` later; the dict
+    """Drain `node` once rank 0 finished `step`, and remove it `remove_after_s` later (or once
+    `remove_now` is set: a cloud may take the machine any time before the deadline); the dict
     gets the wall-clock times of both."""
     times: dict[str, float] = {}
+    remove_now = remove_now or threading.Event()
 
     def run() -> None:
         until = time.monotonic() + 120
@@ -117,7 +126,7 @@ def _reclaim_at_step(
         times["drained"] = time.time()
         _drain(cluster, node.node_id, deadline_s)
         (folder / "drained").touch()
-        time.sleep(remove_after_s)
+        remove_now.wait(remove_after_s)
         cluster.remove_node(node)
         times["removed"] = time.time()
 
@@ -243,32 +252,29 @@ def test_a_notice_between_two_calls_moves_fsdp_workers_of_four_with_their_shards
     # Four workers of half a CPU over three nodes: the drained node holds one or two of them,
     # and the others (rank 0's neighbours or not) hand over and re-form around the move.
     nodes = _cluster(ray_multinode, 3, cpus=2)
-    losses = {}
-    for name in ("reference", "moved"):
-        folder = tmp_path / name
-        folder.mkdir()
-        trainer = _trainer(folder, num_workers=4, strategy="fsdp", num_cpus_per_worker=0.5)
-        try:
-            trainer.train()
-            if name == "moved":
-                where = trainer.apply_all_workers(_node_id)
-                victim = _on(nodes, where[2])
-                _drain(ray_multinode, victim.node_id, None)  # a notice without a deadline
-            trainer.train()  # the notice came between the calls: acted on before this one
-            losses[name] = trainer.apply_all_operators(_full_loss)
-            if name == "moved":
-                (move,) = [e for e in trainer.recovery_events if e.kind == "preemption"]
-                assert move.nodes == (victim.node_id,) and move.steps_redone == 0
-                assert move.ranks == tuple(r for r, n in enumerate(where) if n == victim.node_id)
-                assert "no deadline" in move.message
-                assert trainer.failures == 0 and trainer.num_workers == 4
-                assert victim.node_id not in trainer.apply_all_workers(_node_id)
-                rows = rows_by_epoch(folder)
-                assert sorted(rows[1]) == sorted(rows[2]) == list(range(ROWS))
-        finally:
-            trainer.shutdown()
-    # The moved workers' shards went to their successors: the same model as without the notice.
-    assert losses["moved"] == pytest.approx(losses["reference"], rel=1e-5)
+    trainer = _trainer(tmp_path, num_workers=4, strategy="fsdp", num_cpus_per_worker=0.5)
+    try:
+        trainer.train()
+        saved = trainer.save(tmp_path / "before-the-notice")
+        where = trainer.apply_all_workers(_node_id)
+        victim = _on(nodes, where[2])
+        _drain(ray_multinode, victim.node_id, None)  # a notice without a deadline
+        trainer.train(num_steps=4)  # the notice came between the calls: acted on before this one
+        (move,) = [e for e in trainer.recovery_events if e.kind == "preemption"]
+        assert move.nodes == (victim.node_id,) and move.steps_redone == 0
+        assert move.ranks == tuple(r for r, n in enumerate(where) if n == victim.node_id)
+        assert "no deadline" in move.message
+        assert trainer.failures == 0 and trainer.num_workers == 4
+        assert victim.node_id not in trainer.apply_all_workers(_node_id)
+        assert sorted(rows_by_epoch(tmp_path)[1]) == list(range(ROWS))
+        moved = trainer.apply_all_operators(_full_loss)
+        # The same four steps from the state saved before the notice: the moved workers' shards
+        # went to their successors, so the model is the one it would have been without it.
+        trainer.load(saved)
+        trainer.train(num_steps=4)
+        assert moved == pytest.approx(trainer.apply_all_operators(_full_loss), rel=1e-5)
+    finally:
+        trainer.shutdown()
 
 
 @pytest.mark.timeout(300)
@@ -363,12 +369,16 @@ def test_a_worker_fed_by_ray_data_moves_mid_epoch_and_the_epoch_keeps_its_rows(
     )
     try:
         victim = _on(nodes, trainer.apply_all_workers(_node_id)[1])
-        reclaim, times = _reclaim_at_step(ray_multinode, tmp_path, 3, victim, 20, remove_after_s=20)
+        gone = threading.Event()
+        reclaim, times = _reclaim_at_step(
+            ray_multinode, tmp_path, 3, victim, 20, remove_after_s=20, remove_now=gone
+        )
         result = trainer.train()
         assert trainer.failures == 0 and trainer.num_workers == 2
         (move,) = [e for e in trainer.recovery_events if e.kind == "preemption"]
         assert move.steps_redone == 0 and move.timestamp < times["drained"] + 20
         assert victim.node_id not in trainer.apply_all_workers(_node_id)
+        gone.set()  # off the node: the cloud may take it now
         # Split again at the move: the epoch has its full count, each step once, and at most the
         # rows trained before the move come twice (Ray Data's limit, as after any resize).
         epoch = rows_by_epoch(tmp_path)[1]

@@ -25,6 +25,7 @@ def _run(
         if not running:
             schedule.finished()
         if schedule.due(step):
+            schedule.agree(schedule.wanted())  # one worker: it agrees with itself
             schedule.taken(step, wait_s)
             taken.append(step)
     return taken
@@ -54,6 +55,43 @@ def test_auto_picks_the_shortest_interval_within_the_budget(
     # What it spends: one snapshot's cost over the interval's training time.
     cost = (wait_s + slow_s) / (schedule.every * step_s)
     assert cost <= BUDGET * 1.01 or schedule.every == MAX_INTERVAL
+
+
+def test_workers_that_measure_differently_snapshot_at_the_same_steps_also_after_a_restart() -> None:
+    # Two workers, one with steps twice as slow to snapshot: each alone would pick its own
+    # interval, and a snapshot on one but not the other is a collective that never completes.
+    workers = [SnapshotSchedule("auto"), SnapshotSchedule("auto")]
+    costs = [(0.1, 0.01, 0.01), (0.1, 0.03, 0.03)]  # (step, wait, slowdown)
+    for schedule, (_, wait_s, _) in zip(workers, costs):
+        schedule.taken(0, wait_s)
+    taken: list[int] = []
+
+    def run(first: int, last: int) -> None:
+        for step in range(first, last + 1):
+            running = bool(taken) and taken[-1] == step - 1
+            for schedule, (step_s, _, slow_s) in zip(workers, costs):
+                schedule.stepped(step_s + (slow_s if running else 0.0), running)
+                if not running:
+                    schedule.finished()
+            due = [schedule.due(step) for schedule in workers]
+            assert due[0] == due[1], f"the workers disagree at step {step}"
+            if due[0]:
+                largest = max(schedule.wanted() for schedule in workers)  # the all-reduce
+                for schedule, (_, wait_s, _) in zip(workers, costs):
+                    schedule.agree(largest)
+                    schedule.taken(step, wait_s)
+                taken.append(step)
+
+    run(1, 300)
+    assert workers[0].every == workers[1].every == workers[1].wanted() > workers[0].wanted()
+    # A re-formed group: a survivor and a new worker restart from the step restored.
+    workers = [workers[0], SnapshotSchedule("auto")]
+    for schedule in workers:
+        schedule.restart(250)
+    assert [s.every for s in workers] == [FIRST_INTERVAL, FIRST_INTERVAL]
+    taken.clear()
+    run(251, 400)
+    assert taken[0] == 250 + FIRST_INTERVAL and len(taken) > 2
 
 
 def test_snapshot_every_accepts_auto_and_counts_only() -> None:

@@ -5,8 +5,9 @@ For each count N (``--counts``), every measurement a child process of its own, t
 - recovery after rank 1 is killed (`bench:recovery`'s sides ``raysgd``, ``raysgd_spare``,
   ``torchrun``, ``ray_train`` at ``--workers N``): kill -> the next finished step, the steps
   redone, and raysgd's phases (detect, start, re-form, restore, redo). "held" is detect + re-form
-  + restore + redo: what the group itself costs, apart from a replacement's process start, which
-  on this machine is CPU-bound and grows with the count of processes sharing its cores.
+  + restore: what the group itself costs, apart from a replacement's process start (CPU-bound
+  on this machine, where it shares the cores with every other process) and the step redone
+  (which takes a step's time, longer with more workers on the same cores).
 - the first step (`bench:startup`'s warm sides): raysgd from constructing the trainer to the end
   of ``train(num_steps=1)``, Ray Train from constructing its trainer to its first reported step,
   torchrun from its launch.
@@ -37,7 +38,7 @@ STARTUP_SIDES = ("raysgd_warm", "torchrun", "ray_train_warm")
 #: This module's own side: the driver's overhead of a call.
 CALL_SIDE = "raysgd_call"
 _MODULE = "raysgd_examples.bench.workers"
-_HELD = ("detect_s", "reform_s", "restore_s", "redo_s")
+_HELD = ("detect_s", "reform_s", "restore_s")
 
 
 def _call_overhead(args: argparse.Namespace) -> dict[str, Any]:
@@ -155,7 +156,7 @@ def _cell(value: Optional[float], fmt: str = "{:.2f}") -> str:
 
 def _print(rows: list[dict[str, Any]]) -> None:
     print(
-        "\nrecovery, kill -> next step (s); raysgd's held part = detect + re-form + restore + redo"
+        "\nrecovery, kill -> next step (s); raysgd's held part = detect + re-form + restore"
     )
     print(
         f"  {'workers':>7} {'raysgd':>8} {'spare':>8} {'torchrun':>9} {'Ray Train':>10}"

@@ -101,6 +101,9 @@ def _read_into_tensors(directory: str) -> dict[str, torch.Tensor]:
     return files
 
 
+#: How long dropping a sharded state waits for the snapshot in flight to finish.
+CLOSE_WAIT_S = 5.0
+
 #: The start of a snapshot's scratch folder's name.
 SNAPSHOT_PREFIX = "raysgd-snapshot-"
 #: Memory as a folder, where a snapshot's scratch folder goes when it fits (`_scratch_dir`).
@@ -193,6 +196,12 @@ class Snapshots:
             sweep_stale_snapshots()
         runner, rank = self.runner, dist.get_rank()
         started = time.perf_counter()
+        if self.schedule.auto:
+            # Each worker measured its own cost; the next snapshot must fall on the same step
+            # on all of them.
+            wanted = torch.tensor([self.schedule.wanted()], dtype=torch.int64)
+            dist.all_reduce(wanted, op=dist.ReduceOp.MAX, group=self._group)
+            self.schedule.agree(int(wanted.item()))
         tensors, state = runner.sharded_parts()
         # Every worker keeps every rank's per-rank state (small): whichever survives has the
         # lost ones' for their replacements.
@@ -396,6 +405,7 @@ class ShardedState(WorkerState):
         if plan.snapshot is None:
             load_into(runner, plan.fallback, plan.rank_source(rank))
             runner.adopt_snapshot(None, None)
+            state.snapshots.schedule.restart(runner.step)
             return state
         snapshot = plan.snapshot
         # Every worker goes back to the snapshot, its per-rank state too: a survivor its own as
@@ -408,6 +418,7 @@ class ShardedState(WorkerState):
         runner.adopt_snapshot(
             plan.call, snapshot.meters[rank] if rank < len(snapshot.meters) else None
         )
+        state.snapshots.schedule.restart(runner.step)
         return state
 
     def capture(self) -> int:
@@ -472,7 +483,9 @@ class ShardedState(WorkerState):
             )
 
     def close(self) -> None:
-        self.snapshots.join()
+        # A snapshot in flight is of no use once the state is dropped; its swap may wait for a
+        # peer that is already gone, so it is not waited for long.
+        self.snapshots.join(timeout_s=CLOSE_WAIT_S)
 
 
 class _SnapshotHostCopy(HostCopy):

@@ -13,6 +13,11 @@ so that a lost worker redoes as few steps as the cost allows: a cheap snapshot o
 on slow steps is taken every step or two, an expensive one of a large model less often. Until
 both are measured (the snapshot taken at start-up, the steps before the first interval ends) the
 interval is `FIRST_INTERVAL`.
+
+Every worker must take its snapshot at the same step (the snapshot is a collective), but each
+measures its own cost and steps. So no worker changes its interval alone: at every snapshot the
+workers agree on the largest interval any of them wants (`wanted`, `agree`), and after the group
+is re-formed every worker starts again from the step it restored (`restart`).
 """
 
 from __future__ import annotations
@@ -73,10 +78,27 @@ class SnapshotSchedule:
             self.step_s = _mean(self.step_s, duration_s)
 
     def finished(self) -> None:
-        """The snapshot in flight is held: its cost is known; choose the next interval."""
+        """The snapshot in flight is held: its cost is known."""
         if self._pending is None:
             return
         self.cost_s, self._pending = _mean(self.cost_s, self._pending), None
-        if self.auto and self.step_s:
-            wanted = math.ceil(self.cost_s / (BUDGET * self.step_s))
-            self.every = min(MAX_INTERVAL, max(1, wanted))
+
+    def wanted(self) -> int:
+        """The interval this worker's measurements ask for ("auto"), 0 before they exist."""
+        if not (self.auto and self.cost_s is not None and self.step_s):
+            return 0
+        return min(MAX_INTERVAL, max(1, math.ceil(self.cost_s / (BUDGET * self.step_s))))
+
+    def agree(self, largest_wanted: int) -> None:
+        """Every worker's `wanted`, the largest of them, taken at the same snapshot: the
+        interval from this snapshot on, the same on every worker (the costliest worker's)."""
+        if self.auto:
+            self.every = largest_wanted or FIRST_INTERVAL
+
+    def restart(self, step: int) -> None:
+        """The group was re-formed and every worker restored `step`: count the interval from
+        there, as a worker that joined does (the measurements so far are kept; the next
+        snapshot agrees on an interval again)."""
+        self.last_step, self._pending = step, None
+        if self.auto:
+            self.every = FIRST_INTERVAL
