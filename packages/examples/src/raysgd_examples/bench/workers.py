@@ -155,9 +155,7 @@ def _cell(value: Optional[float], fmt: str = "{:.2f}") -> str:
 
 
 def _print(rows: list[dict[str, Any]]) -> None:
-    print(
-        "\nrecovery, kill -> next step (s); raysgd's held part = detect + re-form + restore"
-    )
+    print("\nrecovery, kill -> next step (s); raysgd's held part = detect + re-form + restore")
     print(
         f"  {'workers':>7} {'raysgd':>8} {'spare':>8} {'torchrun':>9} {'Ray Train':>10}"
         f" {'raysgd/tr':>10} {'spare/tr':>9} {'held':>6} {'held/2':>7}"
