@@ -70,10 +70,13 @@ def _pids(group: WorkerGroup) -> list[int]:
     return [w.pid for w in group.workers]
 
 
-def test_a_user_error_releases_every_waiting_rank_and_kills_none(ray_local):
+def test_a_user_error_kills_none_and_a_crash_releases_ranks_that_were_not_its_neighbours(
+    ray_local,
+):
     # A short grace: a rank still blocked after it would be killed as stuck.
     with WorkerGroup(6, peer_grace_s=3, **_SIX) as group:
         pids = _pids(group)
+        # A user error on rank 3: every waiting rank is let go, none is lost.
         with pytest.raises(WorkerError) as info:
             group.execute(_rank_raises, 3)
         assert info.value.rank == 3 and isinstance(info.value.__cause__, StepError)
@@ -83,13 +86,10 @@ def test_a_user_error_releases_every_waiting_rank_and_kills_none(ray_local):
         assert _pids(group) == pids
         assert group.execute(_hold_group_then_all_reduce) == [6.0] * 6
 
-
-def test_a_crash_releases_ranks_that_were_not_its_neighbours(ray_local):
-    with WorkerGroup(6, peer_grace_s=3, **_SIX) as group:
-        pids = _pids(group)
-        with pytest.raises(WorkerDiedError) as info:
+        # Rank 3 crashes: ranks 0 and 5, nobody's neighbour of it, are let go too.
+        with pytest.raises(WorkerDiedError) as died:
             group.execute(_rank_exits, 3)
-        assert info.value.ranks == [3] and info.value.silent == []
+        assert died.value.ranks == [3] and died.value.silent == []
         report = group.recover(5, timeout_s=60)
         # Every survivor kept: none was still blocked when the grace ran out.
         assert report.kept == {0: 0, 1: 1, 2: 2, 4: 3, 5: 4} and report.lost == [3]

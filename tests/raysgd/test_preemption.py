@@ -213,10 +213,12 @@ def test_a_drained_node_is_left_before_its_deadline_losing_nothing(
     try:
         where = trainer.apply_all_workers(_node_id)
         victim = _on(nodes, where[1])
-        # Drained at step 5 of the first epoch, removed at the deadline.
+        # Drained at step 5 of the first epoch, removed at the deadline (or once the run left).
+        gone = threading.Event()
         reclaim, times = _reclaim_at_step(
-            ray_multinode, moved_dir, 5, victim, DEADLINE_S, remove_after_s=DEADLINE_S
-        )
+            ray_multinode, moved_dir, 5, victim, DEADLINE_S, remove_after_s=DEADLINE_S,
+            remove_now=gone,
+        )  # fmt: skip
         first = trainer.train()
         second = trainer.train()
         assert trainer.failures == 0 and trainer.num_workers == 2
@@ -230,8 +232,9 @@ def test_a_drained_node_is_left_before_its_deadline_losing_nothing(
         assert (first["num_samples"], second["num_samples"]) == (ROWS, ROWS)
         for got, want in zip(_weights(trainer), expected):
             torch.testing.assert_close(got, want)
+        gone.set()
         reclaim.join(timeout=60)
-        # The node went at its deadline; Ray reports it preempted, and the run had left it.
+        # The node went after its notice; Ray reports it preempted, and the run had left it.
         assert preempted_nodes([victim.node_id]) == {victim.node_id}
         assert trainer.train()["num_samples"] == ROWS and trainer.failures == 0
     finally:
@@ -286,9 +289,11 @@ def test_without_room_the_group_shrinks_before_the_deadline_and_a_node_lost_firs
     trainer = _trainer(tmp_path, hold_step=7)
     try:
         victim = _on(nodes, trainer.apply_all_workers(_node_id)[1])
+        gone = threading.Event()
         reclaim, times = _reclaim_at_step(
-            ray_multinode, tmp_path, 5, victim, DEADLINE_S, remove_after_s=DEADLINE_S
-        )
+            ray_multinode, tmp_path, 5, victim, DEADLINE_S, remove_after_s=DEADLINE_S,
+            remove_now=gone,
+        )  # fmt: skip
         result = trainer.train()
         (move,) = [e for e in trainer.recovery_events if e.kind == "preemption"]
         assert (move.num_workers_before, move.num_workers_after) == (2, 1)
@@ -299,6 +304,7 @@ def test_without_room_the_group_shrinks_before_the_deadline_and_a_node_lost_firs
         assert trainer.apply_all_operators(lambda op: op.config[BATCH_SIZE]) == [GLOBAL_BATCH]
         for got, want in zip(_weights(trainer), expected):
             torch.testing.assert_close(got, want)
+        gone.set()  # the group left the node: the cloud may take it now
         reclaim.join(timeout=60)
 
         # Room comes back: the next call grows to 2 again, on the new node.
