@@ -57,7 +57,7 @@ def test_auto_picks_the_shortest_interval_within_the_budget(
     assert cost <= BUDGET * 1.01 or schedule.every == MAX_INTERVAL
 
 
-def test_workers_that_measure_differently_snapshot_at_the_same_steps_also_after_a_restart() -> None:
+def test_workers_that_measure_differently_snapshot_at_the_same_steps_also_after_a_re_form() -> None:
     # Two workers, one with steps twice as slow to snapshot: each alone would pick its own
     # interval, and a snapshot on one but not the other is a collective that never completes.
     workers = [SnapshotSchedule("auto"), SnapshotSchedule("auto")]
@@ -84,14 +84,18 @@ def test_workers_that_measure_differently_snapshot_at_the_same_steps_also_after_
 
     run(1, 300)
     assert workers[0].every == workers[1].every == workers[1].wanted() > workers[0].wanted()
-    # A re-formed group: a survivor and a new worker restart from the step restored.
+    # A re-formed group: a survivor and a new worker; the trainer's snapshot after the restore
+    # (at step 250) is where they agree again.
     workers = [workers[0], SnapshotSchedule("auto")]
+    largest = max(schedule.wanted() for schedule in workers)
     for schedule in workers:
-        schedule.restart(250)
-    assert [s.every for s in workers] == [FIRST_INTERVAL, FIRST_INTERVAL]
+        schedule.agree(largest)
+        schedule.taken(250, 0.01)
+    assert workers[0].every == workers[1].every
+    interval = workers[0].every
     taken.clear()
     run(251, 400)
-    assert taken[0] == 250 + FIRST_INTERVAL and len(taken) > 2
+    assert taken[0] == 250 + interval and len(taken) > 2
 
 
 def test_snapshot_every_accepts_auto_and_counts_only() -> None:

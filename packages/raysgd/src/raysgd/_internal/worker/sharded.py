@@ -405,7 +405,6 @@ class ShardedState(WorkerState):
         if plan.snapshot is None:
             load_into(runner, plan.fallback, plan.rank_source(rank))
             runner.adopt_snapshot(None, None)
-            state.snapshots.schedule.restart(runner.step)
             return state
         snapshot = plan.snapshot
         # Every worker goes back to the snapshot, its per-rank state too: a survivor its own as
@@ -418,7 +417,6 @@ class ShardedState(WorkerState):
         runner.adopt_snapshot(
             plan.call, snapshot.meters[rank] if rank < len(snapshot.meters) else None
         )
-        state.snapshots.schedule.restart(runner.step)
         return state
 
     def capture(self) -> int:

@@ -16,8 +16,8 @@ interval is `FIRST_INTERVAL`.
 
 Every worker must take its snapshot at the same step (the snapshot is a collective), but each
 measures its own cost and steps. So no worker changes its interval alone: at every snapshot the
-workers agree on the largest interval any of them wants (`wanted`, `agree`), and after the group
-is re-formed every worker starts again from the step it restored (`restart`).
+workers agree on the largest interval any of them wants (`wanted`, `agree`). A re-formed group
+(a replacement knows nothing yet) agrees again at the snapshot the trainer takes after the restore.
 """
 
 from __future__ import annotations
@@ -94,11 +94,3 @@ class SnapshotSchedule:
         interval from this snapshot on, the same on every worker (the costliest worker's)."""
         if self.auto:
             self.every = largest_wanted or FIRST_INTERVAL
-
-    def restart(self, step: int) -> None:
-        """The group was re-formed and every worker restored `step`: count the interval from
-        there, as a worker that joined does (the measurements so far are kept; the next
-        snapshot agrees on an interval again)."""
-        self.last_step, self._pending = step, None
-        if self.auto:
-            self.every = FIRST_INTERVAL
