@@ -17,7 +17,7 @@ import logging
 import os
 import platform
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_freed_memory"]
+__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_freed_memory", "thresholds_set"]
 
 logger = logging.getLogger("raysgd_core")
 
@@ -32,6 +32,14 @@ _M_MMAP_THRESHOLD = -3
 
 #: Environment variables by which a user tunes glibc's allocator; any of them means "hands off".
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+#: Whether `keep_freed_memory` set this process's thresholds (glibc has no call that reads them).
+_set = False
+
+
+def thresholds_set() -> bool:
+    """Whether `keep_freed_memory` set this process's thresholds."""
+    return _set
 
 
 def keep_freed_memory() -> bool:
@@ -52,6 +60,8 @@ def keep_freed_memory() -> bool:
     done = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
         mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     )
+    global _set
+    _set = _set or done
     if not done:
         logger.debug("mallopt refused raysgd's thresholds; the allocator keeps its defaults")
     return done
