@@ -32,7 +32,10 @@ def test_default_retries_with_survivors_plus_fitting() -> None:
 
 def test_default_never_asks_for_more_than_wanted() -> None:
     d = DefaultPolicy().decide(status(workers_alive=3, workers_fitting=10))
-    assert (d.action, d.num_workers) == (Action.RETRY, 4)
+    # 3 of 4 go on, one more starts beside them.
+    assert (d.action, d.num_workers + d.background) == (Action.RETRY, 4)
+    d = DefaultPolicy().decide(status(workers_alive=1, workers_fitting=10))
+    assert (d.action, d.num_workers, d.background) == (Action.RETRY, 4, 0)
 
 
 def test_default_runs_on_a_single_worker() -> None:
@@ -136,6 +139,20 @@ def test_elastic_trains_on_with_the_survivors_while_replacements_start() -> None
     assert (d.num_workers, d.background) == (1, 1)
     with pytest.raises(TypeError, match="replace_in_background"):
         DefaultPolicy(replace_in_background=1)  # type: ignore[arg-type]
+
+
+def test_the_default_trains_on_when_three_quarters_survive() -> None:
+    # "auto": one lost of four (or more) goes on at once; a survivor's share grows by a third.
+    d = DefaultPolicy().decide(status(workers_alive=3, workers_fitting=1))
+    assert (d.action, d.num_workers, d.background) == (Action.RETRY, 3, 1)
+    d = DefaultPolicy().decide(status(workers_wanted=16, workers_alive=12, workers_fitting=4))
+    assert (d.num_workers, d.background) == (12, 4)
+    # One of two, or two of four: the survivors' share would double; they wait.
+    d = DefaultPolicy().decide(status(workers_wanted=2, workers_alive=1, workers_fitting=1))
+    assert (d.num_workers, d.background) == (2, 0)
+    d = DefaultPolicy().decide(status(workers_alive=2, workers_fitting=2))
+    assert (d.num_workers, d.background) == (4, 0)
+    assert "replace_in_background='auto'" in repr(DefaultPolicy())
 
 
 # ---- NeverRetryPolicy ------------------------------------------------------------------------

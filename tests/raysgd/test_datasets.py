@@ -25,7 +25,7 @@ from torch import nn
 
 from raysgd import DatasetOptions, TorchTrainer, TrainingOperator
 from raysgd.utils import BATCH_SIZE
-from raysgd_fault import Action, Decision, FailurePolicy, FailureStatus
+from raysgd_fault import Action, Decision, DefaultPolicy, FailurePolicy, FailureStatus
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -286,7 +286,13 @@ def test_fsdp_on_four_workers_splits_the_datasets_and_resplits_after_a_lost_work
     tmp_path: Path,
 ) -> None:
     trainer = _make(
-        {"train": _from_numpy(NUM_ROWS)}, tmp_path, 4, strategy="fsdp", num_cpus_per_worker=0.5
+        {"train": _from_numpy(NUM_ROWS)},
+        tmp_path,
+        4,
+        strategy="fsdp",
+        num_cpus_per_worker=0.5,
+        # The replacement is waited for (the default trains on at 3 while it starts).
+        failure_policy=DefaultPolicy(replace_in_background=False),
     )
     try:
         pids = trainer.apply_all_workers(os.getpid)

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from raysgd import TorchTrainer, TrainingOperator
 from raysgd.utils import BATCH_SIZE
+from raysgd_fault import DefaultPolicy
 
 pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.timeout(120)]
 
@@ -224,6 +225,9 @@ def test_fsdp_on_four_workers_keeps_the_survivors_operators_and_restores_lost_sh
         strategy="fsdp",
         snapshot_every=1,
         checkpoint_dir=str(tmp_path / "checkpoints"),
+        # The replacement is waited for, so that the kept operators and the replacement's are
+        # seen after one resize (the default trains on at 3 meanwhile: the elastic test's path).
+        failure_policy=DefaultPolicy(replace_in_background=False),
     )
     try:
         pids = _pids(trainer)

@@ -10,15 +10,26 @@ from __future__ import annotations
 
 import abc
 import logging
-from typing import Any
+from typing import Any, Literal, Union
 
 from raysgd_base import check_int, check_number
 from raysgd_fault.decision import Action, Decision, FailureStatus
 from raysgd_fault.scaling import FixedSize, GrowWhenRoom, ScalingPolicy
 
-__all__ = ["DefaultPolicy", "ElasticPolicy", "FailurePolicy", "NeverRetryPolicy"]
+__all__ = [
+    "AUTO_BACKGROUND_SHARE",
+    "DefaultPolicy",
+    "ElasticPolicy",
+    "FailurePolicy",
+    "NeverRetryPolicy",
+]
 
 logger = logging.getLogger(__name__)
+
+#: With ``replace_in_background="auto"`` the survivors go on at once when they are at least this
+#: share of the workers wanted: each one's part of the global batch (and of a sharded state)
+#: then grows by a third at most until its replacement joins.
+AUTO_BACKGROUND_SHARE = 0.75
 
 
 class FailurePolicy(abc.ABC):
@@ -69,16 +80,20 @@ class DefaultPolicy(FailurePolicy):
 
     With `replace_in_background`, the survivors (when there are at least the minimum) go on at
     once at their smaller size while the replacements start beside them; each replacement joins
-    at a step boundary once it is up. The global batch stays the same, so each survivor then
-    computes a larger share of it: more memory per worker until the group is whole again. Off by
-    default, where the survivors wait for their replacements.
+    at a step boundary once it is up. A replacement's process start (seconds: Ray's worker, the
+    torch import) then costs the loop nothing. The global batch stays the same, so each survivor
+    computes a larger share of it until the group is whole again: more time per step and more
+    memory per worker. ``"auto"`` (the default) does so when the survivors are at least
+    `AUTO_BACKGROUND_SHARE` of the workers wanted (one lost of four or more), where a survivor's
+    share grows by a third at most; with fewer, the survivors wait for their replacements.
 
     Args:
         max_attempts: Consecutive restart attempts that start no worker before giving up.
         base_wait_s: First backoff wait (attempt 0).
         max_wait_s: Upper bound of a single wait.
         grow_cooldown_s: Do not grow within this many seconds of the last failure (0: always try).
-        replace_in_background: Train on with the survivors while their replacements start.
+        replace_in_background: Train on with the survivors while their replacements start:
+            True, False or "auto".
     """
 
     name = "default"
@@ -90,12 +105,13 @@ class DefaultPolicy(FailurePolicy):
         base_wait_s: float = 1.0,
         max_wait_s: float = 60.0,
         grow_cooldown_s: float = 0.0,
-        replace_in_background: bool = False,
+        replace_in_background: Union[bool, Literal["auto"]] = "auto",
     ) -> None:
         check_int("max_attempts", max_attempts)
-        if not isinstance(replace_in_background, bool):
+        if not isinstance(replace_in_background, bool) and replace_in_background != "auto":
             raise TypeError(
-                f"replace_in_background must be a bool, got {type(replace_in_background).__name__}"
+                'replace_in_background must be True, False or "auto", got '
+                f"{replace_in_background!r}"
             )
         for arg, value in (
             ("base_wait_s", base_wait_s),
@@ -152,7 +168,7 @@ class DefaultPolicy(FailurePolicy):
             )
         target = min(status.workers_wanted, status.workers_alive + status.workers_fitting)
         alive = status.workers_alive
-        if self.replace_in_background and minimum <= alive < target:
+        if self._in_background(alive, status.workers_wanted) and minimum <= alive < target:
             return Decision(
                 Action.RETRY,
                 num_workers=alive,
@@ -182,12 +198,17 @@ class DefaultPolicy(FailurePolicy):
             ),
         )
 
+    def _in_background(self, alive: int, wanted: int) -> bool:
+        if self.replace_in_background == "auto":
+            return alive >= AUTO_BACKGROUND_SHARE * wanted
+        return bool(self.replace_in_background)
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(max_attempts={self.max_attempts}, "
             f"base_wait_s={self.base_wait_s:g}, max_wait_s={self.max_wait_s:g}, "
             f"grow_cooldown_s={self.grow_cooldown_s:g}, "
-            f"replace_in_background={self.replace_in_background})"
+            f"replace_in_background={self.replace_in_background!r})"
         )
 
 
@@ -209,7 +230,11 @@ class ElasticPolicy(DefaultPolicy):
     name = "elastic"
 
     def __init__(
-        self, min_workers: int = 1, *, replace_in_background: bool = True, **kwargs: Any
+        self,
+        min_workers: int = 1,
+        *,
+        replace_in_background: Union[bool, Literal["auto"]] = True,
+        **kwargs: Any,
     ) -> None:
         check_int("min_workers", min_workers)
         super().__init__(replace_in_background=replace_in_background, **kwargs)

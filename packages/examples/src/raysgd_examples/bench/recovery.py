@@ -18,6 +18,12 @@ Sides, all on the same 2-worker job (`workload.py`), each run in a fresh process
 - raysgd_spare, raysgd_fsdp_spare, raysgd_digits_spare: those sides with ``spare_workers=1``; the clock
   starts once the spare is up (as it is in a job that has trained for a few seconds), so the lost
   worker is replaced by the spare instead of a process started after the loss.
+- raysgd_elastic: as raysgd with ``failure_policy="elastic"``: the survivors go on at once at the
+  smaller size while the replacement starts, and it joins at a step boundary once it is up (the
+  default policy does the same from 4 workers up, where three quarters survive).
+  ``join_s`` is what that join costs the loop (the gap between the steps around it, less a
+  step's time): the rest of its price, paid after the next step. A raysgd side whose call ends
+  before the join trains on, two steps a call, until it has joined.
 - ray_train: Ray Train `TorchTrainer` with ``FailureConfig(max_failures=1)``; rank 1 dies.
 - torchrun: ``torchrun --max-restarts=1``; rank 1 dies, the agent restarts both processes.
 
@@ -40,6 +46,7 @@ import argparse
 import json
 import os
 import tempfile
+import time
 from typing import Any, Optional
 
 from raysgd_examples.bench import _common
@@ -54,6 +61,7 @@ SIDES = (
     "raysgd_spare",
     "raysgd_fsdp_spare",
     "raysgd_digits_spare",
+    "raysgd_elastic",
     "torchrun",
     "ray_train",
 )
@@ -99,20 +107,27 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
         elif side.startswith("raysgd"):
             from raysgd_examples.bench import _digits, _raysgd
 
-            base = side.removesuffix("_spare")
+            base = side.removesuffix("_spare").removesuffix("_elastic")
             make = _digits.make_trainer if base == "raysgd_digits" else _raysgd.make_trainer
             # raysgd_fsdp: the same job sharded; the lost shards come back from a peer's replica
             extra: dict[str, Any] = {"strategy": "fsdp"} if base == "raysgd_fsdp" else {}
             if base == "raysgd_fsdp" and args.snapshot_every is not None:
                 extra["snapshot_every"] = _snapshot_every(args.snapshot_every)
-            if base != side:
+            if side.endswith("_spare"):
                 extra["spare_workers"] = 1
+            if side.endswith("_elastic"):
+                extra["failure_policy"] = "elastic"
             with _common.local_ray(num_cpus=args.workers + 2, settle=True, raysgd=True):
                 trainer = make(cfg, num_workers=args.workers, **extra)
                 try:
                     if side.endswith("_spare"):
                         _wait_for_spare(trainer)
                     trainer.train(num_steps=cfg["steps"], max_retries=1)
+                    # A replacement started in the background joins at a later step boundary:
+                    # train on, a few steps a call, until it has, so that its join is measured.
+                    deadline = time.monotonic() + args.timeout / 4
+                    while trainer.num_workers < args.workers and time.monotonic() < deadline:
+                        trainer.train(num_steps=2, max_retries=1)
                     events = trainer.recovery_events
                     paths = [e.path for e in events if getattr(e, "path", None)]
                     result.update(path=",".join(paths), failures=trainer.failures)
@@ -168,7 +183,34 @@ def phases(events: list[Any], timeline: list[dict[str, Any]]) -> dict[str, float
         "reform_s": times.get("form_s", 0.0),
         "restore_s": times.get("restore_s", 0.0),
         "redo_s": step - resize.timestamp,
+        **_join(events, timeline, failure.timestamp),
     }
+
+
+def _join(events: list[Any], timeline: list[dict[str, Any]], after: float) -> dict[str, float]:
+    """``join_s``: the pause a later grow (a replacement joining at a step boundary) cost the
+    loop: the gap between the steps stamped around it, less the median gap between steps.
+    Empty when no grow followed the recovery."""
+    import statistics
+
+    grows = [
+        e
+        for e in events
+        if e.kind == "resize"
+        and e.timestamp > after
+        and (e.num_workers_after or 0) > (e.num_workers_before or 0)
+    ]
+    stamps = sorted(e["t"] for e in timeline if e["event"] == "step")
+    if not grows or len(stamps) < 3:
+        return {}
+    grow = grows[0]
+    begun = grow.timestamp - grow.duration_s
+    before = [t for t in stamps if t <= begun]
+    later = [t for t in stamps if t >= grow.timestamp]
+    if not before or not later:
+        return {}
+    step = statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+    return {"join_s": max(0.0, later[0] - before[-1] - step)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

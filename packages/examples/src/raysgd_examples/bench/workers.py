@@ -7,7 +7,9 @@ For each count N (``--counts``), every measurement a child process of its own, t
   redone, and raysgd's phases (detect, start, re-form, restore, redo). "held" is detect + re-form
   + restore: what the group itself costs, apart from a replacement's process start (CPU-bound
   on this machine, where it shares the cores with every other process) and the step redone
-  (which takes a step's time, longer with more workers on the same cores).
+  (which takes a step's time, longer with more workers on the same cores). From 4 workers the
+  default policy lets the survivors go on while the replacement starts; ``join`` is what its
+  join at a later step boundary costs the loop, and ``+join/tr`` counts it in the ratio.
 - the first step (`bench:startup`'s warm sides): raysgd from constructing the trainer to the end
   of ``train(num_steps=1)``, Ray Train from constructing its trainer to its first reported step,
   torchrun from its launch.
@@ -128,6 +130,7 @@ def table(runs: dict[int, dict[str, list[dict[str, Any]]]]) -> list[dict[str, An
             if side.startswith("raysgd"):
                 for phase in recovery.PHASES:
                     row[f"{side}_{phase}"] = _median(side_runs, phase)
+                row[f"join_{side}"] = _median(side_runs, "join_s")
                 held = [_median(side_runs, p) for p in _HELD]
                 row[f"held_{side}"] = None if None in held else sum(held)  # type: ignore[arg-type]
             errors = [r["error"] for r in side_runs if "error" in r]
@@ -142,6 +145,10 @@ def table(runs: dict[int, dict[str, list[dict[str, Any]]]]) -> list[dict[str, An
         for side in ("raysgd", "raysgd_spare"):
             mine = row.get(f"recovery_{side}")
             row[f"ratio_{side}_vs_torchrun"] = mine / torchrun if mine and torchrun else None
+        # With the replacement joining later, the loop pays twice: at the loss and at the join.
+        mine = row.get("recovery_raysgd")
+        paid = mine + (row.get("join_raysgd") or 0.0) if mine else None
+        row["ratio_raysgd_with_join_vs_torchrun"] = paid / torchrun if paid and torchrun else None
         rows.append(row)
     base = next((r.get("held_raysgd") for r in rows if r["workers"] == 2), None)
     for row in rows:
@@ -155,10 +162,14 @@ def _cell(value: Optional[float], fmt: str = "{:.2f}") -> str:
 
 
 def _print(rows: list[dict[str, Any]]) -> None:
-    print("\nrecovery, kill -> next step (s); raysgd's held part = detect + re-form + restore")
+    print(
+        "\nrecovery, kill -> next step (s); raysgd's held part = detect + re-form + restore;"
+        " join: what a replacement that started in the background cost the loop when it joined"
+    )
     print(
         f"  {'workers':>7} {'raysgd':>8} {'spare':>8} {'torchrun':>9} {'Ray Train':>10}"
-        f" {'raysgd/tr':>10} {'spare/tr':>9} {'held':>6} {'held/2':>7}"
+        f" {'raysgd/tr':>10} {'spare/tr':>9} {'held':>6} {'held/2':>7} {'join':>6}"
+        f" {'+join/tr':>9}"
     )
     for r in rows:
         print(
@@ -168,6 +179,8 @@ def _print(rows: list[dict[str, Any]]) -> None:
             f" {_cell(r['ratio_raysgd_vs_torchrun'], '{:.2f}x'):>10}"
             f" {_cell(r['ratio_raysgd_spare_vs_torchrun'], '{:.2f}x'):>9}"
             f" {_cell(r['held_raysgd']):>6} {_cell(r['held_raysgd_vs_2'], '{:.2f}x'):>7}"
+            f" {_cell(r.get('join_raysgd')):>6}"
+            f" {_cell(r['ratio_raysgd_with_join_vs_torchrun'], '{:.2f}x'):>9}"
         )
     print("\nraysgd's phases (s): detect, start, re-form, restore, redo")
     for r in rows:
