@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if runs is None:
         return {}
     table: dict[str, dict[str, Any]] = {}
-    print(f"\ngoodput (clean wall time / wall time; {args.steps} steps, 2 workers)")
+    print(f"\ngoodput (clean wall time / wall time; {args.steps} steps, {args.workers} workers)")
     header = "".join(f"{s:>22}" for s in args.schedule_list)
     print(f"  {'side':<12}{header}")
     for side, side_runs in runs.items():
