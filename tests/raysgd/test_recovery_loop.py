@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import pytest
 
+from raysgd._internal.driver.goodput import GoodputMeter
 from raysgd._internal.driver.group_view import Stage
 from raysgd._internal.driver.preemption import Preemption
 from raysgd._internal.driver.recovery import Recovery
@@ -162,6 +163,26 @@ def test_retry_replaces_the_lost_worker_and_redoes_the_attempt() -> None:
     assert [e.kind for e in loop.events] == ["failure", "decision", "resize", "recovered"]
     phases = loop.events[2].phases  # the group's own phases, plus the restore's
     assert phases["start_s"] == 0.25 and phases["form_s"] == 0.125 and phases["restore_s"] >= 0
+
+
+def test_observers_see_every_event_as_it_is_recorded_and_a_broken_one_stops_nothing() -> None:
+    group = FakeGroup(size=2, room=2)
+    loop, _, _ = make_loop(group, 2)
+    loop.fake_state._restore = lambda report: RestoreOutcome("rank 0 at step 7", 7, 1)  # type: ignore[attr-defined]
+    meter, seen = GoodputMeter(), []
+
+    def broken(event: Any) -> None:
+        raise RuntimeError("an observer's bug")
+
+    for observer in (broken, seen.append, meter.take):
+        loop.log.subscribe(observer)
+    assert loop.run(Script(lambda: died(group, [1])), max_retries=3) == "done"
+    assert [e.kind for e in seen] == ["failure", "decision", "resize", "recovered"]
+    meter.end_call(step_s=2.0)
+    report = meter.report(failures=1)
+    # The resize's group phases count as starting workers; its redone step at the call's pace.
+    assert report["lost_s"]["start"] == pytest.approx(0.375)
+    assert report["steps_redone"] == 1 and report["lost_s"]["redone"] == 2.0
 
 
 def test_shrink_when_the_lost_worker_cannot_be_replaced() -> None:

@@ -35,6 +35,7 @@ from raysgd._internal.driver.preemption import Preemption
 from raysgd._internal.driver.recovery import Recovery, in_one_form
 from raysgd._internal.driver.run_loggers import RunLoggers, trainer_options
 from raysgd._internal.driver.state_copy import DEFAULT_LIMIT_MB, DriverCopy
+from raysgd._internal.driver.state_kinds import for_options
 from raysgd._internal.driver.training_state import TrainingState
 from raysgd._internal.driver.worker_calls import RunnerRecipe, WorkerCalls
 from raysgd._internal.worker import calls as worker
@@ -61,7 +62,6 @@ from raysgd_core import (
 from raysgd_fault import FailurePolicy, get_policy
 from raysgd_operator import (
     NUM_SAMPLES,
-    SHARDED_STATE_IMPORTS,
     DatasetOptions,
     TrainingOptions,
     check_batch_size,
@@ -225,6 +225,8 @@ class TorchTrainer:
             dataset_options=dataset_options,
             distributed=self._num_workers > 1,
         )
+        # What the strategy's workers hold: all the driver does differently for a sharded state.
+        self._kind = for_options(self._options)
         self._operator_cls = resolve_operator_cls(
             training_operator_cls,
             model_creator=model_creator,
@@ -249,7 +251,7 @@ class TorchTrainer:
                 peer_grace_s=slow_s + DEFAULT_PEER_GRACE_S,
                 num_cpus_per_worker=num_cpus_per_worker,
                 num_gpus_per_worker=1 if self._options.use_gpu else 0,
-                spare_imports=SHARDED_STATE_IMPORTS if self._options.sharded else (),
+                spare_imports=self._kind.spare_imports,
                 **start_timeout(),
             ),
         )
@@ -299,13 +301,15 @@ class TorchTrainer:
             self._workers = WorkerCalls(group, recipe)
             self._state = TrainingState(
                 self._workers,
-                sharded=self._options.sharded,
+                kind=self._kind,
                 copy=DriverCopy(int(state_copy_limit_mb * 2**20)),
                 storage_options=storage_options,
             )
             self._recovery = Recovery(
                 group=group, num_workers=self._num_workers, state=self._state, policy=policy
             )
+            # What each resize cost, as the recovery loop records it.
+            self._recovery.log.subscribe(self._goodput.take)
             self._checkpoints = Checkpoints(
                 self._state, checkpoint_location, every=checkpoint_every, keep=keep_checkpoints
             )
@@ -413,7 +417,7 @@ class TorchTrainer:
         )
         self._goodput.lose("checkpoint", max(answer.blocked_s for answer in returned))
         self._step_s = max(answer.step_s for answer in returned)
-        self._goodput.observe(self._recovery.events, self._step_s)
+        self._goodput.end_call(self._step_s)
         rows = [answer.rows for answer in returned if answer.rows is not None]
         return [answer.metrics for answer in returned], rows[0] if rows else None
 
@@ -446,7 +450,7 @@ class TorchTrainer:
             results = self._recovery.again_once(
                 lambda: self._recovery.call(worker.validate, num_steps, profile, info)
             )
-        self._goodput.observe(self._recovery.events, 0.0)
+        self._goodput.end_call(0.0)
         return self._results("validate", results, None, reduce_results)
 
     def state_dict(self) -> dict[str, Any]:
@@ -494,7 +498,7 @@ class TorchTrainer:
         in this process.
         """
         self._check_alive()
-        if self._state.whole:
+        if not self._kind.gathers_models:
             models = self._recovery.read(worker.get_models, to_cpu, not driver_has_cuda())
         else:
             needed = self._recovery.read(worker.models_nbytes)

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from raysgd_core import WorkerDiedError, WorkerError
 
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EventKind",
     "FailureRecord",
+    "Observer",
     "RecoveryEvent",
     "RecoveryLog",
     "describe_report",
@@ -127,12 +128,22 @@ class RecoveryEvent:
     state_at: Optional[float] = None
 
 
+#: Called with each event as it is recorded (`RecoveryLog.subscribe`).
+Observer = Callable[[RecoveryEvent], None]
+
+
 class RecoveryLog:
-    """Append-only list of `RecoveryEvent`s that also writes each one to the logger (an event
-    learns afterwards only that its loss was a preemption: `mark_preempted`)."""
+    """Append-only list of `RecoveryEvent`s that also writes each one to the logger and hands it
+    to its observers (the trainer's goodput meter), which subscribe instead of being called by
+    the loop (an event learns afterwards only that its loss was a preemption: `mark_preempted`)."""
 
     def __init__(self) -> None:
         self.events: list[RecoveryEvent] = []
+        self._observers: list[Observer] = []
+
+    def subscribe(self, observer: Observer) -> None:
+        """Call `observer` with every event recorded from now on."""
+        self._observers.append(observer)
 
     def record(
         self,
@@ -146,6 +157,11 @@ class RecoveryLog:
         event = RecoveryEvent(kind=kind, message=message, timestamp=time.time(), **fields)  # type: ignore[arg-type]
         self.events.append(event)
         logger.log(level, "%s", message)
+        for observer in self._observers:
+            try:
+                observer(event)
+            except Exception:  # an observer's bug must never stop a recovery
+                logger.warning("an observer of the recovery events failed", exc_info=True)
         return event
 
     def mark_preempted(self, nodes: set[str]) -> None:

@@ -1,8 +1,8 @@
 """Goodput: how much of the time spent in `train()` and `validate()` went into work that was kept.
 
-The trainer measures the time inside its calls (`wall_s`) and takes what was lost from what the
-recovery loop recorded (`RecoveryLog`: the events are the one source) and from what the workers
-report with each call:
+The trainer measures the time inside its calls (`wall_s`); the meter observes the recovery loop's
+events as they are recorded (`RecoveryLog.subscribe`: the events are the one source of what a
+resize cost), and the trainer adds what the workers report with each call:
 
 - `detection`: from the moment the surviving workers last finished a step to the moment the loss
   was seen (a dead process: at once; a silent one: when its peers' bounded wait ran out);
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any, Optional
 
 __all__ = ["CAUSES", "GoodputMeter"]
@@ -40,8 +40,9 @@ class GoodputMeter:
         self.wall_s = 0.0
         self.lost_s = dict.fromkeys(CAUSES, 0.0)
         self.steps_redone = 0
-        self._events_seen = 0
         self._failure_at: Optional[float] = None
+        # Steps redone in the current call: their time is known once the call's step time is.
+        self._redone_pending = 0
 
     @contextlib.contextmanager
     def call(self) -> Iterator[None]:
@@ -56,14 +57,14 @@ class GoodputMeter:
         """Count `seconds` lost to `cause` (one of `CAUSES`)."""
         self.lost_s[cause] += max(0.0, float(seconds))
 
-    def observe(self, events: Sequence[Any], step_s: float) -> None:
-        """Take the recovery events new since the last call; `step_s` is the call's mean step
-        time, at which redone steps are counted."""
-        for event in list(events)[self._events_seen :]:
-            self._take(event, step_s)
-        self._events_seen = len(events)
+    def end_call(self, step_s: float) -> None:
+        """Count the steps redone since the last call's end at `step_s`, this call's mean step
+        time."""
+        self.lose("redone", self._redone_pending * step_s)
+        self._redone_pending = 0
 
-    def _take(self, event: Any, step_s: float) -> None:
+    def take(self, event: Any) -> None:
+        """Observe one recovery event (`RecoveryLog.subscribe`)."""
         if event.kind in ("failure", "restart_failed") and self._failure_at is None:
             self._failure_at = event.timestamp
         elif event.kind == "decision" and event.action == "wait":
@@ -74,7 +75,7 @@ class GoodputMeter:
             self.lose("restore", phases.get("restore_s", 0.0))
             redone = int(event.steps_redone or 0)
             self.steps_redone += redone
-            self.lose("redone", redone * step_s)
+            self._redone_pending += redone
             if self._failure_at is not None and event.state_at is not None:
                 self.lose("detection", self._failure_at - event.state_at)
             self._failure_at = None

@@ -3,11 +3,12 @@
 The state lives on the workers (`worker.state`: what each holds, chosen by the strategy). The
 driver keeps only what is small: the step the workers finished last, the last checkpoint written
 or loaded, and, for a whole state up to `state_copy_limit_mb`, a bounded copy (`DriverCopy`).
-After a resize it asks every worker what it holds, lets the strategy's planner decide
-(`restore_plan`), falls back on the copy or the last checkpoint when no worker holds a state, and
+After a resize it asks every worker what it holds, lets the kind of state plan the restore
+(`state_kinds`), falls back on the copy or the last checkpoint when no worker holds a state, and
 has the workers restore. Checkpoints are written and read by the workers themselves
 (`storage.format`): a whole state as one file (RaySGD's format), a sharded one as a folder of parts
-with a manifest; either loads whatever the strategy and the number of workers.
+with a manifest; either loads whatever the strategy and the number of workers. All that differs
+between the two kinds is the kind's (`state_kinds.StateKind`); nothing here asks which it is.
 
 Nothing here repairs or retries: the recovery loop calls `restore` inside a resize, and the
 trainer guards every other call (see `recovery.Recovery.guarded`).
@@ -31,17 +32,12 @@ from raysgd._internal.driver.restore_plan import (
     RestoreOutcome,
     RestorePlan,
     StateLostError,
-    missing_parts,
-    plan_from_peers,
-    plan_from_snapshots,
 )
 from raysgd._internal.driver.state_copy import DriverCopy
+from raysgd._internal.driver.state_kinds import StateKind
 from raysgd._internal.driver.worker_calls import WorkerCalls
-from raysgd._internal.storage.atomic_files import write_file
 from raysgd._internal.storage.format import (
     GATHERED_FORMAT,
-    MANIFEST_NAME,
-    SHARDED,
     WHOLE,
     WHOLE_FILE,
     read_file,
@@ -49,27 +45,17 @@ from raysgd._internal.storage.format import (
     read_sharded,
     resolve_checkpoint,
     state_to_bytes,
-    write_manifest,
 )
 from raysgd._internal.storage.location import Storage, as_storage
 from raysgd._internal.worker import calls as worker
 from raysgd._internal.worker.state import LoadSource
 from raysgd_core import RecoveryReport, WorkerError
 
-__all__ = [
-    "AUTO_CHECKPOINT_NAME",
-    "AUTO_SHARDED_CHECKPOINT_NAME",
-    "TrainingState",
-]
+__all__ = ["TrainingState", "rank_sources"]
 
 logger = logging.getLogger("raysgd")
 
 PathLike = Union[str, "os.PathLike[str]"]
-
-#: Name of the `train(checkpoint="auto")` checkpoint inside `checkpoint_dir`: a file...
-AUTO_CHECKPOINT_NAME = "raysgd_checkpoint.pt"
-#: ... or, for a sharded state, a folder.
-AUTO_SHARDED_CHECKPOINT_NAME = "raysgd_checkpoint"
 
 
 class TrainingState:
@@ -77,9 +63,10 @@ class TrainingState:
 
     Args:
         workers: The trainer's workers.
-        sharded: Whether the strategy shards the model (each worker holds a part).
-        copy: The driver's bounded copy of a whole state (a limit of 0: none is kept; never with
-            a sharded state, nor with ``use_local``, where losing every worker loses the driver).
+        kind: The kind of state the strategy gives the workers (`state_kinds.for_options`).
+        copy: The driver's bounded copy of the state (a limit of 0: none is kept; never where
+            the kind keeps none, nor with ``use_local``, where losing every worker loses the
+            driver).
         storage_options: fsspec options of the URLs given to `save`, `load` and checkpoints.
 
     Attributes:
@@ -92,14 +79,14 @@ class TrainingState:
         self,
         workers: WorkerCalls,
         *,
-        sharded: bool,
+        kind: StateKind,
         copy: DriverCopy,
         storage_options: Optional[dict[str, Any]] = None,
     ) -> None:
         self._workers = workers
-        self._whole = not sharded
+        self._kind = kind
         self._copy = copy
-        self._copy_wanted = copy.enabled and self._whole and not workers.use_local
+        self._copy_wanted = copy.enabled and kind.keeps_driver_copy and not workers.use_local
         self._storage_options = storage_options
         self.step = 0
         #: Epochs the workers finished (the one in progress not counted).
@@ -107,14 +94,9 @@ class TrainingState:
         self.last_checkpoint: Optional[tuple[Storage, int]] = None
 
     @property
-    def whole(self) -> bool:
-        """Whether every worker holds the whole model."""
-        return self._whole
-
-    @property
     def checkpoint_name(self) -> str:
         """Name of the `train(checkpoint="auto")` checkpoint inside `checkpoint_dir`."""
-        return AUTO_CHECKPOINT_NAME if self.whole else AUTO_SHARDED_CHECKPOINT_NAME
+        return self._kind.checkpoint_name
 
     @property
     def copy_limit_bytes(self) -> int:
@@ -133,8 +115,7 @@ class TrainingState:
         if self._copy_wanted and first is not None:
             data, size = first
             self._copy.offer(data, size, step=0)
-        if not self.whole:
-            self._workers.group.execute(worker.capture)
+        self._kind.settle(self._workers.group)
 
     def after_train(self, step: int, epochs: int) -> None:
         """A `train()` call finished with the workers at `step`, `epochs` finished: refresh the
@@ -154,17 +135,13 @@ class TrainingState:
         is none."""
         group = self._workers.group
         holdings = group.execute(worker.holding)
-        if self.whole:
-            plan = plan_from_peers([h.progress for h in holdings])
-        else:
-            plan = plan_from_snapshots(holdings, group.world_size)
+        plan = self._kind.plan(holdings, group.world_size)
         if not plan.found:
             plan = self._fall_back(plan, holdings)
         if report is not None:
             plan = replace(plan, rank_sources=rank_sources(report, group.world_size))
         group.execute(worker.restore, *self._workers.runner_args(), plan)
-        if not self.whole:
-            group.execute(worker.capture)  # every part has a copy again, in the new layout
+        self._kind.settle(group)
         self.step = plan.step
         return RestoreOutcome(plan.description, plan.step, plan.steps_redone, plan.finished_at)
 
@@ -196,20 +173,7 @@ class TrainingState:
         # A lower bound: the steps the driver knows were finished since, plus the one in flight;
         # how far the interrupted call got died with its workers.
         redone = max(0, self.step - step) + 1
-        if self.whole:
-            logger.warning(
-                "no worker holds the training state any more: restoring %s; the interrupted "
-                "call starts again from there (at least %d step(s) are done again)",
-                what,
-                redone,
-            )
-        else:
-            logger.warning(
-                "the in-memory parts of worker(s) %s were lost together with their replicas: "
-                "restoring the last %s (work since then is redone)",
-                missing_parts(holdings),
-                what,
-            )
+        logger.warning("%s", self._kind.fallback_warning(what, redone, holdings))
         return plan.falling_back(source, step, what, redone)
 
     # ------------------------------------------------------------------------- checkpoints
@@ -217,68 +181,9 @@ class TrainingState:
         """Write the state to `path` (a file for a whole state, a folder with a manifest for a
         sharded one); returns where it is (an absolute path for a local one)."""
         location = self.location(path)
-        if self.whole:
-            written = self._save_file(location)
-        else:
-            written = self._save_folder(location)
+        written = self._kind.save(self._workers, location, self.step)
         self.last_checkpoint = (location, self.step)
         return written
-
-    def _save_file(self, location: Storage) -> str:
-        """One file, written by a worker that can reach it (an object store; the local disk of
-        a worker on this node or of one that shares it), else through the driver."""
-        group = self._workers.group
-        if not location.is_local:
-            group.execute(worker.save_file, location, 0)
-            return location.url
-        path = location.path
-        rank = self._workers.writer_rank(os.path.dirname(path))
-        if rank is not None:
-            group.execute(worker.save_file, location, rank)
-            logger.debug("checkpoint %s written by rank %d", path, rank)
-        else:
-            write_file(path, group.execute(worker.state_bytes)[0])
-            logger.debug(
-                "checkpoint %s written through the driver (no worker shares its disk)", path
-            )
-        return path
-
-    def _save_folder(self, location: Storage) -> str:
-        """A sharded checkpoint folder at `location`: on the local disk written beside it and
-        renamed into place (an older checkpoint there is replaced only then); on an object store
-        its old manifest goes first, so that a write cut short leaves no torn checkpoint."""
-        epoch = self._epoch()
-        if not location.is_local:
-            location.remove(MANIFEST_NAME)
-            self._write_parts(location)
-            write_manifest(location, SHARDED, epoch, self.step)
-            return location.url
-        path = location.path
-        parent = os.path.dirname(path)
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".raysgd-ckpt-", dir=parent)
-        try:
-            folder = self.location(tmp)
-            self._write_parts(folder)
-            write_manifest(folder, SHARDED, epoch, self.step)
-            _replace_dir(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return path
-
-    def _write_parts(self, folder: Storage) -> None:
-        """Every worker writes its part into `folder` (a collective); the parts of workers that
-        cannot reach a local folder come through the object store and are written here."""
-        for shipped in self._workers.group.execute(worker.save, folder):
-            if shipped:
-                bundles: dict[int, dict[str, bytes]] = {}
-                for name, ref in shipped.items():
-                    data = bundles.setdefault(id(ref), ray.get(ref))[name]
-                    folder.write_bytes(name, data)
-
-    def _epoch(self) -> int:
-        return int(self._workers.group.execute_single(0, worker.epoch))
 
     def load(self, path: Union[PathLike, Storage]) -> None:
         """Load a checkpoint (a file; a checkpoint folder; a folder of checkpoint folders: the
@@ -334,9 +239,7 @@ class TrainingState:
         if refused:
             raise ValueError(refused)
         self.step, self.epochs = int(answers[0].step), int(answers[0].epochs)
-        if not self.whole:
-            # The loaded state is the newest snapshot from now on (with its copies on the peers).
-            group.execute(worker.capture)
+        self._kind.settle(group)
 
     def _source(self, location: Storage) -> LoadSource:
         """What the workers load `location` from: the location itself when every worker can
@@ -360,20 +263,7 @@ class TrainingState:
     def state_dict(self) -> dict[str, Any]:
         """The whole state in this process: a whole state's dict, or a sharded state's folder
         as bytes (`GATHERED_FORMAT`), which `load_state_dict` takes back."""
-        from raysgd._internal.storage.format import state_from_bytes
-
-        if self.whole:
-            return state_from_bytes(self._workers.group.execute(worker.state_bytes)[0])
-        tmp = tempfile.mkdtemp(prefix="raysgd-state-")
-        try:
-            folder = self.location(os.path.join(tmp, "state"))
-            os.makedirs(folder.path)
-            self._write_parts(folder)
-            write_manifest(folder, SHARDED, self._epoch(), self.step)
-            files = {name: folder.read_bytes(name) for name in folder.listdir()}
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return {"format": GATHERED_FORMAT, "files": files}
+        return self._kind.gather(self._workers, self.step)
 
     def finish_uploads(self) -> None:
         """Wait for the checkpoints the workers are writing in the background; a failed one is
@@ -403,25 +293,8 @@ class TrainingState:
         spares join (`leaving` empty), with every worker at the same step boundary: make the
         state of this boundary restorable without the leaving workers. A whole state already is
         (the workers that stay hold it); a sharded one is snapshotted now and each leaving
-        worker's part given to a worker that stays. When every worker leaves, the snapshot is
-        all: the replacements that join first restore from it."""
-        if self.whole:
-            return
-        group = self._workers.group
-        step = group.execute(worker.capture)[0]
-        staying = [r for r in range(group.world_size) if r not in set(leaving)]
-        if not staying or not leaving:
-            return
-        holdings = group.execute(worker.holding)
-        given: list[dict[int, Any]] = [{} for _ in range(group.world_size)]
-        for i, rank in enumerate(sorted(set(leaving))):
-            for holding in holdings:
-                part = next((h.parts.get(rank) for h in holding.snapshots if h.step == step), None)
-                if part is not None:
-                    given[staying[i % len(staying)]][rank] = part
-                    break
-        # Each worker takes its own share (the argument is every worker's, in rank order).
-        group.execute(worker.adopt_parts, step, given)
+        worker's part given to a worker that stays (`state_kinds`)."""
+        self._kind.hand_over(self._workers.group, leaving)
 
 
 def rank_sources(report: RecoveryReport, world_size: int) -> tuple[Optional[int], ...]:
@@ -434,19 +307,3 @@ def rank_sources(report: RecoveryReport, world_size: int) -> tuple[Optional[int]
     for new, old in zip(sorted(report.started), sorted(report.lost)):
         sources[new] = old
     return tuple(sources)
-
-
-def _replace_dir(tmp: str, path: str) -> None:
-    """Move the finished folder `tmp` to `path`; an older checkpoint there is replaced only now."""
-    if not os.path.exists(path):
-        os.replace(tmp, path)
-        return
-    old = tempfile.mkdtemp(prefix=".raysgd-old-", dir=os.path.dirname(path))
-    os.rmdir(old)
-    os.replace(path, old)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        os.replace(old, path)  # put the previous checkpoint back
-        raise
-    shutil.rmtree(old, ignore_errors=True)

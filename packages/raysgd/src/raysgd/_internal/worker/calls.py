@@ -34,9 +34,9 @@ from raysgd._internal.worker.state import (
     WorkerState,
     gather_rank_states,
     keep,
+    state_within,
     worker_state,
 )
-from raysgd._internal.worker.transfer import flatten
 from raysgd_core import get_context
 from raysgd_operator import OperatorRunner, TrainingOptions
 
@@ -116,10 +116,6 @@ def state_class(sharded: bool) -> type[WorkerState]:
     return ReplicatedState
 
 
-def _state_nbytes(runner: OperatorRunner) -> int:
-    return sum(t.numel() * t.element_size() for t in flatten(runner.state_dict(live=True))[1])
-
-
 # ------------------------------------------------------------------------------ the runner
 def create_runner(
     operator_cls: type,
@@ -130,16 +126,15 @@ def create_runner(
 ) -> Optional[tuple[Optional[bytes], int]]:
     """Build this worker's runner (which runs the user's `setup`) and the state it holds.
 
-    Rank 0 of a replicated run also returns ``(state bytes, state size)``: the bytes only when the
-    state is at most `copy_limit_bytes`, so that the driver's bounded copy starts current.
+    Rank 0 also returns what the state offers the driver's bounded copy
+    (`WorkerState.copy_for_driver`: ``(state bytes, state size)``, the bytes only when the state
+    is at most `copy_limit_bytes`), so that the copy starts current.
     """
     runner = build_runner(RunnerArgs(operator_cls, dict(config), options, dataset_splits))
     state = keep(state_class(options.sharded)(runner))
-    if get_context().world_rank != 0 or not state.whole or copy_limit_bytes <= 0:
+    if get_context().world_rank != 0 or copy_limit_bytes <= 0:
         return None
-    size = _state_nbytes(runner)
-    data = state_to_bytes(runner.state_dict()) if size <= copy_limit_bytes else None
-    return data, size
+    return state.copy_for_driver(copy_limit_bytes)
 
 
 def drop_runner(graceful: bool) -> None:
@@ -177,7 +172,7 @@ def restore(
 
 def capture() -> int:
     """Snapshot a sharded state now on every worker (a collective); the snapshot's step."""
-    return worker_state().capture()  # type: ignore[attr-defined]
+    return worker_state().capture()
 
 
 def adopt_parts(step: int, given: Sequence[Mapping[int, Any]]) -> None:
@@ -246,8 +241,7 @@ def state_copy(limit_bytes: int) -> tuple[Optional[bytes], int, int, float]:
     bytes only when the state is at most `limit_bytes`."""
     runner = current_runner()
     started = time.perf_counter()
-    size = _state_nbytes(runner)
-    data = state_to_bytes(runner.state_dict()) if size <= limit_bytes else None
+    data, size = state_within(runner, limit_bytes)
     return data, size, runner.step, time.perf_counter() - started
 
 

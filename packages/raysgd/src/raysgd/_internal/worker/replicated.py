@@ -29,6 +29,7 @@ from raysgd._internal.worker.state import (
     gather_rank_states,
     keep,
     load_into,
+    state_within,
 )
 from raysgd._internal.worker.transfer import broadcast_state
 from raysgd_core import get_context
@@ -41,7 +42,6 @@ class ReplicatedState(WorkerState):
     """Every worker holds the whole state (see the module docstring)."""
 
     kind = WHOLE
-    whole = True
     #: Rank 0's last host copy for a periodic checkpoint, which the next one is copied into.
     _host_copy: Optional[dict[str, Any]] = None
 
@@ -94,6 +94,9 @@ class ReplicatedState(WorkerState):
         """The whole state as one part (called on one worker)."""
         write_state(folder, WHOLE_FILE, self.runner.state_dict())
         return None
+
+    def copy_for_driver(self, limit_bytes: int) -> Optional[tuple[Optional[bytes], int]]:
+        return state_within(self.runner, limit_bytes)
 
     def copy_to_host(self) -> Optional[HostCopy]:
         """Rank 0 copies the whole state to host memory, into the previous checkpoint's copy

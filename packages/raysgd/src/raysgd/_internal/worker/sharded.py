@@ -346,7 +346,6 @@ class ShardedState(WorkerState):
     """Each worker holds its part of the state, with snapshots (see the module docstring)."""
 
     kind = SHARDED
-    whole = False
 
     def __init__(self, runner: OperatorRunner) -> None:
         super().__init__(runner)

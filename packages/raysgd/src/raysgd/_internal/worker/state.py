@@ -27,10 +27,11 @@ from typing import Any, Callable, ClassVar, Optional
 import ray
 
 from raysgd._internal.driver.restore_plan import Holding, RestorePlan
-from raysgd._internal.storage.format import METADATA_FILE, state_from_bytes
+from raysgd._internal.storage.format import METADATA_FILE, state_from_bytes, state_to_bytes
 from raysgd._internal.storage.location import Storage
 from raysgd._internal.worker.runner import RunnerArgs
 from raysgd._internal.worker.slot import this_worker
+from raysgd._internal.worker.transfer import flatten
 from raysgd_core import get_context
 from raysgd_operator import OperatorRunner
 
@@ -43,6 +44,7 @@ __all__ = [
     "gather_rank_states",
     "keep",
     "load_into",
+    "state_within",
     "worker_state",
 ]
 
@@ -86,8 +88,6 @@ class WorkerState(abc.ABC):
 
     #: The checkpoint kind `save` writes into a folder (`checkpoint.WHOLE` or `SHARDED`).
     kind: ClassVar[str]
-    #: Whether every worker holds the whole model (`get_model()` reads one worker's).
-    whole: ClassVar[bool]
 
     def __init__(self, runner: OperatorRunner) -> None:
         self.runner = runner
@@ -134,6 +134,16 @@ class WorkerState(abc.ABC):
     def load(self, source: LoadSource) -> None:
         """Load a checkpoint (either format) into this worker's runner."""
         load_into(self.runner, source)
+
+    def capture(self) -> int:
+        """Make the state of this step restorable from the workers' memory now (every worker
+        calls it at the same step); the step. A state every worker holds whole already is."""
+        return self.runner.step
+
+    def copy_for_driver(self, limit_bytes: int) -> Optional[tuple[Optional[bytes], int]]:
+        """``(bytes, size)`` of the state for the driver's bounded copy (the bytes only when the
+        size is at most `limit_bytes`), or None where the driver keeps no copy of this kind."""
+        return None
 
     def close(self) -> None:
         """Release what the state keeps besides the runner (threads, snapshots)."""
@@ -237,3 +247,11 @@ def _write(directory: str, name: str, data: Any) -> None:
 
     with open(os.path.join(directory, name), "wb") as handle:
         handle.write(memoryview(data.numpy()) if isinstance(data, torch.Tensor) else data)
+
+
+def state_within(runner: OperatorRunner, limit_bytes: int) -> tuple[Optional[bytes], int]:
+    """``(bytes or None, size)`` of `runner`'s whole state: the bytes only when the size is at
+    most `limit_bytes` (measured on the live tensors first, so that a large state is never
+    serialised for nothing)."""
+    size = sum(t.numel() * t.element_size() for t in flatten(runner.state_dict(live=True))[1])
+    return (state_to_bytes(runner.state_dict()) if size <= limit_bytes else None), size
