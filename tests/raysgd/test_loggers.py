@@ -41,6 +41,8 @@ from raysgd.loggers import (
     get_logger,
     register_logger,
 )
+from raysgd._internal.driver.events import RecoveryLog
+from raysgd._internal.driver.run_loggers import RunLoggers
 from raysgd.utils import BATCH_SIZE
 
 pytestmark = pytest.mark.timeout(60)
@@ -488,6 +490,25 @@ def test_a_logger_published_under_the_entry_point_group_is_found_by_name(
     assert "raysgd_logger_plugin" not in sys.modules  # listing names imports nothing
     built = get_logger("NEPTUNE", project="demo")
     assert type(built).__name__ == "NeptuneLogger" and built.project == "demo"
+
+
+def test_a_loss_found_to_be_a_preemption_reaches_the_loggers_as_one() -> None:
+    """The loggers observe the recovery log: an event waits for its call's result, and a loss
+    Ray reports preempted before that result is passed on amended (no Ray: the log alone)."""
+    log, recording = RecoveryLog(), RecordingLogger()
+    run = RunLoggers([recording])
+    log.subscribe(run.take, amended=run.amend)
+    events: list[Any] = []
+    recording.log_event = lambda event, *, step: events.append((event, step))  # type: ignore[method-assign]
+    log.record("failure", "lost rank 1", ranks=(1,), nodes=("node-a",))
+    log.mark_preempted({"node-a"})
+    assert events == []  # nothing before the call's result
+    run.log("train", {"loss": 1.0}, num_workers=2)
+    ((event, step),) = events
+    assert event.kind == "failure" and event.preempted and step == 1
+    log.record("resize", "resized 1 -> 2")
+    run.finish()  # what is left goes out at the end, with the last step
+    assert [(e.kind, s) for e, s in events[1:]] == [("resize", 1)]
 
 
 @pytest.mark.timeout(90)

@@ -308,8 +308,9 @@ class TorchTrainer:
             self._recovery = Recovery(
                 group=group, num_workers=self._num_workers, state=self._state, policy=policy
             )
-            # What each resize cost, as the recovery loop records it.
+            # What each resize cost, as the recovery loop records it; the events for the trackers.
             self._recovery.log.subscribe(self._goodput.take)
+            self._recovery.log.subscribe(self._loggers.take, amended=self._loggers.amend)
             self._checkpoints = Checkpoints(
                 self._state, checkpoint_location, every=checkpoint_every, keep=keep_checkpoints
             )
@@ -558,7 +559,7 @@ class TorchTrainer:
             self._workers.stop(force)
         finally:
             self._checkpoints.close()
-            self._loggers.finish(self._recovery.events)
+            self._loggers.finish()
 
     def __enter__(self) -> TorchTrainer:
         return self
@@ -640,9 +641,7 @@ class TorchTrainer:
             # those of workers lost meanwhile included: that is the call's num_samples.
             reduced[NUM_SAMPLES] = call_rows
         if self._loggers:
-            self._loggers.log(
-                kind, reduced, num_workers=self._workers.world_size, events=self._recovery.events
-            )
+            self._loggers.log(kind, reduced, num_workers=self._workers.world_size)
             self._loggers.log("goodput", self.goodput(), num_workers=self._workers.world_size)
         return reduced if reduce_results else results
 

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from raysgd_core import RecoveryReport
 
 __all__ = [
+    "Amender",
     "EventKind",
     "FailureRecord",
     "Observer",
@@ -130,20 +131,28 @@ class RecoveryEvent:
 
 #: Called with each event as it is recorded (`RecoveryLog.subscribe`).
 Observer = Callable[[RecoveryEvent], None]
+#: Called with an event recorded earlier and the form it was amended to (a loss found to be a
+#: preemption once Ray said so).
+Amender = Callable[[RecoveryEvent, RecoveryEvent], None]
 
 
 class RecoveryLog:
-    """Append-only list of `RecoveryEvent`s that also writes each one to the logger and hands it
-    to its observers (the trainer's goodput meter), which subscribe instead of being called by
-    the loop (an event learns afterwards only that its loss was a preemption: `mark_preempted`)."""
+    """The list of `RecoveryEvent`s, which also writes each one to the logger and hands it to its
+    observers (the trainer's goodput meter and experiment loggers), which subscribe instead of
+    being called by the loop. Events are only appended, with one exception: a loss learns
+    afterwards that it was a preemption (`mark_preempted`), and the observers that asked are told."""
 
     def __init__(self) -> None:
         self.events: list[RecoveryEvent] = []
         self._observers: list[Observer] = []
+        self._amenders: list[Amender] = []
 
-    def subscribe(self, observer: Observer) -> None:
-        """Call `observer` with every event recorded from now on."""
+    def subscribe(self, observer: Observer, *, amended: Optional[Amender] = None) -> None:
+        """Call `observer` with every event recorded from now on, and `amended` (when given) with
+        every event amended later."""
         self._observers.append(observer)
+        if amended is not None:
+            self._amenders.append(amended)
 
     def record(
         self,
@@ -157,11 +166,7 @@ class RecoveryLog:
         event = RecoveryEvent(kind=kind, message=message, timestamp=time.time(), **fields)  # type: ignore[arg-type]
         self.events.append(event)
         logger.log(level, "%s", message)
-        for observer in self._observers:
-            try:
-                observer(event)
-            except Exception:  # an observer's bug must never stop a recovery
-                logger.warning("an observer of the recovery events failed", exc_info=True)
+        self._tell(self._observers, event)
         return event
 
     def mark_preempted(self, nodes: set[str]) -> None:
@@ -176,6 +181,15 @@ class RecoveryLog:
                     list(event.ranks),
                     [short_node(n) for n in event.nodes],
                 )
+                self._tell(self._amenders, event, self.events[i])
+
+    @staticmethod
+    def _tell(observers: Sequence[Callable[..., None]], *args: RecoveryEvent) -> None:
+        for observer in observers:
+            try:
+                observer(*args)
+            except Exception:  # an observer's bug must never stop a recovery
+                logger.warning("an observer of the recovery events failed", exc_info=True)
 
 
 def give_up_message(failures: Sequence[FailureRecord], reason: str, *, max_retries: int) -> str:

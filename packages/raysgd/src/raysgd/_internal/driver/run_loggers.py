@@ -1,9 +1,11 @@
 """The trainer's experiment loggers: built and started at construction, fed after every reduced
 result, finished at shutdown. The only thing `TorchTrainer` knows of `raysgd.loggers`.
 
-It owns the step (the number of `train()` calls so far), the epoch last reported, which recovery
-events were already passed on, and the rule that a logger raising while training is reported
-once and dropped, so that a tracker's outage never stops training.
+It owns the step (the number of `train()` calls so far), the epoch last reported, the recovery
+events observed since the last result (`take`, subscribed to the recovery log: an event is passed
+on with the result of the call it happened in, so it gets that call's step), and the rule that a
+logger raising while training is reported once and dropped, so that a tracker's outage never stops
+training.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class RunLoggers:
         self._active: list[Logger] = list(loggers)
         self._step = 0
         self._epoch = 0
-        self._events_seen = 0
+        self._pending: list[Any] = []  # recovery events not yet passed on
 
     @classmethod
     def start(
@@ -76,16 +78,20 @@ class RunLoggers:
         """The loggers still recording (a failed one is dropped)."""
         return list(self._active)
 
-    def log(
-        self,
-        kind: str,
-        result: Mapping[str, Any],
-        *,
-        num_workers: int,
-        events: Sequence[Any] = (),
-    ) -> None:
-        """Pass on one reduced `train`/`validate` result, after the recovery events that are new
-        since the last call (they happened in this call, so they get its step)."""
+    def take(self, event: Any) -> None:
+        """Observe one recovery event (`RecoveryLog.subscribe`); it is passed on with the next
+        result, whose call it happened in."""
+        if self._active:
+            self._pending.append(event)
+
+    def amend(self, old: Any, new: Any) -> None:
+        """Pass on `new` in place of `old` when `old` is still waiting for its result (a loss
+        found to be a preemption at the end of its call)."""
+        self._pending = [new if event is old else event for event in self._pending]
+
+    def log(self, kind: str, result: Mapping[str, Any], *, num_workers: int) -> None:
+        """Pass on one reduced `train`/`validate` result, after the recovery events taken since
+        the last one (they happened in this call, so they get its step)."""
         if not self._active:
             return
         if kind == "train":
@@ -93,16 +99,16 @@ class RunLoggers:
             epoch = result.get("epoch")
             if isinstance(epoch, int) and not isinstance(epoch, bool):
                 self._epoch = epoch
-        self._pass_events(events)
+        self._pass_events()
         metrics = flatten_metrics(result)
         metrics.setdefault("num_workers", float(num_workers))
         self._each("log_metrics", kind, metrics, epoch=self._epoch, step=self._step)
 
-    def finish(self, events: Sequence[Any] = (), *, status: str = "success") -> None:
+    def finish(self, *, status: str = "success") -> None:
         """Pass on the events not yet passed on, then finish every logger with `status`
         ("success", or "failed" when the trainer could not be built): each one's error is
         reported and the others are still finished."""
-        self._pass_events(events)
+        self._pass_events()
         loggers, self._active = self._active, []
         for item in loggers:
             try:
@@ -110,9 +116,8 @@ class RunLoggers:
             except Exception as exc:
                 logger.warning("experiment logger %r failed to finish: %s", item, _describe(exc))
 
-    def _pass_events(self, events: Sequence[Any]) -> None:
-        new = list(events)[self._events_seen :]
-        self._events_seen += len(new)
+    def _pass_events(self) -> None:
+        new, self._pending = self._pending, []
         for event in new:
             self._each("log_event", event, step=self._step)
 
