@@ -31,6 +31,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from raysgd import TorchTrainer, TrainingOperator
+from raysgd._internal.driver.events import RecoveryLog
+from raysgd._internal.driver.run_loggers import RunLoggers
 from raysgd.loggers import (
     CSVLogger,
     Logger,
@@ -41,8 +43,6 @@ from raysgd.loggers import (
     get_logger,
     register_logger,
 )
-from raysgd._internal.driver.events import RecoveryLog
-from raysgd._internal.driver.run_loggers import RunLoggers
 from raysgd.utils import BATCH_SIZE
 
 pytestmark = pytest.mark.timeout(60)
