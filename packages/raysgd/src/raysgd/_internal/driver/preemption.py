@@ -17,7 +17,7 @@ What cannot move: rank 0 with ``use_local=True`` runs in the driver's process, s
 its node. The trainer then writes a checkpoint at once when it has a `checkpoint_dir` (a driver
 restarted elsewhere can `load` it) and says so; the other workers on that node still move. A node
 nothing could be moved off (no room, every worker on it) is not watched again: its loss, when it
-comes, is recovered like any loss (and counted as a preemption: `Recovery.preempted`).
+comes, is recovered like any loss (and counted as a preemption: `Losses.preempted`).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class Preemption:
         # see: wait for it, within a part of the time the notice leaves.
         self._group.await_spares(min(SPARE_WAIT_S, timeout_s / 3))
         resizes = []
-        recovery.draining = frozenset(nodes)
+        recovery.losses.draining = frozenset(nodes)
         try:
             if len(leaving) >= before:
                 # Everyone is on a draining node: the replacements come in first, while the
@@ -156,14 +156,14 @@ class Preemption:
                     recovery.resize(None, "preemption", timeout_s=timeout_s, leaving=leaving)
                 )
         finally:
-            recovery.draining = frozenset()
+            recovery.losses.draining = frozenset()
         lost = next((r.lost for r in resizes if r.lost is not None), None)
         if lost is not None:
-            recovery.draining = frozenset(nodes)
+            recovery.losses.draining = frozenset(nodes)
             try:
-                recovery.count_loss(lost, during_restart=True)
+                recovery.losses.count(lost, during_restart=True)
             finally:
-                recovery.draining = frozenset()
+                recovery.losses.draining = frozenset()
         if lost is not None or not resizes[-1].ok:
             return self._not_moved(
                 leaving,

@@ -51,11 +51,9 @@ from typing import Any, Callable, Optional, TypeVar
 
 from raysgd._internal.driver.events import (
     EventKind,
-    FailureRecord,
     RecoveryEvent,
     RecoveryLog,
     describe_report,
-    give_up_message,
     short_error,
     short_node,
     where_lost,
@@ -67,9 +65,10 @@ from raysgd._internal.driver.group_view import (
     Stage,
     on_live_nodes,
 )
+from raysgd._internal.driver.losses import Losses
 from raysgd._internal.driver.restore_plan import RestoreOutcome, StateLostError
 from raysgd_base import check_number
-from raysgd_core import RecoveryReport, WorkerDiedError, WorkerError, preempted_nodes
+from raysgd_core import RecoveryReport, WorkerDiedError, WorkerError
 from raysgd_fault import (
     Action,
     Decision,
@@ -187,15 +186,12 @@ class Recovery:
         self._reclaimable = reclaimable or on_live_nodes
         #: Every event so far (`events`); the moves off draining nodes record theirs here too.
         self.log = RecoveryLog()
-        self._total_failures = 0
-        self._call_failures: list[FailureRecord] = []
-        self._last_failure_at: Optional[float] = None
-        self._last_error: Optional[BaseException] = None  # chained to the give-up RuntimeError
+        #: Every loss so far (`failures`); a move off a draining node counts its own and sets its
+        #: `draining` nodes.
+        self.losses = Losses(self.log, self._world_size)
         self._grow_backoff_s = 0.0
         self._next_grow_at = 0.0
         self._join_declined = False  # the scaling policy kept the size at a join: until next call
-        #: The nodes being moved off (set by `preemption`): a loss there is a preemption.
-        self.draining: frozenset[str] = frozenset()
         self.stage = Stage.SUCCEEDED
         self._guarding = False
 
@@ -207,12 +203,12 @@ class Recovery:
     @property
     def failures(self) -> int:
         """Worker losses over the trainer's lifetime (while training and while restarting)."""
-        return self._total_failures
+        return self.losses.total
 
     @property
     def failures_this_call(self) -> int:
         """Worker losses in the current (or last) `run()` call."""
-        return len(self._call_failures)
+        return len(self.losses.this_call)
 
     @property
     def events(self) -> list[RecoveryEvent]:
@@ -275,7 +271,7 @@ class Recovery:
             WorkerError: user code raised on a worker (not retried; the group is left usable).
             RuntimeError: the policy gave up; the message names every loss of this call.
         """
-        self._call_failures, self._last_error = [], None
+        self.losses.new_call()
         detected_at: Optional[float] = None
         alive, reclaimable, fruitless = self._world_size(), 0, 0
         decision: Optional[Decision] = None
@@ -294,13 +290,12 @@ class Recovery:
                     # A silent rank's node may be frozen: its room is not counted on.
                     answered = [n for r, n in zip(err.ranks, err.nodes) if r not in err.silent]
                     reclaimable, fruitless = self._reclaimable_count(answered), 0
-                    self.count_loss(err, during_restart=False, alive=alive)
+                    self.losses.count(err, during_restart=False, alive=alive)
                     self.stage = Stage.FAILED
                     continue
                 self.stage = Stage.SUCCEEDED
                 if detected_at is not None:
-                    self._note_recovered(time.monotonic() - detected_at)
-                    self._mark_preempted()
+                    self.losses.recovered(time.monotonic() - detected_at)
                 return result
             if self.stage is Stage.FAILED:
                 decision = self._decide(
@@ -332,7 +327,7 @@ class Recovery:
                 self.stage = Stage.FAILED
             else:  # GAVE_UP
                 assert decision is not None
-                self._give_up(decision.reason, max_retries)
+                self.losses.give_up(decision.reason, max_retries)
 
     def _split_background(self, decision: Decision) -> tuple[int, int]:
         """How many workers to re-form the group with now, and how many replacements to start
@@ -371,7 +366,7 @@ class Recovery:
         try:
             self._state.hand_over(())
         except WorkerDiedError as err:
-            self.count_loss(err, during_restart=False, alive=current - len(err.ranks))
+            self.losses.count(err, during_restart=False, alive=current - len(err.ranks))
             return False
         if not self._resize_counting(decision.num_workers, "grow").ok:
             self._resize_counting(max(1, current), "repair after a failed grow")
@@ -385,7 +380,7 @@ class Recovery:
         later calls skip growing for a while (doubling, `GROW_BACKOFF_S` up to `MAX_GROW_BACKOFF_S`),
         so that a lasting shortage does not slow down every `train()`. Neither fails the call.
         """
-        self._call_failures = []  # a new train() call starts here
+        self.losses.new_call()  # a new train() call starts here
         self._join_declined = False
         current = self._world_size()
         if current >= self._num_workers or time.monotonic() < self._next_grow_at:
@@ -437,10 +432,10 @@ class Recovery:
         if isinstance(error, WorkerError):
             self._after_user_error(error)
             return not self._group.needs_recovery
-        self._call_failures, self._last_error = [], None  # a call of its own, as in run()
+        self.losses.new_call()  # a call of its own, as in run()
         if isinstance(error, WorkerDiedError):
             alive = max(0, self._world_size() - len(error.ranks))
-            self.count_loss(error, during_restart=False, alive=alive)
+            self.losses.count(error, during_restart=False, alive=alive)
         if not self._group.needs_recovery:
             return True
         self.stage = Stage.RESTARTING
@@ -513,7 +508,7 @@ class Recovery:
         """`resize`, a worker lost meanwhile counted as a loss during the restart."""
         result = self.resize(num_workers, reason)
         if result.lost is not None:
-            self.count_loss(result.lost, during_restart=True)
+            self.losses.count(result.lost, during_restart=True)
         return result
 
     def _record(self, result: ResizeResult) -> None:
@@ -574,81 +569,9 @@ class Recovery:
         # run: a worker lost meanwhile is logged, not counted.
         result = self.resize(max(1, self._world_size()), "repair after a user error")
         if result.lost is not None:
-            self._log_loss(result.lost, during_restart=True, alive=None)
+            self.losses.note(result.lost)
         if not result.ok:
             logger.warning("the worker group could not be repaired after the user error above")
-
-    def count_loss(
-        self,
-        err: BaseException,
-        *,
-        during_restart: bool,
-        alive: Optional[int] = None,
-    ) -> None:
-        """Count and log the loss `err` names (a `WorkerDiedError`, or any error of a resize)."""
-        record = self._log_loss(err, during_restart=during_restart, alive=alive, count=True)
-        self._call_failures.append(record)
-
-    def _log_loss(
-        self,
-        err: BaseException,
-        *,
-        during_restart: bool,
-        alive: Optional[int],
-        count: bool = False,
-    ) -> FailureRecord:
-        ranks, nodes = where_lost(err)
-        record = FailureRecord(
-            tuple(ranks), tuple(nodes), short_error(err), during_restart, self.preempted(err)
-        )
-        if count:
-            self._total_failures += 1
-            self._last_failure_at = time.monotonic()
-            self._last_error = err
-        survive = "" if alive is None else f"; {alive} worker(s) survive"
-        number = (
-            f"worker failure {self.failures_this_call + 1} of this call ({self._total_failures} "
-            "in total)"
-            if count
-            else "worker lost while repairing (not counted)"
-        )
-        self.log.record(
-            EventKind.RESTART_FAILED if during_restart else EventKind.FAILURE,
-            f"{number}: {record.describe()}{survive}",
-            level=logging.WARNING,
-            ranks=record.ranks,
-            nodes=record.nodes,
-            error=record.error,
-            num_workers_before=self._world_size(),
-            num_workers_after=alive,
-            preempted=record.preempted,
-        )
-        return record
-
-    def preempted(self, err: BaseException) -> bool:
-        """Whether the loss `err` names was a preemption: Ray marked the workers' node reclaimed
-        after a preemption drain, or the node is one the workers are being moved off (the one
-        rule; Ray's word that arrives only after the call is applied by `_mark_preempted`)."""
-        _, nodes = where_lost(err)
-        return bool(getattr(err, "preempted", None)) or bool(self.draining & set(nodes))
-
-    def _mark_preempted(self) -> None:
-        """Tag this call's losses whose node Ray now reports reclaimed after a preemption drain.
-        Asked only once the call is done: Ray records why a node died a moment after its workers
-        are seen gone, and waiting for it must not delay the recovery."""
-        nodes = {n for record in self._call_failures for n in record.nodes}
-        preempted = preempted_nodes(nodes)
-        if preempted:
-            self.log.mark_preempted(preempted)
-
-    def _note_recovered(self, took: float) -> None:
-        self.log.record(
-            EventKind.RECOVERED,
-            f"recovered: the interrupted work was redone on {self._world_size()} worker(s); "
-            f"{took:.2f} s from detecting the failure to the end of the redone call",
-            duration_s=took,
-            num_workers_after=self._world_size(),
-        )
 
     def size_for_move(self, *, alive: int) -> int:
         """How many workers to run after moving off a draining node, `alive` of them staying:
@@ -664,7 +587,7 @@ class Recovery:
             workers_wanted=wanted,
             workers_running=running,
             workers_fitting=max(0, fitting),
-            seconds_since_last_failure=self._since_last_failure(),
+            seconds_since_last_failure=self.losses.seconds_since_last(),
         )
         decision = self.scaling.decide(status)
         if not isinstance(decision, ScalingDecision):
@@ -692,9 +615,9 @@ class Recovery:
             workers_alive=max(0, min(alive, wanted)),
             workers_fitting=max(0, fitting),
             attempt=attempt,
-            total_failures=self._total_failures,
-            seconds_since_last_failure=self._since_last_failure(),
-            error=self._call_failures[-1].error if self._call_failures else "",
+            total_failures=self.losses.total,
+            seconds_since_last_failure=self.losses.seconds_since_last(),
+            error=self.losses.last_error(),
         )
         decision = self.policy.decide(status)
         if not isinstance(decision, Decision):
@@ -713,18 +636,6 @@ class Recovery:
             duration_s=decision.wait_s,
         )
         return decision
-
-    def _since_last_failure(self) -> Optional[float]:
-        """Seconds since the last loss (None before the first): what both policies are told."""
-        if self._last_failure_at is None:
-            return None
-        return time.monotonic() - self._last_failure_at
-
-    def _give_up(self, reason: str, max_retries: int) -> None:
-        message = give_up_message(self._call_failures, reason, max_retries=max_retries)
-        logger.error("%s", message)
-        # The last loss is the cause: its full text (a worker traceback, say) stays reachable.
-        raise RuntimeError(message) from self._last_error
 
     def _world_size(self) -> int:
         return int(self._group.world_size)
