@@ -101,3 +101,15 @@ def test_without_every_part_there_is_nothing_to_restore_from() -> None:
     holdings = [Holding(_p(5), (held,)), Holding(None)]
     assert not plan_from_snapshots(holdings, world_size=2).found
     assert missing_parts(holdings) == [1]
+
+
+def test_one_rule_picks_the_newest_step_every_part_of_which_a_live_worker_holds() -> None:
+    from raysgd._internal.driver.restore_plan import newest_held_step
+
+    # Ranks 0 and 1 each hold both parts of step 8 (their own and the peer's copy); rank 2 holds
+    # one of three parts of step 10, which cannot be rebuilt. The lowest rank holds each part.
+    offers = [(2, 10, 3, (0,)), (1, 8, 2, (1, 0)), (0, 8, 2, (0, 1))]
+    assert newest_held_step(offers) == (8, {0: 0, 1: 0})
+    assert newest_held_step([(1, 10, 3, (0, 2))]) is None
+    # A whole state is one part: the newest clean step, ties to the lowest rank.
+    assert newest_held_step([(2, 5, 1, (0,)), (1, 5, 1, (0,)), (0, 4, 1, (0,))]) == (5, {0: 1})

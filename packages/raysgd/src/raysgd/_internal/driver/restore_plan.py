@@ -1,14 +1,17 @@
 """Who restores whom after a resize: pure decisions from what every worker holds.
 
 Every worker answers `worker.holding` with a `Holding`: how far it got (`Progress`, None for a new
-worker) and, with a sharded strategy, the in-memory snapshots it holds parts of. From those:
+worker) and, with a sharded strategy, the in-memory snapshots it holds parts of. One rule picks
+the state to go on from, whatever the strategy (`newest_held_step`): **the newest step every part
+of which some live worker holds**, the lowest rank holding a part being its holder. Only what a
+worker offers differs:
 
-- `plan_from_peers` (every worker holds the whole state: ``ddp``, ``none``): the source is the
-  worker furthest along among those whose state is clean (a worker torn between two optimizer
-  steps never is), ties to the lowest rank; every worker without a runner, behind the source or
-  torn receives the source's state.
-- `plan_from_snapshots` (each worker holds its part and a peer's copy: ``fsdp``): the newest
-  snapshot of which some survivor holds every part; every worker is rebuilt from it.
+- `plan_from_peers` (every worker holds the whole state: ``ddp``, ``none``): a worker whose state
+  is clean (a worker torn between two optimizer steps never is) holds the one part of its step.
+  The rule's holder is the source; every worker without a runner, behind the source or torn
+  receives the source's state.
+- `plan_from_snapshots` (each worker holds its part and a peer's copy: ``fsdp``): a worker holds
+  the parts of each snapshot it keeps; every worker is rebuilt from the snapshot the rule picks.
 
 When neither finds a state (`RestorePlan.found` is False), the trainer falls back on a copy or a
 checkpoint (`RestorePlan.fallback`). `reached` is the one rule for how far the group had got, from
@@ -32,6 +35,7 @@ __all__ = [
     "StateLostError",
     "last_finished",
     "missing_parts",
+    "newest_held_step",
     "plan_from_peers",
     "plan_from_snapshots",
     "reached",
@@ -183,11 +187,35 @@ def reached(progress: Iterable[Optional[Progress]]) -> int:
     )
 
 
+#: One worker's offer to the planner: (its rank, a step it holds state of, how many parts that
+#: state has in all, the parts of it this worker holds).
+Offer = tuple[int, int, int, Iterable[int]]
+
+
+def newest_held_step(offers: Iterable[Offer]) -> Optional[tuple[int, dict[int, int]]]:
+    """The planners' one rule: the newest step every part of which some worker holds, with the
+    lowest rank holding each part (part -> rank); None when no step is complete."""
+    holders: dict[int, dict[int, int]] = {}
+    sizes: dict[int, int] = {}
+    for rank, step, size, parts in sorted(offers, key=lambda offer: offer[0]):
+        sizes.setdefault(step, size)
+        held = holders.setdefault(step, {})
+        for part in parts:
+            held.setdefault(part, rank)
+    complete = [step for step, held in holders.items() if set(held) >= set(range(sizes[step]))]
+    if not complete:
+        return None
+    step = max(complete)
+    return step, holders[step]
+
+
 def plan_from_peers(progress: Sequence[Optional[Progress]]) -> RestorePlan:
     """The restore of a group whose rank r reported `progress[r]` (None: a new worker), when every
-    worker holds the whole state."""
-    clean = [(p.step, -rank) for rank, p in enumerate(progress) if p is not None and p.clean]
-    if not clean:
+    worker holds the whole state: a clean worker holds the one part of its step."""
+    found = newest_held_step(
+        (rank, p.step, 1, (0,)) for rank, p in enumerate(progress) if p is not None and p.clean
+    )
+    if found is None:
         return RestorePlan(
             0,
             0,
@@ -195,8 +223,8 @@ def plan_from_peers(progress: Sequence[Optional[Progress]]) -> RestorePlan:
             receivers=tuple(range(len(progress))),
             finished_at=last_finished(progress),
         )
-    step, negative_rank = max(clean)
-    source = -negative_rank
+    step, holders = found
+    source = holders[0]
     receivers = tuple(
         rank
         for rank, p in enumerate(progress)
@@ -219,18 +247,27 @@ def plan_from_snapshots(holdings: Sequence[Holding], world_size: int) -> Restore
     every part some survivor holds (the survivors' own parts and their peers' copies)."""
     progress = [h.progress for h in holdings]
     call = next((p.call for p in progress if p is not None and p.call is not None), None)
-    complete = _complete(holdings)
-    if not complete:
+    found = newest_held_step(
+        (rank, held.step, held.world_size, held.parts)
+        for rank, holding in enumerate(holdings)
+        for held in holding.snapshots
+    )
+    if found is None:
         return RestorePlan(0, 0, call, finished_at=last_finished(progress))
-    step = max(complete)
-    newest = complete[step]
-    parts = newest["parts"]
+    step, holders = found
+    # Each part from the snapshot of its holder (any copy of a part is the same bytes).
+    snapshots = {
+        rank: next(held for held in holdings[rank].snapshots if held.step == step)
+        for rank in set(holders.values())
+    }
+    parts = {part: snapshots[rank].parts[part] for part, rank in holders.items()}
+    newest = snapshots[holders[0]]
     files = {name: ref for names, ref, _ in parts.values() for name in names}
     meters: list[Optional[AverageMeterCollection]] = [None] * world_size
     # The metrics a snapshot holds are those of the call it was taken in: only when that is the
     # call going on do they count (a snapshot at a call's first step may be the last of the one
     # before, its metrics that call's).
-    taken_in = newest["call"]
+    taken_in = newest.call
     same_call = call is not None and taken_in is not None and taken_in.call_id == call.call_id
     if call is not None:
         # The call goes on from the snapshot's step: its rows up to there are those the
@@ -249,33 +286,10 @@ def plan_from_snapshots(holdings: Sequence[Holding], world_size: int) -> Restore
         step,
         max(reached(progress), step) - step,
         call,
-        snapshot=SnapshotPlan(newest["metadata"], newest["state"], files, meters),
+        snapshot=SnapshotPlan(newest.metadata, newest.state, files, meters),
         description=f"the in-memory snapshot at step {step}",
         finished_at=last_finished(progress),
     )
-
-
-def _complete(holdings: Sequence[Holding]) -> dict[int, dict[str, Any]]:
-    """The snapshots every part of which some worker holds: step -> metadata, state, parts."""
-    found: dict[int, dict[str, Any]] = {}
-    for holding in holdings:
-        for held in holding.snapshots:
-            entry = found.setdefault(
-                held.step,
-                {
-                    "metadata": held.metadata,
-                    "state": held.state,
-                    "world_size": held.world_size,
-                    "call": held.call,
-                    "parts": {},
-                },
-            )
-            entry["parts"].update(held.parts)
-    return {
-        step: entry
-        for step, entry in found.items()
-        if set(entry["parts"]) >= set(range(entry["world_size"]))
-    }
 
 
 def missing_parts(holdings: Sequence[Holding]) -> list[int]:
