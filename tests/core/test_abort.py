@@ -56,6 +56,17 @@ def _rank_exits(victim: int) -> float:
     return _hold_group_then_all_reduce()
 
 
+def _rank_exits_before_a_subgroup(victim: int) -> None:
+    import torch.distributed as dist
+
+    get_context().store["held"] = dist.group.WORLD
+    if get_context().world_rank == victim:
+        time.sleep(1.0)
+        os._exit(1)
+    # Every rank makes the subgroup (torch asks it); its members wait for each other's address.
+    dist.new_group(ranks=[0, victim], timeout=datetime.timedelta(seconds=60))
+
+
 def _rank_stops_others_staggered(victim: int, bound_s: float) -> float:
     rank = get_context().world_rank
     if rank == victim:
@@ -95,6 +106,14 @@ def test_a_user_error_kills_none_and_a_crash_releases_ranks_that_were_not_its_ne
         assert report.kept == {0: 0, 1: 1, 2: 2, 4: 3, 5: 4} and report.lost == [3]
         assert _pids(group) == pids[:3] + pids[4:]
         assert group.execute(_hold_group_then_all_reduce) == [5.0] * 5
+
+        # Rank 3 crashes before it joins a subgroup the others are making: rank 0 waits for its
+        # address in the rendezvous store, not in a collective. The abort lets it out too.
+        with pytest.raises(WorkerDiedError) as died:
+            group.execute(_rank_exits_before_a_subgroup, 3)
+        assert died.value.ranks == [3]
+        report = group.recover(4, timeout_s=60)
+        assert report.kept == {0: 0, 1: 1, 2: 2, 4: 3} and report.lost == [3]
 
 
 def test_a_silent_rank_costs_one_bound_and_only_it_is_lost(ray_local):

@@ -15,6 +15,12 @@ so on around the group. Aborting the group on every rank ends all of those waits
   lost rank releases every rank within milliseconds, and the driver aborts the survivors too as
   soon as Ray reports the loss.
 
+A rank can also wait in the group's rendezvous store rather than in a collective: a subgroup being
+made (`new_group`, whose every member must write its address there) waits for a peer that is gone
+until the store's bound. So an abort also shuts down this process's connection to the store of
+the group's generation: that wait raises at once too. Each generation has its own store (rank 0
+makes a new one when the group forms), so nothing later needs the connection.
+
 Which sockets are the group's: every connection has one end on a gloo listener, one per group a
 process is in. They are the connections accepted on this process's listeners opened since the
 group formed (subgroups made later included), and the connections this process opened to its
@@ -31,9 +37,9 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
-__all__ = ["Endpoint", "GroupConnections", "listening_endpoints"]
+__all__ = ["Endpoint", "GroupConnections", "listening_endpoints", "shut_down_connections_to"]
 
 logger = logging.getLogger("raysgd_core")
 
@@ -149,18 +155,23 @@ class GroupConnections:
         backend: The group's backend.
         before: Where this process listened before the group formed: not the group's.
         peers: The other ranks' gloo listeners (empty for NCCL).
+        store: Where the group's rendezvous store listens (None: its connection is left open).
     """
 
     backend: str
     before: frozenset[Endpoint] = frozenset()
     peers: frozenset[Endpoint] = frozenset()
+    store: Optional[Endpoint] = None
 
     @classmethod
-    def gather(cls, backend: str, before: frozenset[Endpoint]) -> GroupConnections:
+    def gather(
+        cls, backend: str, before: frozenset[Endpoint], store: Optional[Endpoint] = None
+    ) -> GroupConnections:
         """Right after this process joined a group (a collective over it): learn the other
-        ranks' gloo listeners. `before`: `listening_endpoints()` before it joined."""
+        ranks' gloo listeners. `before`: `listening_endpoints()` before it joined; `store`: the
+        group's rendezvous store."""
         if backend != "gloo":
-            return cls(backend)
+            return cls(backend, store=store)
         import torch.distributed as dist
 
         mine = sorted(listening_endpoints() - before)
@@ -170,7 +181,7 @@ class GroupConnections:
         peers = frozenset(
             Endpoint(ip, port) for r, ends in enumerate(everyone) if r != rank for ip, port in ends
         )
-        return cls(backend, before, peers)
+        return cls(backend, before, peers, store)
 
     def connections(self) -> list[tuple[int, str]]:
         """The gloo connections of this process's groups: (fd, inode) of each socket."""
@@ -186,11 +197,23 @@ class GroupConnections:
         return found
 
     def abort(self) -> int:
-        """Abort every collective of the group in progress here, and make later ones raise;
-        the number of connections shut down (gloo)."""
+        """Abort every collective of the group in progress here, and every wait in its store,
+        and make later ones raise; the number of connections shut down (the store's; gloo's)."""
+        shut = shut_down_connections_to(self.store) if self.store is not None else 0
         if self.backend == "nccl":
-            return _abort_nccl()
-        return sum(_shut_down(fd, inode) for fd, inode in self.connections())
+            return shut + _abort_nccl()
+        return shut + sum(_shut_down(fd, inode) for fd, inode in self.connections())
+
+
+def shut_down_connections_to(store: Endpoint) -> int:
+    """Shut down this process's connections to the rendezvous store at `store`: a wait in it
+    raises at once (also while a group is still forming, before its connections are known).
+    The number shut down."""
+    return sum(
+        _shut_down(fd, inode)
+        for fd, inode, sock in _own_sockets()
+        if not sock.listening and store.serves(sock.remote)
+    )
 
 
 def _abort_nccl() -> int:

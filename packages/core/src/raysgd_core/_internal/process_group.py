@@ -13,7 +13,7 @@ import os
 from datetime import timedelta
 from typing import Any, Optional
 
-from raysgd_core._internal.abort import GroupConnections, listening_endpoints
+from raysgd_core._internal.abort import Endpoint, GroupConnections, listening_endpoints
 
 __all__ = [
     "NCCL_ENV_DEFAULTS",
@@ -23,6 +23,7 @@ __all__ = [
     "form_process_group",
     "make_master_store",
     "select_device",
+    "store_endpoint",
 ]
 
 #: How NCCL reacts to a collective that outlives its timeout or was aborted, read when a group is
@@ -92,9 +93,11 @@ def form_process_group(
     timeout_s: float,
     formation_timeout_s: float,
     master_store: Any = None,
+    store_endpoint: Optional[Endpoint] = None,
 ) -> GroupConnections:
     """Join the process group as `rank`, replacing any group this process had before; what
-    aborting it takes (`GroupConnections`)."""
+    aborting it takes (`GroupConnections`; `store_endpoint`: where the rendezvous store is, as
+    `store_endpoint()` finds it)."""
     import torch.distributed as dist
 
     destroy_process_group()
@@ -124,12 +127,23 @@ def form_process_group(
             world_size=world_size,
             timeout=timedelta(seconds=min(timeout_s, formation_timeout_s)),
         )
-        connections = GroupConnections.gather(backend, listening)
+        connections = GroupConnections.gather(backend, listening, store_endpoint)
     except BaseException:
         forget_failed_group()
         raise
     dist.group.WORLD.set_timeout(timedelta(seconds=timeout_s))
     return connections
+
+
+def store_endpoint(host: str, port: int) -> Optional[Endpoint]:
+    """Where the rendezvous store listens, as this process's connection to it names the far end
+    (None when `host` does not resolve: the connection is then left to the store's bound)."""
+    import socket
+
+    try:
+        return Endpoint(socket.gethostbyname(host), int(port))
+    except OSError:
+        return None
 
 
 def forget_failed_group() -> None:

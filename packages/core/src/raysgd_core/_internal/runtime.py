@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from raysgd_core import context as _ctx
 from raysgd_core._internal import process_group as _pg
-from raysgd_core._internal.abort import GroupConnections
+from raysgd_core._internal.abort import Endpoint, GroupConnections, shut_down_connections_to
 
 __all__ = ["Failure", "WorkerRuntime", "is_collateral", "is_peer_timeout"]
 
@@ -41,6 +41,8 @@ _COLLATERAL_MARKERS = (
     "Broken pipe",
     "NCCL communicator was aborted",
     "Socket Timeout",
+    # The rendezvous store's connection, shut by an abort (a peer lost while a group forms).
+    "Connection was likely closed",
     *_TIMEOUT_MARKERS,
 )
 
@@ -101,6 +103,8 @@ class WorkerRuntime:
         #: Counts the groups this process formed; an abort names the one it is meant for.
         self.generation = 0
         self._connections: Optional[GroupConnections] = None
+        #: While a group forms: where its rendezvous store is (what an abort can end then).
+        self._forming: Optional[Endpoint] = None
         self._aborted = False
         #: The process is ending (SIGTERM): the running call ends as the actor does.
         self.terminating = False
@@ -144,10 +148,15 @@ class WorkerRuntime:
         self.context = None
         self.rank = rank
         master, self._master_store = self._master_store, None
+        store = _pg.store_endpoint(host, port)
         with self._lock:
             self._connections, self._aborted = None, False
             self.generation = generation
-            self._connections = _pg.form_process_group(
+            # Until the group has formed, an abort can end only the waits in its rendezvous
+            # store (a peer lost meanwhile never writes its address there).
+            self._forming = store
+        try:
+            connections = _pg.form_process_group(
                 backend=backend,
                 host=host,
                 port=port,
@@ -156,7 +165,22 @@ class WorkerRuntime:
                 timeout_s=timeout_s,
                 formation_timeout_s=formation_timeout_s,
                 master_store=master,
+                store_endpoint=store,
             )
+        except Exception as exc:
+            if self._aborted:
+                # Said so that the driver reads it as a peer's failure, not this rank's.
+                raise RuntimeError(
+                    f"Connection closed by peer: forming the group was aborted ({exc})"
+                ) from exc
+            raise
+        finally:
+            with self._lock:
+                self._forming = None
+        with self._lock:
+            self._connections = connections
+            if self._aborted:  # the abort came as the group formed: it must not be used
+                connections.abort()
         device = _pg.select_device(gpu_index)
         self.context = _ctx.WorkerContext(
             world_rank=rank,
@@ -187,10 +211,17 @@ class WorkerRuntime:
         group is still that one (an abort that arrives after the group was re-formed is void).
         Whether there was a group to abort."""
         with self._lock:
-            if self._connections is None or generation not in (None, self.generation):
+            if generation not in (None, self.generation):
                 return False
+            if self._connections is None and self._forming is None:
+                return False
+            # Before the first wait is let out: the call it ends reads this to know why.
             self._aborted = True
-            shut = self._connections.abort()
+            if self._connections is not None:
+                shut = self._connections.abort()
+            else:
+                assert self._forming is not None
+                shut = shut_down_connections_to(self._forming)
         logger.info("rank %d aborted its group's collectives (%d connections)", self.rank, shut)
         return True
 

@@ -184,13 +184,16 @@ def form_group(
         local = head.local
         result = local.runtime.run(local.runtime.form, (), kwargs(head, local.gpu_index))
         record_local(outcome, 0, result)
-    # A rank lost while the others join leaves them waiting in the rendezvous until its timeout:
-    # they fail on their own by then, keep their process and state, and are never killed for it.
+    # A rank lost while the others join would leave them waiting in the rendezvous until its
+    # timeout: they are aborted out of it at once (their waits in the store end), and keep their
+    # process and state. One whose abort does not arrive fails on its own by its timeout and is
+    # never killed for it.
     collect(
         pending,
         outcome,
         kill=lambda r: kill_worker(workers[r], unresponsive=True),
         grace_s=formation_timeout_s + GRACE_S,
+        abort=lambda ranks: abort_workers([workers[r] for r in ranks], generation),
     )
     raise_for(outcome, node_of)
     for w in workers:

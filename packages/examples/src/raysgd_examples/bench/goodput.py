@@ -216,6 +216,9 @@ def _run_side(
                 pids = lambda: [w.pid for w in trainer.worker_group.workers]  # noqa: E731
                 with Injector(schedule, pids, job_s, _kill_after(schedule, args)) as injector:
                     trainer.train(num_steps=cfg["steps"], max_retries=100)
+                # Where the trainer itself says the time went (its own goodput's causes).
+                lost = {k: round(v, 2) for k, v in trainer.goodput()["lost_s"].items() if v}
+                print(f"    {side} {schedule}: the trainer's lost seconds {lost}", flush=True)
                 return injector.injected
             finally:
                 trainer.shutdown(force=True)
