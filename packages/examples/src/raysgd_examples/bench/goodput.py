@@ -185,7 +185,7 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
             }
             job_s = lines.get(line, 60.0)
             started = time.perf_counter()
-            recoveries = _run_side(side, schedule, cfg, args, job_s)
+            recoveries, trainer_lost = _run_side(side, schedule, cfg, args, job_s)
             wall = time.perf_counter() - started
             if schedule in ("clean", "drain_clean"):
                 lines[schedule] = wall
@@ -195,16 +195,20 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
                 "steps_redone": steps_done_twice(Timeline(cfg["timeline"])),
                 "recoveries": recoveries,
             }
+            if trainer_lost:
+                # Where a raysgd trainer itself says the time went (its goodput()'s causes).
+                result[schedule]["trainer_lost_s"] = trainer_lost
             print(f"    {side} {schedule}: {result[schedule]}", flush=True)
     return result
 
 
 def _run_side(
     side: str, schedule: str, cfg: dict[str, Any], args: argparse.Namespace, job_s: float
-) -> int:
-    """Run the job once under `schedule`; the failures injected."""
+) -> tuple[int, dict[str, float]]:
+    """Run the job once under `schedule`; the failures injected, and for a raysgd side the
+    seconds its trainer counted lost, by cause."""
     if schedule in ("drain", "drain_clean") and side in _RAY_SIDES:
-        return _run_drained(side, schedule == "drain", cfg, args, job_s)
+        return _run_drained(side, schedule == "drain", cfg, args, job_s), {}
     if side in _OURS:
         from raysgd_examples.bench import _raysgd
 
@@ -216,10 +220,8 @@ def _run_side(
                 pids = lambda: [w.pid for w in trainer.worker_group.workers]  # noqa: E731
                 with Injector(schedule, pids, job_s, _kill_after(schedule, args)) as injector:
                     trainer.train(num_steps=cfg["steps"], max_retries=100)
-                # Where the trainer itself says the time went (its own goodput's causes).
                 lost = {k: round(v, 2) for k, v in trainer.goodput()["lost_s"].items() if v}
-                print(f"    {side} {schedule}: the trainer's lost seconds {lost}", flush=True)
-                return injector.injected
+                return injector.injected, lost
             finally:
                 trainer.shutdown(force=True)
     pids = _timeline_pids(cfg["timeline"])
@@ -239,7 +241,7 @@ def _run_side(
                 _ray_train.fit({**cfg, "report": True}, num_workers=args.workers, max_failures=100)
         else:
             raise ValueError(f"unknown side {side!r}")
-    return injector.injected
+    return injector.injected, {}
 
 
 def _kill_after(schedule: str, args: argparse.Namespace) -> float:
