@@ -109,7 +109,8 @@ class WorkerRuntime:
         #: The process is ending (SIGTERM): the running call ends as the actor does.
         self.terminating = False
         # An abort arrives on another thread (the actor's control thread, the driver's collect);
-        # it must not run while a group is formed or left.
+        # it must not run while the group's connections are being set or dropped. While the
+        # group forms it reaches only the rendezvous store's connection (`_forming`).
         self._lock = threading.Lock()
 
     def describe(self) -> dict:
