@@ -8,6 +8,7 @@ hold; scripted attempts raise the errors a real group raises. Real losses are te
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -183,6 +184,25 @@ def test_observers_see_every_event_as_it_is_recorded_and_a_broken_one_stops_noth
     # The resize's group phases count as starting workers; its redone step at the call's pace.
     assert report["lost_s"]["start"] == pytest.approx(0.375)
     assert report["steps_redone"] == 1 and report["lost_s"]["redone"] == 2.0
+
+
+def test_the_step_in_flight_is_lost_time_once_and_finished_steps_lost_are_redone_time() -> None:
+    group = FakeGroup(size=2, room=2)
+    loop, _, _ = make_loop(group, 2)
+    meter = GoodputMeter()
+    loop.log.subscribe(meter.take)
+    # The survivors last finished a step 3 s before the loss was seen; 3 steps are redone: the
+    # one in flight and two finished ones (a snapshot older than the loss).
+    finished_at = time.time() - 3.0
+    loop.fake_state._restore = lambda report: RestoreOutcome(
+        "snapshot at step 5", 5, 3, finished_at
+    )  # type: ignore[attr-defined]
+    assert loop.run(Script(lambda: died(group, [1])), max_retries=3) == "done"
+    meter.end_call(step_s=2.0)
+    report = meter.report(failures=1)
+    assert report["steps_redone"] == 3
+    assert report["lost_s"]["detection"] == pytest.approx(3.0, abs=0.5)
+    assert report["lost_s"]["redone"] == 4.0  # the two finished steps, not the one in flight
 
 
 def test_shrink_when_the_lost_worker_cannot_be_replaced() -> None:

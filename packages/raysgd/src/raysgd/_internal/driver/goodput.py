@@ -9,7 +9,8 @@ resize cost), and the trainer adds what the workers report with each call:
 - `start`: starting, promoting and joining workers in every resize (the group's ping, leave,
   start and form phases);
 - `restore`: bringing the new group to the state it goes on from;
-- `redone`: steps started before a loss and done again, at the call's mean step time;
+- `redone`: steps finished before a loss, lost with it and done again, at the call's mean step
+  time (the step in flight is counted in `detection` up to the loss);
 - `checkpoint`: the training loop blocked by checkpoints (one asked for at the start of a call;
   the copy to host memory of `checkpoint_every`, and any wait for the upload before it);
 - `waiting`: the policy's backoff while no worker could start.
@@ -75,9 +76,12 @@ class GoodputMeter:
             self.lose("restore", phases.get("restore_s", 0.0))
             redone = int(event.steps_redone or 0)
             self.steps_redone += redone
-            self._redone_pending += redone
             if self._failure_at is not None and event.state_at is not None:
                 self.lose("detection", self._failure_at - event.state_at)
+                # The step in flight when the loss came is one of the redone ones; its time up
+                # to the loss is already in `detection`, and its second run is kept work.
+                redone = max(0, redone - 1)
+            self._redone_pending += redone
             self._failure_at = None
 
     def report(self, failures: int) -> dict[str, Any]:
