@@ -360,33 +360,3 @@ def test_compile_trains_under_ddp_and_fsdp() -> None:
         finally:
             trainer.shutdown()
     assert losses["fsdp"] == pytest.approx(losses["ddp"], rel=LOSS_RTOL)
-
-
-def test_snapshot_folders_left_by_killed_workers_are_swept(tmp_path) -> None:
-    """A worker killed during a sharded snapshot cannot remove its scratch folder (on /dev/shm:
-    memory); the next worker to snapshot removes those untouched for an hour, and nothing else."""
-    import time
-
-    from raysgd._internal.worker.sharded import (
-        SNAPSHOT_PREFIX,
-        STALE_AFTER_S,
-        sweep_stale_snapshots,
-    )
-
-    now = time.time()
-    dead = tmp_path / f"{SNAPSHOT_PREFIX}dead"
-    (dead / "sub").mkdir(parents=True)
-    (dead / "__0_0.distcp").write_bytes(b"x" * 1000)
-    live = tmp_path / f"{SNAPSHOT_PREFIX}live"
-    live.mkdir()
-    not_ours = tmp_path / "someone-elses"
-    not_ours.mkdir()
-    a_file = tmp_path / f"{SNAPSHOT_PREFIX}file"
-    a_file.write_bytes(b"")
-    old = now - STALE_AFTER_S - 60
-    for path in (dead, not_ours, a_file):
-        os.utime(path, (old, old))
-    assert sweep_stale_snapshots([str(tmp_path), str(tmp_path / "missing")], now=now) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [live.name, not_ours.name, a_file.name]
-    )

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from ray import tune
 from ray.tune.schedulers import PopulationBasedTraining
 
+from raysgd_core.scratch import SCRATCH_PREFIX
 from raysgd_tune import (
     DistributedTrainableCreator,
     distributed_checkpoint_dir,
@@ -36,8 +37,12 @@ def report_and_checkpoint(config, checkpoint_dir=None):
         with distributed_checkpoint_dir(step=step) as path:
             with open(os.path.join(path, f"written_by_rank{rank}"), "w") as f:
                 f.write(str(step))
-        # Non-zero ranks got a throw-away folder, removed when the block ended.
+        # Non-zero ranks got a throw-away folder, removed when the block ended. Each is in its
+        # worker's scratch folder, which goes with the process if it is killed first.
         others_cleaned = _all_ranks_agree(rank == 0 or not os.path.exists(path))
+        in_scratch = _all_ranks_agree(
+            os.path.basename(os.path.dirname(path)).startswith(SCRATCH_PREFIX)
+        )
         tune.report(
             {
                 "step": step,
@@ -45,6 +50,7 @@ def report_and_checkpoint(config, checkpoint_dir=None):
                 "world_size": world,
                 "distributed": is_distributed_trainable(),
                 "others_cleaned": others_cleaned,
+                "in_scratch": in_scratch,
                 "lr": config["lr"],
                 "trial_name": tune.get_context().get_trial_name(),
             }
@@ -77,7 +83,7 @@ def test_reports_and_checkpoint_reach_tune(ray_local, tune_storage, nothing_leak
     metrics = result.metrics
     assert metrics["training_iteration"] == 3
     assert (metrics["step"], metrics["rank"], metrics["world_size"]) == (2, 0, 2)
-    assert metrics["distributed"] and metrics["others_cleaned"]
+    assert metrics["distributed"] and metrics["others_cleaned"] and metrics["in_scratch"]
     assert metrics["lr"] == 0.5
     # tune.get_context() works on the workers too: it names this trial (its folder's prefix).
     assert metrics["trial_name"].startswith("Distributed_report_and_checkpoint")

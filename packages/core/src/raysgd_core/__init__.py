@@ -25,6 +25,7 @@ from raysgd_core.options import (
     resolve_timeout,
 )
 from raysgd_core.ray_options import WORKER_PRELOAD_MODULES, ensure_ray, local_ray_options
+from raysgd_core.scratch import scratch_dir
 from raysgd_core.shipping import ship_by_value, shipped_by_value
 
 __version__ = "0.1.0"
@@ -50,6 +51,7 @@ __all__ = [
     "resolve_backend",
     "resolve_timeout",
     "resolve_use_gpu",
+    "scratch_dir",
     "set_collective_timeout",
     "ship_by_value",
     "shipped_by_value",

@@ -28,7 +28,7 @@ import ray
 from ray import tune
 
 from raysgd_base import check_int
-from raysgd_core import GroupOptions, resolve_use_gpu, ship_by_value
+from raysgd_core import GroupOptions, resolve_use_gpu, scratch_dir, ship_by_value
 from raysgd_tune._internal import worker_run
 from raysgd_tune._internal.ray_session import trial_info as current_trial_info
 from raysgd_tune._internal.resources import worker_bundles_request
@@ -63,7 +63,11 @@ def distributed_checkpoint_dir(step: int, disable: bool = False) -> Iterator[str
     """
     run = worker_run.current_run()
     keep = run is not None and run.rank == 0 and not disable
-    path = tempfile.mkdtemp(prefix=f"raysgd_checkpoint_{step}_")
+    # In this worker's scratch folder: a folder left by a worker killed before it reported (a
+    # trial stopped by its scheduler) is removed once that process is gone.
+    path = tempfile.mkdtemp(
+        prefix=f"checkpoint_{step}_", dir=scratch_dir() if run is not None else None
+    )
     try:
         yield path
     except BaseException:

@@ -24,8 +24,11 @@ class WorkerActor:
 
             host_memory.keep_freed_memory()
         from raysgd_core._internal.runtime import WorkerRuntime
+        from raysgd_core.scratch import sweep_scratch
 
         self._runtime = WorkerRuntime()
+        # What workers killed on this node before left behind (they could not remove it).
+        sweep_scratch()
         self._chain_sigterm()
         # Pay torch's import now, while the other actors start in parallel, not on the first call.
         import torch.distributed  # noqa: F401

@@ -27,6 +27,7 @@ from typing import Any
 import ray
 import torch.distributed as dist
 
+from raysgd_core import scratch_dir
 from raysgd_tune._internal.ray_session import TrialInfo, installed_session
 
 __all__ = [
@@ -158,7 +159,9 @@ class WorkerRun:
         try:
             if checkpoint is not None:
                 # Each worker gets its own copy, on its own node (the storage may be remote).
-                restore_dir = checkpoint.to_directory(tempfile.mkdtemp(prefix="raysgd_restore_"))
+                restore_dir = checkpoint.to_directory(
+                    tempfile.mkdtemp(prefix="restore_", dir=scratch_dir())
+                )
             with installed_session(_ForwardingSession(self, trial_info, checkpoint)):
                 _CURRENT = self
                 func(config, checkpoint_dir=restore_dir)

@@ -56,10 +56,10 @@ from raysgd._internal.worker.state import (
     keep,
     load_into,
 )
-from raysgd_core import get_context
+from raysgd_core import get_context, scratch_dir
 from raysgd_operator import AverageMeterCollection, CallRecord, OperatorRunner
 
-__all__ = ["Generation", "ShardedState", "Snapshots", "sweep_stale_snapshots"]
+__all__ = ["Generation", "ShardedState", "Snapshots"]
 
 logger = logging.getLogger("raysgd")
 
@@ -104,53 +104,22 @@ def _read_into_tensors(directory: str) -> dict[str, torch.Tensor]:
 #: How long dropping a sharded state waits for the snapshot in flight to finish.
 CLOSE_WAIT_S = 5.0
 
-#: The start of a snapshot's scratch folder's name.
-SNAPSHOT_PREFIX = "raysgd-snapshot-"
-#: Memory as a folder, where a snapshot's scratch folder goes when it fits (`_scratch_dir`).
+#: The start of a snapshot's folder's name (in this process's scratch folder).
+SNAPSHOT_PREFIX = "snapshot-"
+#: Memory as a folder, where a snapshot's folder goes when it fits (`_scratch_dir`).
 _SHM = "/dev/shm"
-#: A snapshot's thread removes its scratch folder within seconds (the swap is bounded by
-#: `SWAP_TIMEOUT_S`); one untouched for this long belongs to a process that was killed first.
-STALE_AFTER_S = 3600.0
 
 
-def sweep_stale_snapshots(
-    parents: Optional[list[str]] = None, *, now: Optional[float] = None
-) -> int:
-    """Remove the scratch folders that killed workers' snapshots left in `parents` (default: the
-    places `_scratch_dir` picks); how many went. Without this a node whose workers are killed
-    again and again (out of memory, fault injection) would collect them, in memory on /dev/shm."""
-    now = time.time() if now is None else now
-    removed = 0
-    for parent in parents if parents is not None else [_SHM, tempfile.gettempdir()]:
-        try:
-            entries = list(os.scandir(parent))
-        except OSError:
-            continue
-        for entry in entries:
-            try:
-                stale = (
-                    entry.name.startswith(SNAPSHOT_PREFIX)
-                    and entry.is_dir(follow_symlinks=False)
-                    and now - entry.stat(follow_symlinks=False).st_mtime > STALE_AFTER_S
-                )
-            except OSError:  # gone meanwhile
-                continue
-            if stale:
-                shutil.rmtree(entry.path, ignore_errors=True)
-                removed += 1
-    return removed
-
-
-def _scratch_dir(expected_bytes: int) -> Optional[str]:
+def _scratch_dir(expected_bytes: int) -> str:
     """Where a snapshot's files go for the moment between DCP writing them and this worker
-    reading them back: memory (/dev/shm) when it has room for them twice over, else the default
-    temporary directory."""
+    reading them back: this process's scratch folder in memory (/dev/shm) when it has room for
+    them twice over, else in the default temporary directory."""
     try:
         if shutil.disk_usage(_SHM).free > 2 * expected_bytes:
-            return _SHM
+            return scratch_dir(_SHM)
     except OSError:
         pass
-    return None
+    return scratch_dir()
 
 
 class Snapshots:
@@ -193,7 +162,6 @@ class Snapshots:
             # Collectives of this group run in threads beside training's: a group of their own,
             # on the CPU (DCP stages to CPU memory), never in the way of the training group.
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=SWAP_TIMEOUT_S))
-            sweep_stale_snapshots()
         runner, rank = self.runner, dist.get_rank()
         started = time.perf_counter()
         if self.schedule.auto:
@@ -431,7 +399,7 @@ class ShardedState(WorkerState):
         store) or handed back for the driver to write; rank 0 adds the rest of the state."""
         rank = get_context().world_rank
         direct = folder.is_local and os.path.isdir(folder.path)
-        directory = folder.path if direct else tempfile.mkdtemp(prefix="raysgd-part-")
+        directory = folder.path if direct else tempfile.mkdtemp(prefix="part-", dir=scratch_dir())
         try:
             rest = self.runner.save_sharded(directory)
             rank_states = gather_rank_states(self.runner, 0)

@@ -32,7 +32,7 @@ from raysgd._internal.storage.location import Storage
 from raysgd._internal.worker.runner import RunnerArgs
 from raysgd._internal.worker.slot import this_worker
 from raysgd._internal.worker.transfer import flatten
-from raysgd_core import get_context
+from raysgd_core import get_context, scratch_dir
 from raysgd_operator import OperatorRunner
 
 __all__ = [
@@ -223,7 +223,7 @@ def load_into(runner: OperatorRunner, source: LoadSource, rank_source: Optional[
     # Fetch only the files holding parts of this worker's new shard (all when it cannot tell).
     names = set(files) if isinstance(files, dict) else set(files.listdir())
     needed = runner.needed_files(source.metadata) or {n for n in names if n.endswith(".distcp")}
-    directory = tempfile.mkdtemp(prefix="raysgd-load-")
+    directory = tempfile.mkdtemp(prefix="load-", dir=scratch_dir())
     try:
         _write(directory, METADATA_FILE, source.metadata)
         bundles: dict[int, dict[str, Any]] = {}
