@@ -1,7 +1,8 @@
-"""Shared fixtures: one local Ray cluster per test session, multi-node clusters on demand.
+"""Shared fixtures: one local Ray cluster per test process, multi-node clusters on demand.
 
-Starting Ray costs about 3 s, so tests share one local cluster (told it has 4 CPUs so that 4 workers
-fit on this 2-core machine). Tests that need several nodes use `ray_multinode`, which stops the shared
+Starting Ray costs about 3 s, so the tests of one process share one local cluster (told it has 4
+CPUs so that 4 workers fit on a 2-core machine); `hatch run test` runs two such processes, each
+with its own cluster, so nothing here may count what the whole machine holds. Tests that need several nodes use `ray_multinode`, which stops the shared
 cluster, gives the test a `ray.cluster_utils.Cluster`, and leaves Ray stopped afterwards; the next test
 asking for `ray_local` starts the shared cluster again.
 """

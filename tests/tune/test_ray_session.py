@@ -7,6 +7,7 @@ raysgd_tune gives its workers a session through a private global of Ray (in one 
 
 from __future__ import annotations
 
+import pytest
 from ray import tune
 
 from raysgd_tune._internal.ray_session import TrialInfo, installed_session
@@ -24,5 +25,7 @@ def test_public_tune_calls_reach_the_installed_session() -> None:
         assert (context.get_trial_id(), context.get_trial_dir()) == ("abc", "/t")
     taken = run.poll(0.0, trial_node_id="", take=True)
     assert [r.metrics for r in taken.reports] == [{"loss": 0.5}]
-    # Outside the block the process has no session again: Tune's calls return their defaults.
-    assert tune.get_checkpoint() is None
+    # Outside the block the process has no session again: Tune's calls return their defaults
+    # (and Tune warns that it was called outside a trial).
+    with pytest.warns(UserWarning, match="get_checkpoint"):
+        assert tune.get_checkpoint() is None

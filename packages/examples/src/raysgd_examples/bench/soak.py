@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from raysgd_core.scratch import SCRATCH_PREFIX
 from raysgd_examples.bench import _common
 
 __all__ = ["main", "snapshot"]
@@ -54,29 +55,55 @@ def snapshot() -> dict[str, float]:
         "threads": float(len(os.listdir("/proc/self/task"))),
         "placement_groups": float(len(pgs)),
         "worker_processes": float(_worker_processes()),
-        "dev_shm_files": float(len(os.listdir("/dev/shm"))) if os.path.isdir("/dev/shm") else 0.0,
+        "dev_shm_files": float(_dev_shm_files()),
         "raysgd_temp_entries": float(
-            sum(1 for name in os.listdir(temp) if name.startswith(("raysgd", ".raysgd")))
+            sum(
+                name.startswith(("raysgd", ".raysgd")) and not name.startswith(SCRATCH_PREFIX)
+                for name in os.listdir(temp)
+            )
         ),
         "ray_nodes_alive": float(sum(1 for n in ray.nodes() if n.get("Alive"))),
     }
 
 
+def _dev_shm_files() -> int:
+    """The entries in /dev/shm (memory), less workers' scratch folders: those belong to a live
+    process, or are removed once it is gone (`raysgd_core.scratch_dir`)."""
+    if not os.path.isdir("/dev/shm"):
+        return 0
+    return sum(not name.startswith(SCRATCH_PREFIX) for name in os.listdir("/dev/shm"))
+
+
 def _worker_processes() -> int:
-    """raysgd's worker actors alive on this machine, spares included.
+    """raysgd's worker actors alive in this Ray session, spares included.
 
     Counted from the processes themselves (a killed or shut-down actor whose process lingers is
-    what this should catch): Ray titles an actor's process ``ray::<its class>``, and raysgd's
-    worker class is ``WorkerActor`` (the suite's soak test fails if that changes).
+    what this should catch): Ray titles an actor's process ``ray::<its class>`` (raysgd's worker
+    class is ``WorkerActor``: the suite's soak test fails if that changes), and starts it from
+    the raylet of its node. Only the children of this session's raylets count, so that another
+    Ray session on the machine (a second test process, another user's job) is not counted.
     """
-    title = b"ray::WorkerActor"
-    count = 0
+    import ray
+
+    sockets = [
+        f"--raylet_socket_name={node['RayletSocketName']}".encode()
+        for node in ray.nodes()
+        if node.get("Alive")
+    ]
+    raylets: set[str] = set()
+    workers: dict[str, str] = {}  # pid -> parent pid
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            count += Path(f"/proc/{pid}/cmdline").read_bytes().startswith(title)
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if command.startswith(b"ray::WorkerActor"):
+                # The parent pid is the field after the parenthesised command name.
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                workers[pid] = stat.rsplit(")", 1)[1].split()[1]
+            elif any(socket in command for socket in sockets):
+                raylets.add(pid)
         except OSError:  # the process ended while we looked
             pass
-    return count
+    return sum(parent in raylets for parent in workers.values())
 
 
 def _operator_cls() -> type:
