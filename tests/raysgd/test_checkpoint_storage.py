@@ -371,8 +371,9 @@ def test_a_run_whose_driver_was_killed_goes_on_at_its_row(
     killed_rows = len(rows_by_epoch(marks)[2])
     killed_steps = first_epoch + math.ceil(killed_rows / GLOBAL_BATCH)
     # One upload in flight, and the next checkpoint waits for it: the newest complete one is
-    # less than two intervals behind (one when no upload was in flight at the kill).
-    assert killed_steps - newest.step < 2 * every
+    # at most two intervals behind (exactly two when the workers were stopped while the next
+    # checkpoint waited; one when no upload was in flight).
+    assert killed_steps - newest.step <= 2 * every
 
     # Started again: it loads the newest complete checkpoint and goes on at the row after it.
     resumed = _run_driver(tmp_path / "ckpt", marks, 0)
