@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -27,8 +28,9 @@ class WorkerActor:
         from raysgd_core.scratch import sweep_scratch
 
         self._runtime = WorkerRuntime()
-        # What workers killed on this node before left behind (they could not remove it).
-        sweep_scratch()
+        # What workers killed on this node before left behind (they could not remove it): in a
+        # thread of its own, so that a large folder's removal does not delay this worker's start.
+        threading.Thread(target=sweep_scratch, name="raysgd-scratch-sweep", daemon=True).start()
         self._chain_sigterm()
         # Pay torch's import now, while the other actors start in parallel, not on the first call.
         import torch.distributed  # noqa: F401
