@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from tests._support.ranks import run_ranks
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
@@ -23,27 +21,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Run _dist_worker.py as ranks 0 and 1 of a gloo group; return what each recorded."""
     tmp = tmp_path_factory.mktemp("gloo")
     init_file = tmp / "init"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(rank), "2", str(init_file), str(tmp)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=90)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for proc, output in zip(procs, outputs):
-        assert proc.returncode == 0, output
+    run_ranks(WORKER, 2, lambda rank: (str(rank), "2", str(init_file), str(tmp)))
     return [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 

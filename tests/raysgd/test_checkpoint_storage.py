@@ -92,12 +92,17 @@ def test_save_and_load_through_an_s3_server_with_ddp_and_fsdp(ray_local: None, s
         ddp.shutdown()
 
     # A sharded state: every worker writes its part straight to the bucket; loaded on 3 workers.
+    # The periodic checkpoints are written from the in-memory snapshots' host copies, in the
+    # background: the one at the epoch's last step (8) holds the same weights.
+    periodic = Storage(s3_server.url(prefix, "periodic"), options)
     fsdp = TorchTrainer(
         training_operator_cls=LinearOperator,
         num_workers=2,
         config={BATCH_SIZE: GLOBAL_BATCH, "width": 8},
         strategy="fsdp",
         storage_options=options,
+        checkpoint_dir=periodic.url,
+        checkpoint_every=4,
     )
     try:
         fsdp.train()
@@ -122,6 +127,11 @@ def test_save_and_load_through_an_s3_server_with_ddp_and_fsdp(ray_local: None, s
         three.load(folder)
         assert all(torch.allclose(a, b) for a, b in zip(expected, _weights(three)))
         assert three.epoch == 1
+        assert [c.step for c in complete_checkpoints(periodic)] == [4, 8]
+        newest = newest_complete(periodic)
+        assert newest is not None and set(newest.location.listdir()) >= set(parts)
+        three.load(newest.location.url)
+        assert all(torch.allclose(a, b) for a, b in zip(expected, _weights(three)))
     finally:
         three.shutdown()
 

@@ -66,8 +66,8 @@ def test_the_newest_snapshot_whose_every_part_survived_is_restored() -> None:
     # Rank 0 holds its own part and rank 1's of the snapshots at steps 5 and 6; step 6 lacks
     # rank 1's part (its swap was cut short), so step 5 is the newest complete one.
     held = [
-        _held(5, 2, {0: (["a"], "ref0", _meters(1)), 1: (["b"], "ref1", _meters(1))}, rows=16),
-        _held(6, 2, {0: (["a"], "ref0", _meters(2))}, rows=32),
+        _held(5, 2, {0: _meters(1), 1: _meters(1)}, rows=16),
+        _held(6, 2, {0: _meters(2)}, rows=32),
     ]
     plan = plan_from_snapshots([Holding(survivor, tuple(held)), Holding(None)], world_size=2)
     assert plan.found and plan.step == 5 and plan.call is not None
@@ -75,7 +75,7 @@ def test_the_newest_snapshot_whose_every_part_survived_is_restored() -> None:
     # The call's rows are those up to the snapshot: the redone steps are not counted twice.
     assert plan.call.rows == 16
     assert plan.steps_redone == 3  # 6 and 7 finished, 8 in flight: all redone from 5
-    assert plan.snapshot is not None and plan.snapshot.files == {"a": "ref0", "b": "ref1"}
+    assert plan.snapshot is not None and plan.snapshot.holders == {0: 0, 1: 0}
     assert [m.summary()["num_samples"] for m in plan.snapshot.meters] == [8, 8]
 
 
@@ -87,7 +87,7 @@ def test_a_snapshot_of_the_call_before_brings_no_metrics_into_this_one() -> None
     # metrics must not be counted again in call 2.
     call = CallRecord(call_id=2, num_steps=None, start_step=4, steps=1, rows=16)
     survivor = Progress(step=5, epoch=2, clean=True, in_batch=False, call=call)
-    held = _held(4, 1, {0: (["a"], "r0", _meters(4)), 1: (["b"], "r1", _meters(4))}, rows=64)
+    held = _held(4, 1, {0: _meters(4), 1: _meters(4)}, rows=64)
     plan = plan_from_snapshots([Holding(survivor, (held,)), Holding(None)], world_size=2)
     assert plan.step == 4 and plan.call is not None and plan.call.call_id == 2
     assert plan.call.rows == 0  # nor its rows
@@ -97,7 +97,7 @@ def test_a_snapshot_of_the_call_before_brings_no_metrics_into_this_one() -> None
 def test_without_every_part_there_is_nothing_to_restore_from() -> None:
     from raysgd._internal.driver.restore_plan import Holding, missing_parts, plan_from_snapshots
 
-    held = _held(5, 2, {0: (["a"], "ref0", None)})
+    held = _held(5, 2, {0: None})
     holdings = [Holding(_p(5), (held,)), Holding(None)]
     assert not plan_from_snapshots(holdings, world_size=2).found
     assert missing_parts(holdings) == [1]

@@ -29,7 +29,10 @@ __version__ = "0.1.0"
 
 #: The modules a worker imports to write or read a sharded (DCP) state, on first use only: a
 #: process started ahead of time (a spare worker) can import them while it waits.
-SHARDED_STATE_IMPORTS: tuple[str, ...] = ("raysgd_operator._internal.sharded",)
+SHARDED_STATE_IMPORTS: tuple[str, ...] = (
+    "raysgd_operator._internal.sharded",
+    "raysgd_operator.sharded_memory",
+)
 
 
 def read_dcp_metadata(data: bytes) -> Any:

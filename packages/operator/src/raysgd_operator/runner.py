@@ -511,21 +511,23 @@ class OperatorRunner:
             return None
         return self._meters.snapshot()
 
-    def load_sharded(self, directory: str, state: dict[str, Any]) -> None:
-        """Load a checkpoint directory written by `save_sharded` (with any number of workers),
-        resharded to this group, plus the `state` it returned. A collective, for any strategy."""
+    def load_sharded(self, source: Any, state: dict[str, Any]) -> None:
+        """Load a checkpoint directory written by `save_sharded` (with any number of workers), or
+        a state kept in memory (a `sharded_memory.reader`), resharded to this group, plus the
+        `state` that came with it. A collective, for any strategy."""
         _dcp().load_files(
             self.components.models,
             self.components.optimizers,
-            directory,
+            source,
             dict(state.get("tensor_others") or {}),
         )
         self._load_progress(state)
 
-    def needed_files(self, metadata: bytes) -> set[str]:
-        """The data files of a checkpoint with `metadata` that loading it here reads."""
+    def needed_parts(self, metadata: bytes) -> set[Any]:
+        """The parts of a sharded state with `metadata` that loading it here reads: a checkpoint
+        folder's data files, or the ranks whose kept chunks it reads (empty: all of them)."""
         parts = self.components
-        return _dcp().needed_files(parts.models, parts.optimizers, metadata)
+        return _dcp().needed_parts(parts.models, parts.optimizers, metadata)
 
     def _load_progress(self, state: dict[str, Any]) -> None:
         op, schedulers = self.operator, self.components.schedulers

@@ -10,14 +10,22 @@ first snapshot), and after training the bytes of parameters, gradients and optim
 counted from its local tensors), its peak memory, and the samples per second over the timed
 steps (``--steps 0``: construction only). Ratios are against ddp.
 
-    hatch run bench:fsdp [--quick] [--steps N] [--workers N] [--width W] [--layers L] [--out DIR]
+With ``--kill-at K`` the last worker exits at step K of the timed steps of the sharded sides
+(ddp is not run), and the trainer restores it: ``restore_s`` is that phase of the recovery (the
+lost shards brought back from the survivors' in-memory snapshots into the new group, on the
+replacement and on every survivor), ``recovery_s`` the whole resize.
+
+    hatch run bench:fsdp [--quick] [--steps N] [--workers N] [--width W] [--layers L]
+                         [--kill-at K] [--snapshot-every N] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -50,6 +58,18 @@ class _Operator(TrainingOperator):
         # The model is built, sharded and filled by now; what follows (the trainer's first
         # snapshot under fsdp) is not the model's cost.
         self.built_peak_mb = _peak_bytes(self.device) / 2**20
+        self.kill_at, self.marker = config.get("kill_at"), config.get("marker")
+
+    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        if (
+            self.kill_at is not None
+            and self.global_step == self.kill_at
+            and self.world_rank == self.world_size - 1
+            and not os.path.exists(self.marker)
+        ):
+            open(self.marker, "w").close()  # the replacement trains on
+            os._exit(1)
+        return super().train_batch(batch, batch_info)
 
 
 def _peak_bytes(device: torch.device) -> int:
@@ -83,6 +103,7 @@ def _worker_memory(operator: Any) -> dict[str, float]:
 
 def _side(side: str, args: argparse.Namespace) -> dict[str, Any]:
     strategy = "ddp" if side == "ddp" else "fsdp"
+    marker = os.path.join(tempfile.mkdtemp(prefix="bench-fsdp-"), "killed")
     trainer = TorchTrainer(
         training_operator_cls=_Operator,
         config={
@@ -91,11 +112,15 @@ def _side(side: str, args: argparse.Namespace) -> dict[str, Any]:
             "layers": args.layers,
             "steps": args.steps,
             "meta": side == "fsdp_meta",
+            # The timed steps start after the warm-up's 2.
+            "kill_at": None if args.kill_at is None else 2 + args.kill_at,
+            "marker": marker,
         },
         num_workers=args.workers,
         use_gpu="auto",
         strategy=strategy,
         strategy_args={"shard_modules": nn.TransformerEncoderLayer} if strategy == "fsdp" else None,
+        snapshot_every=args.snapshot_every if strategy == "fsdp" else "auto",
     )
     try:
         built = trainer.apply_all_operators(_worker_memory)
@@ -106,8 +131,16 @@ def _side(side: str, args: argparse.Namespace) -> dict[str, Any]:
         if args.steps:
             trainer.train(num_steps=2, max_retries=0)  # warm-up (allocator, first collectives)
             started = time.perf_counter()
-            trainer.train(num_steps=args.steps, max_retries=0)
+            trainer.train(num_steps=args.steps, max_retries=0 if args.kill_at is None else 1)
             elapsed = time.perf_counter() - started
+            resizes = [e for e in trainer.recovery_events if e.kind == "resize"]
+            if resizes:
+                phases = dict(resizes[0].phases)
+                result.update(
+                    restore_s=phases.get("restore_s", 0.0),
+                    recovery_s=sum(phases.values()),
+                    restored_from=resizes[0].source,
+                )
             memory = trainer.apply_all_operators(_worker_memory)
             result.update(
                 samples_per_s=args.steps * args.batch * args.workers / elapsed,
@@ -127,14 +160,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--quick", action="store_true", help="a small model and few steps")
+    parser.add_argument(
+        "--kill-at", type=int, default=None, help="the sharded sides lose a worker at this step"
+    )
+    parser.add_argument(
+        "--snapshot-every",
+        type=lambda v: v if v == "auto" else int(v),
+        default="auto",
+        help='the sharded sides\' snapshot_every (an int or "auto")',
+    )
     parser.add_argument("--out", default="bench_results")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.width, args.layers = 4, 64, 2
-    sides = {side: _side(side, args) for side in ("ddp", "fsdp", "fsdp_meta")}
+    names = ("fsdp", "fsdp_meta") if args.kill_at is not None else ("ddp", "fsdp", "fsdp_meta")
+    sides = {side: _side(side, args) for side in names}
     ratios = {
         side: {key: sides[side][key] / base for key, base in sides["ddp"].items() if base}
         for side in ("fsdp", "fsdp_meta")
+        if "ddp" in sides
     }
     result = {
         "benchmark": "fsdp",

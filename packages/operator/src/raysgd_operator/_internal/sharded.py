@@ -21,13 +21,18 @@ import io
 import os
 import pickle
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import (
+    CheckpointException,
+    FileSystemReader,
+    FileSystemWriter,
+    StorageReader,
+)
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
@@ -47,7 +52,7 @@ __all__ = [
     "load_files",
     "load_full",
     "merge",
-    "needed_files",
+    "needed_parts",
     "read_metadata",
     "save_files",
     "split",
@@ -117,13 +122,18 @@ def tensor_state(
     return tensors, others
 
 
-def save_files(tensors: dict[str, Any], directory: str) -> None:
-    """Write this worker's part of `tensors` under `directory` (a collective over the group).
+def save_files(tensors: dict[str, Any], directory: str, group: Any = None) -> None:
+    """Write this worker's part of `tensors` under `directory` (a collective over `group`, by
+    default the whole process group).
 
     Each worker may pass its own directory: the data files are per worker, and the worker of rank 0
     also writes the metadata file there.
     """
-    dcp.save(tensors, storage_writer=FileSystemWriter(directory, single_file_per_rank=True))
+    dcp.save(
+        tensors,
+        storage_writer=FileSystemWriter(directory, single_file_per_rank=True),
+        process_group=group,
+    )
 
 
 class _TensorsOnlyPlanner(DefaultLoadPlanner):
@@ -171,11 +181,16 @@ class _SafeReader(FileSystemReader):
 def load_files(
     models: Sequence[nn.Module],
     optimizers: Sequence[Optimizer],
-    directory: str,
+    source: Union[str, StorageReader],
     others: dict[str, Any],
 ) -> None:
-    """Load the tensors under `directory` (resharded to this group) plus `others` into the models
-    and optimizers. A collective over the group."""
+    """Load the tensors of `source` (a directory, or a reader of a state kept in memory:
+    `sharded_memory.reader`), resharded to this group, plus `others` into the models and
+    optimizers. A collective over the group."""
+    if isinstance(source, StorageReader):
+        storage_reader, directory = source, "the in-memory snapshot"
+    else:
+        storage_reader, directory = _SafeReader(source), source
     live, _ = tensor_state(models, optimizers)
     # DCP copies each tensor into the template as it reads it. Reading into copies, and setting
     # the state only once every file was read, leaves the worker as it was when a file turns out
@@ -184,10 +199,10 @@ def load_files(
     del live
     error: Optional[str] = None
     try:
-        dcp.load(template, storage_reader=_SafeReader(directory), planner=_TensorsOnlyPlanner())
+        dcp.load(template, storage_reader=storage_reader, planner=_TensorsOnlyPlanner())
     except CheckpointException as exc:  # a BaseException holding each failed rank's traceback
         error = _first_failure(exc, directory)
-    except ValueError as exc:  # `_SafeReader`'s, naming the file
+    except ValueError as exc:  # the reader's, naming the file or chunk
         error = str(exc)
     # A rank's read failure does not always reach the others: they agree before any of them
     # sets its state, so that all of them keep the state they had, and all raise the same reason.
@@ -241,10 +256,12 @@ def _first_failure(exc: CheckpointException, directory: str) -> str:
     return f"checkpoint {directory} cannot be loaded"
 
 
-def needed_files(
+def needed_parts(
     models: Sequence[nn.Module], optimizers: Sequence[Optimizer], metadata: bytes
-) -> set[str]:
-    """The data files this worker reads when loading a checkpoint with `metadata` (no collective).
+) -> set[Any]:
+    """The parts this worker reads when loading a state with `metadata` (no collective): the data
+    files of a checkpoint folder, the ranks whose chunks it reads of a state kept in memory
+    (`sharded_memory`); empty when the layout is not one of these (then it needs them all).
 
     Lets a worker fetch only the shards that overlap its own part instead of the whole model.
     """
@@ -253,13 +270,16 @@ def needed_files(
     meta = read_metadata(metadata)
     planner.set_up_planner(template, meta, is_coordinator=False)
     plan = planner.create_local_plan()
-    files = set()
+    parts: set[Any] = set()
     for item in plan.items:
         info = meta.storage_data.get(item.storage_index) if meta.storage_data else None
-        if info is None or not hasattr(info, "relative_path"):
+        if hasattr(info, "relative_path"):
+            parts.add(str(info.relative_path))  # type: ignore[union-attr]
+        elif isinstance(info, int):
+            parts.add(info)  # the rank that kept the chunk in memory
+        else:
             return set()  # a layout this function does not know: the caller fetches everything
-        files.add(str(info.relative_path))
-    return files
+    return parts
 
 
 _TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)

@@ -57,8 +57,8 @@ class HeldSnapshot:
         metadata: DCP's metadata of the parts.
         state: The small rest of the state (epoch, position, schedulers, ...).
         call: The `train()` call in progress when it was taken.
-        parts: Old rank -> (its file names, an ObjectRef of ``{name: data}``, the call's metrics
-            of that rank up to the snapshot): this worker's own part and its peer's copy.
+        parts: The old ranks whose parts it holds (its own and its peer's copy), each with the
+            call's metrics of that rank up to the snapshot.
     """
 
     step: int
@@ -66,7 +66,7 @@ class HeldSnapshot:
     metadata: bytes
     state: dict[str, Any]
     call: Optional[CallRecord]
-    parts: Mapping[int, tuple[Sequence[str], Any, Optional[AverageMeterCollection]]]
+    parts: Mapping[int, Optional[AverageMeterCollection]]
 
 
 @dataclass(frozen=True)
@@ -89,14 +89,15 @@ class SnapshotPlan:
     Attributes:
         metadata: DCP's metadata.
         state: The small rest of the state.
-        files: Every part's file name -> the ObjectRef of the ``{name: data}`` that holds it.
+        holders: Every part (old rank) -> the rank of the re-formed group that holds it and
+            sends it to the workers that need it and lack it.
         meters: New rank -> its share of the interrupted call's metrics up to the snapshot
             (new rank r takes those of old ranks r, r + n, ...).
     """
 
     metadata: bytes
     state: dict[str, Any]
-    files: dict[str, Any]
+    holders: dict[int, int]
     meters: list[Optional[AverageMeterCollection]]
 
 
@@ -262,7 +263,6 @@ def plan_from_snapshots(holdings: Sequence[Holding], world_size: int) -> Restore
     }
     parts = {part: snapshots[rank].parts[part] for part, rank in holders.items()}
     newest = snapshots[holders[0]]
-    files = {name: ref for names, ref, _ in parts.values() for name in names}
     meters: list[Optional[AverageMeterCollection]] = [None] * world_size
     # The metrics a snapshot holds are those of the call it was taken in: only when that is the
     # call going on do they count (a snapshot at a call's first step may be the last of the one
@@ -274,7 +274,7 @@ def plan_from_snapshots(holdings: Sequence[Holding], world_size: int) -> Restore
         # snapshot's own record counted (none when the snapshot is older than the call).
         call = replace(call, rows=taken_in.rows if same_call else 0)
     for old_rank in sorted(parts) if same_call else ():
-        share = parts[old_rank][2]
+        share = parts[old_rank]
         if share is None:
             continue
         index = old_rank % world_size
@@ -286,7 +286,7 @@ def plan_from_snapshots(holdings: Sequence[Holding], world_size: int) -> Restore
         step,
         max(reached(progress), step) - step,
         call,
-        snapshot=SnapshotPlan(newest.metadata, newest.state, files, meters),
+        snapshot=SnapshotPlan(newest.metadata, newest.state, dict(holders), meters),
         description=f"the in-memory snapshot at step {step}",
         finished_at=last_finished(progress),
     )

@@ -212,15 +212,20 @@ class Sharded(StateKind):
         if not staying or not leaving:
             return
         holdings = group.execute(worker.holding)
-        given: list[dict[int, Any]] = [{} for _ in range(group.world_size)]
-        for i, rank in enumerate(sorted(set(leaving))):
-            for holding in holdings:
-                part = next((h.parts.get(rank) for h in holding.snapshots if h.step == step), None)
-                if part is not None:
-                    given[staying[i % len(staying)]][rank] = part
-                    break
-        # Each worker takes its own share (the argument is every worker's, in rank order).
-        group.execute(worker.adopt_parts, step, given)
+        moves: list[tuple[int, int, int]] = []
+        for i, part in enumerate(sorted(set(leaving))):
+            holder = next(
+                (
+                    rank
+                    for rank, holding in enumerate(holdings)
+                    if any(h.step == step and part in h.parts for h in holding.snapshots)
+                ),
+                None,
+            )
+            if holder is not None:
+                moves.append((part, holder, staying[i % len(staying)]))
+        # Every worker takes part: the holders send, the staying workers receive.
+        group.execute(worker.adopt_parts, step, moves)
 
     def fallback_warning(self, what: str, redone: int, holdings: Sequence[Holding]) -> str:
         return (

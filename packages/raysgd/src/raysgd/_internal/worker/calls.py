@@ -175,10 +175,10 @@ def capture() -> int:
     return worker_state().capture()
 
 
-def adopt_parts(step: int, given: Sequence[Mapping[int, Any]]) -> None:
-    """Keep this worker's share of `given` (every worker's, in rank order): copies of leaving
-    workers' parts of the snapshot at `step`."""
-    worker_state().adopt_parts(step, given[get_context().world_rank])
+def adopt_parts(step: int, moves: Sequence[tuple[int, int, int]]) -> None:
+    """Move copies of leaving workers' parts of the snapshot at `step` to workers that stay: each
+    ``(part, holder, receiver)`` of `moves` (a collective: every worker calls it)."""
+    worker_state().adopt_parts(step, moves)
 
 
 def save(folder: Storage) -> Optional[dict[str, Any]]:

@@ -5,41 +5,46 @@ Every `snapshot_every` steps, or as often as their measured cost allows (`snapsh
 when the trainer asks (at start-up, after a restore or a load, before workers leave) every worker,
 at the same step boundary:
 
-1. hands its part of the models and optimizers to `torch.distributed.checkpoint.async_save`, which
-   copies it to CPU memory before training goes on and writes it in a thread of its own;
+1. copies its part of the models and optimizers to host memory (`sharded_memory.stage`), the one
+   copy that training waits for;
 2. keeps the small rest of the state (epoch, position, schedulers, the call in progress with its
    metrics so far);
-3. in a background thread, once the files exist, reads them into memory and swaps parts with its
-   ring peers over a separate gloo group: worker r keeps its own part and that of worker r - 1.
+3. in a background thread, on a gloo group of its own, saves the copy with
+   `torch.distributed.checkpoint` into memory (`sharded_memory.keep`: the tensors stay as they
+   are, with metadata that says where each chunk sits in the whole) and sends its part to its
+   ring peer (`part_exchange`): worker r keeps its own part and that of worker r - 1.
 
-So a snapshot costs the training loop the copy in step 1; the writing, reading and swapping
-overlap with the next steps. A lost worker's part is gone only when its peer is lost too. The
-parts of the last two finished snapshots are kept, so a snapshot interrupted by a failure never
-leaves a worker without the one before it. After a resize every worker is rebuilt from the newest
-snapshot whose every part survived (`restore_plan.plan_from_snapshots`), resharded to the new
-size. A checkpoint is written from the live parts, straight into its folder (`save`).
+So a snapshot is tensors in host memory from end to end: no file, no serialisation. A lost
+worker's part is gone only when its peer is lost too. The parts of the last two finished
+snapshots are kept, so a snapshot interrupted by a failure never leaves a worker without the one
+before it. After a resize every worker is rebuilt from the newest snapshot whose every part
+survived (`restore_plan.plan_from_snapshots`): the holders send each part to the workers whose
+new shard overlaps it and that lack it, and DCP loads it resharded to the new size, slice by
+slice from memory. A checkpoint at a snapshot's step is written as a DCP folder from the same
+host copy, in the checkpoint's writer thread (`copy_to_host`); `save` writes one from the live
+parts, straight into its folder.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import pickle
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import ray
 import torch
 
-from raysgd._internal.driver.restore_plan import HeldSnapshot, Holding, RestorePlan
+from raysgd._internal.driver.restore_plan import HeldSnapshot, Holding, RestorePlan, SnapshotPlan
 from raysgd._internal.storage.format import METADATA_FILE, SHARDED, STATE_FILE, write_state
 from raysgd._internal.storage.location import Storage
+from raysgd._internal.worker.part_exchange import exchange
 from raysgd._internal.worker.runner import (
     RunnerArgs,
     build_runner,
@@ -50,8 +55,8 @@ from raysgd._internal.worker.snapshot_schedule import SnapshotSchedule
 from raysgd._internal.worker.state import (
     RANK_STATES,
     HostCopy,
-    LoadSource,
     WorkerState,
+    apply_rank_state,
     gather_rank_states,
     keep,
     load_into,
@@ -59,11 +64,14 @@ from raysgd._internal.worker.state import (
 from raysgd_core import get_context, scratch_dir
 from raysgd_operator import AverageMeterCollection, CallRecord, OperatorRunner
 
+if TYPE_CHECKING:  # the module imports DCP: imported at run time on first use only
+    from raysgd_operator.sharded_memory import Chunks
+
 __all__ = ["Generation", "ShardedState", "Snapshots"]
 
 logger = logging.getLogger("raysgd")
 
-#: How long the gloo group that swaps parts waits for a peer before giving up on a snapshot.
+#: How long the snapshot group's collectives wait for a peer before giving up on a snapshot.
 SWAP_TIMEOUT_S = 300.0
 
 
@@ -74,46 +82,44 @@ class Generation:
     step: int
     world_size: int
     metadata: bytes
-    #: The small rest of the state (`OperatorRunner.save_sharded`'s dict).
+    #: The small rest of the state (`OperatorRunner.sharded_parts`'s second dict).
     state: dict[str, Any]
     #: The call in progress when it was taken (its rows so far), or None.
     call: Optional[CallRecord]
-    #: old rank -> (its files, its call metrics): this worker's own part and its peer's.
-    parts: dict[int, tuple[dict[str, Data], Optional[AverageMeterCollection]]] = field(
-        default_factory=dict
-    )
+    #: old rank -> (its chunks, its call metrics): this worker's own part and its peer's.
+    parts: dict[int, tuple[Chunks, Optional[AverageMeterCollection]]] = field(default_factory=dict)
+    #: The host memory (`Snapshots` slot) its own part lives in.
+    slot: int = 0
 
 
-#: A file's contents, as read from disk (`bytes`) or straight into a tensor (`torch.uint8`).
-Data = Union[bytes, torch.Tensor]
+@dataclass(frozen=True)
+class Taken:
+    """The snapshot taken last: its step, the thread that finishes it, and its host copy (which a
+    checkpoint at the same step writes as files) with the slot it lives in."""
+
+    step: int
+    thread: threading.Thread
+    staged: dict[str, Any]
+    state: dict[str, Any]
+    slot: int
 
 
-def _read_into_tensors(directory: str) -> dict[str, torch.Tensor]:
-    """The files of `directory` as uint8 tensors, read straight into them (no copy in between):
-    what the swap sends and a snapshot keeps."""
-    files = {}
-    for name in os.listdir(directory):
-        path = os.path.join(directory, name)
-        data = torch.empty(os.path.getsize(path), dtype=torch.uint8)
-        with open(path, "rb") as handle:
-            handle.readinto(memoryview(data.numpy()))
-        files[name] = data
-    return files
+#: Host memory for this many snapshots' own parts, used in turn: the last two finished ones and
+#: the one being taken.
+SLOTS = 3
 
 
 #: How long dropping a sharded state waits for the snapshot in flight to finish.
 CLOSE_WAIT_S = 5.0
 
-#: The start of a snapshot's folder's name (in this process's scratch folder).
-SNAPSHOT_PREFIX = "snapshot-"
-#: Memory as a folder, where a snapshot's folder goes when it fits (`_scratch_dir`).
+#: Memory as a folder, where a checkpoint's files go on their way to storage when they fit.
 _SHM = "/dev/shm"
 
 
-def _scratch_dir(expected_bytes: int) -> str:
-    """Where a snapshot's files go for the moment between DCP writing them and this worker
-    reading them back: this process's scratch folder in memory (/dev/shm) when it has room for
-    them twice over, else in the default temporary directory."""
+def _files_dir(expected_bytes: int) -> str:
+    """Where a checkpoint's files go between DCP writing them and their upload: this process's
+    scratch folder in memory (/dev/shm) when it has room for them twice over, else in the
+    default temporary directory."""
     try:
         if shutil.disk_usage(_SHM).free > 2 * expected_bytes:
             return scratch_dir(_SHM)
@@ -129,10 +135,19 @@ class Snapshots:
         self.runner = runner
         self.schedule = SnapshotSchedule(every)
         self.held: dict[int, Generation] = {}
+        #: Steps reported to the driver (`ShardedState.holding`): never dropped before the restore
+        #: or the move that asked for them (until the next snapshot is taken).
+        self.reported: set[int] = set()
         self._group: Any = None
+        self._files_group: Any = None
         self._thread: Optional[threading.Thread] = None
-        #: (step, thread) of the snapshot taken last (held once its thread has finished).
-        self.taking: Optional[tuple[int, threading.Thread]] = None
+        #: The snapshot taken last (held once its thread has finished).
+        self.taking: Optional[Taken] = None
+        #: One stager per slot (`SLOTS`), made on first use; the slot used last.
+        self._stagers: list[Any] = []
+        self._slot = -1
+        #: slot -> set once the checkpoint being written from that slot's copy is written.
+        self._writing: dict[int, threading.Event] = {}
         self._failed: Optional[BaseException] = None
         # The last step boundary (after its snapshot, if any), and the call it was in.
         self._boundary: Optional[tuple[float, Any]] = None
@@ -150,25 +165,46 @@ class Snapshots:
             self.take(wait=False)
         self._boundary = (time.perf_counter(), call)
 
+    def group(self) -> Any:
+        """The gloo group snapshots are saved and swapped over (made on first use: every worker
+        asks at the same point)."""
+        import torch.distributed as dist
+
+        if self._group is None:
+            # Collectives of this group run in threads beside training's: a group of their own,
+            # on the CPU (the parts are in host memory), never in the way of the training group.
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=SWAP_TIMEOUT_S))
+        return self._group
+
+    def files_group(self) -> Any:
+        """The gloo group a checkpoint's files are written over, in the writer threads (made on
+        first use: every worker asks at the same checkpoint step). Not the snapshot group: its
+        collectives would interleave with a snapshot's in another thread."""
+        import torch.distributed as dist
+
+        if self._files_group is None:
+            self._files_group = dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=SWAP_TIMEOUT_S)
+            )
+        return self._files_group
+
     def take(self, *, wait: bool) -> Generation | None:
         """Snapshot this worker's part now (every worker calls it at the same step). With `wait`,
         return once the snapshot is held here and on the peer."""
         import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemWriter
+
+        from raysgd_operator import sharded_memory
 
         self.join()
-        if self._group is None:
-            # Collectives of this group run in threads beside training's: a group of their own,
-            # on the CPU (DCP stages to CPU memory), never in the way of the training group.
-            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=SWAP_TIMEOUT_S))
+        self.reported.clear()
+        group = self.group()
         runner, rank = self.runner, dist.get_rank()
         started = time.perf_counter()
         if self.schedule.auto:
             # Each worker measured its own cost; the next snapshot must fall on the same step
             # on all of them.
             wanted = torch.tensor([self.schedule.wanted()], dtype=torch.int64)
-            dist.all_reduce(wanted, op=dist.ReduceOp.MAX, group=self._group)
+            dist.all_reduce(wanted, op=dist.ReduceOp.MAX, group=group)
             self.schedule.agree(int(wanted.item()))
         tensors, state = runner.sharded_parts()
         # Every worker keeps every rank's per-rank state (small): whichever survives has the
@@ -178,51 +214,42 @@ class Snapshots:
             state[RANK_STATES] = rank_states
         meters = runner.call_meters()
         call = runner.call
-        size_estimate = sum(
-            t.numel() * t.element_size() for t in _tensors_of(tensors) if t.device.type != "meta"
-        )
-        directory = tempfile.mkdtemp(prefix=SNAPSHOT_PREFIX, dir=_scratch_dir(size_estimate))
-        future = dcp.async_save(
-            tensors,
-            storage_writer=FileSystemWriter(directory, single_file_per_rank=True),
-            process_group=self._group,
-        )
+        slot = self._next_slot()
+        staged = self._stagers[slot].stage(tensors)
+        del tensors
         step, size = runner.step, dist.get_world_size()
         copied = time.perf_counter()
         self.schedule.taken(step, copied - started)
 
         def finish() -> None:
             try:
-                future.result()
-                saved = time.perf_counter()
-                files: dict[str, Data] = dict(_read_into_tensors(directory))
-                raw = files.pop(METADATA_FILE, None)
-                metadata = bytes(raw.numpy()) if isinstance(raw, torch.Tensor) else raw
+                metadata, chunks = sharded_memory.keep(staged, group)
                 holder = [metadata]
-                dist.broadcast_object_list(holder, src=0, group=self._group)
-                generation = Generation(step, size, holder[0], state, call)
-                generation.parts[rank] = (files, meters)
+                dist.broadcast_object_list(holder, src=0, group=group)
+                kept = time.perf_counter()
+                generation = Generation(step, size, holder[0], state, call, slot=slot)
+                generation.parts[rank] = (chunks, meters)
                 if size > 1:
                     peer = (rank - 1) % size
-                    generation.parts[peer] = self._swap(rank, size, (files, meters))
+                    [generation.parts[peer]] = exchange(
+                        group, [((rank + 1) % size, chunks, meters)], [peer]
+                    )
                 self.held[step] = generation
-                for old in sorted(self.held)[:-2]:
+                for old in sorted(set(self.held) - self.reported)[:-2]:
                     del self.held[old]
                 logger.debug(
-                    "snapshot at step %d: %.3f s in the loop, %.3f s saving, %.3f s swapping",
+                    "snapshot at step %d: %.3f s in the loop, %.3f s keeping, %.3f s swapping",
                     step,
                     copied - started,
-                    saved - copied,
-                    time.perf_counter() - saved,
+                    kept - copied,
+                    time.perf_counter() - kept,
                 )
             except BaseException as exc:  # kept for `join`; a lost peer ends the swap here
                 self._failed = exc
-            finally:
-                shutil.rmtree(directory, ignore_errors=True)
 
         self._thread = threading.Thread(target=finish, name="raysgd-snapshot", daemon=True)
         self._thread.start()
-        self.taking = (step, self._thread)
+        self.taking = Taken(step, self._thread, staged, state, slot)
         if wait:
             self.join()
             if self._failed is not None:
@@ -230,56 +257,48 @@ class Snapshots:
             return self.held[step]
         return None
 
-    def _swap(self, rank: int, size: int, mine: Any) -> Any:
-        """Send `mine` (files as tensors, and metrics) to rank + 1 and receive rank - 1's, over the
-        snapshot group: a small header (names, sizes, metrics) first, then each file's bytes as
-        they are, with no copy on either side."""
-        import torch.distributed as dist
+    def _next_slot(self) -> int:
+        """The slot the next snapshot's own part is copied into. The snapshot that used it before
+        (three snapshots ago: older than the two kept) is dropped; a checkpoint still being
+        written from it keeps that memory, and the slot gets new memory."""
+        from raysgd_operator import sharded_memory
 
-        files, meters = mine
-        names = sorted(files)
-        header = pickle.dumps(([(n, files[n].numel()) for n in names], meters))
-        to, frm = (rank + 1) % size, (rank - 1) % size
-        theirs = pickle.loads(
-            self._exchange(torch.frombuffer(bytearray(header), dtype=torch.uint8), to, frm)
-            .numpy()
-            .tobytes()
-        )
-        their_files = {}
-        sends = [dist.isend(files[n], to, group=self._group) for n in names]
-        for name, count in theirs[0]:
-            data = torch.empty(count, dtype=torch.uint8)
-            dist.irecv(data, frm, group=self._group).wait()
-            their_files[name] = data
-        for request in sends:
-            request.wait()
-        return their_files, theirs[1]
+        if not self._stagers:
+            self._stagers = [sharded_memory.Stager() for _ in range(SLOTS)]
+        self._slot = slot = (self._slot + 1) % SLOTS
+        for step in [step for step, g in self.held.items() if g.slot == slot]:
+            del self.held[step]
+        writing = self._writing.pop(slot, None)
+        if writing is not None and not writing.is_set():
+            self._stagers[slot].close()
+            self._stagers[slot] = sharded_memory.Stager()
+        return slot
 
-    def _exchange(self, payload: torch.Tensor, to: int, frm: int) -> torch.Tensor:
-        """Send `payload` to `to` and receive one of any size from `frm` (sizes go first)."""
-        import torch.distributed as dist
+    def writing_from(self, taken: Taken) -> threading.Event:
+        """Note that a checkpoint is written from `taken`'s copy (until the event is set)."""
+        done = self._writing[taken.slot] = threading.Event()
+        return done
 
-        send_size = torch.tensor([payload.numel()], dtype=torch.int64)
-        recv_size = torch.zeros(1, dtype=torch.int64)
-        for request in (
-            dist.isend(send_size, to, group=self._group),
-            dist.irecv(recv_size, frm, group=self._group),
-        ):
-            request.wait()
-        received = torch.empty(int(recv_size.item()), dtype=torch.uint8)
-        for request in (
-            dist.isend(payload, to, group=self._group),
-            dist.irecv(received, frm, group=self._group),
-        ):
-            request.wait()
-        return received
+    def parts_at(self, step: int) -> dict[int, tuple[Chunks, Optional[AverageMeterCollection]]]:
+        """The parts this worker holds of the snapshot at `step` (none when it holds none)."""
+        self.join()
+        generation = self.held.get(step)
+        return dict(generation.parts) if generation is not None else {}
 
     def on_new_group(self) -> None:
         """The process group was re-formed: the snapshots held belong to the old one, and the
-        swap group is made again over the new one at the next snapshot."""
+        snapshot groups are made again over the new one when next used."""
         self.join()
         self.held.clear()
-        self.taking, self._group, self._boundary = None, None, None
+        self.reported.clear()
+        self.taking, self._group, self._files_group, self._boundary = None, None, None, None
+        self.release()
+
+    def release(self) -> None:
+        """Forget the host memory of the copies (what still holds one keeps it)."""
+        for stager in self._stagers:
+            stager.close()
+        self._stagers, self._slot, self._writing = [], -1, {}
 
     def join(self, timeout_s: Optional[float] = None) -> None:
         """Wait for the snapshot in flight (if any) to be held."""
@@ -301,13 +320,50 @@ def _same_call(a: Any, b: Any) -> bool:
     return (a.call_id, a.start_step) == (b.call_id, b.start_step)
 
 
-def _tensors_of(tree: Any) -> list[torch.Tensor]:
+def _nbytes(tree: Any) -> int:
+    """The bytes of the tensors of a host copy (a DTensor's local part)."""
     if isinstance(tree, torch.Tensor):
         local = getattr(tree, "to_local", None)
-        return [local() if callable(local) else tree]
+        tensor = local() if callable(local) else tree
+        return tensor.numel() * tensor.element_size()
     if isinstance(tree, dict):
-        return [t for value in tree.values() for t in _tensors_of(value)]
-    return []
+        return sum(_nbytes(value) for value in tree.values())
+    return 0
+
+
+def gather_parts(
+    snapshot: SnapshotPlan,
+    held: dict[int, Chunks],
+    needed: set[int],
+    group: Any,
+) -> Chunks:
+    """The chunks of every part in `needed` (this worker's new shard overlaps them), from those it
+    holds (`held`) and, for the rest, sent by their holders (a collective over `group`: every
+    worker sends the parts it holds for the plan to the workers that lack them)."""
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    mine = sorted(part for part, holder in snapshot.holders.items() if holder == rank)
+    lacking = sorted(needed - set(held))
+    answers: list[Any] = [None] * size
+    dist.all_gather_object(answers, (lacking, [p for p in mine if p not in held]), group=group)
+    gone = sorted({p for _, lost in answers for p in lost})
+    if gone:
+        # Every worker raises the same error, so that none waits for a part that never comes.
+        raise RuntimeError(f"the holders of parts {gone} no longer hold them")
+    sends = [
+        (other, held[part], None)
+        for part in mine
+        for other in range(size)
+        if other != rank and part in answers[other][0]
+    ]
+    received = exchange(group, sends, [snapshot.holders[part] for part in lacking])
+    chunks: Chunks = {}
+    for part in sorted(needed & set(held)):
+        chunks.update(held[part])
+    for part_chunks, _ in received:
+        chunks.update(part_chunks)
+    return chunks
 
 
 class ShardedState(WorkerState):
@@ -320,7 +376,10 @@ class ShardedState(WorkerState):
         self.snapshots = Snapshots(runner, runner.options.snapshot_every)
 
     def holding(self) -> Holding:
-        self.snapshots.join(timeout_s=0)
+        snapshots = self.snapshots
+        snapshots.join(timeout_s=0)
+        generations = list(snapshots.held.values())
+        snapshots.reported |= {generation.step for generation in generations}
         held = tuple(
             HeldSnapshot(
                 step=generation.step,
@@ -328,12 +387,9 @@ class ShardedState(WorkerState):
                 metadata=generation.metadata,
                 state=generation.state,
                 call=generation.call,
-                parts={
-                    rank: (sorted(files), ray.put(files), meters)
-                    for rank, (files, meters) in generation.parts.items()
-                },
+                parts={rank: meters for rank, (_, meters) in generation.parts.items()},
             )
-            for generation in list(self.snapshots.held.values())
+            for generation in generations
         )
         return Holding(self.runner.progress(), held)
 
@@ -346,6 +402,11 @@ class ShardedState(WorkerState):
         ctx = get_context()
         slot = this_worker()
         runner, kept = slot.runner, slot.state
+        # The parts this worker holds of the planned snapshot, taken before the snapshots of the
+        # old group are dropped.
+        held: dict[int, Chunks] = {}
+        if plan.snapshot is not None and isinstance(kept, cls):
+            held = {part: c for part, (c, _) in kept.snapshots.parts_at(plan.step).items()}
         if runner is not None and isinstance(kept, cls) and kept.runner is runner:
             if runner.rebind(
                 world_rank=ctx.world_rank,
@@ -373,14 +434,17 @@ class ShardedState(WorkerState):
             load_into(runner, plan.fallback, plan.rank_source(rank))
             runner.adopt_snapshot(None, None)
             return state
+        from raysgd_operator import sharded_memory
+
         snapshot = plan.snapshot
+        needed = runner.needed_parts(snapshot.metadata) or set(snapshot.holders)
+        chunks = gather_parts(snapshot, held, needed, state.snapshots.group())
+        del held
+        runner.load_sharded(sharded_memory.reader(snapshot.metadata, chunks), snapshot.state)
+        del chunks
         # Every worker goes back to the snapshot, its per-rank state too: a survivor its own as
         # it was then, a replacement the lost worker's.
-        load_into(
-            runner,
-            LoadSource(None, snapshot.metadata, snapshot.state, snapshot.files),
-            plan.rank_source(rank),
-        )
+        apply_rank_state(runner, snapshot.state.get(RANK_STATES), plan.rank_source(rank))
         runner.adopt_snapshot(
             plan.call, snapshot.meters[rank] if rank < len(snapshot.meters) else None
         )
@@ -420,59 +484,74 @@ class ShardedState(WorkerState):
                 shutil.rmtree(directory, ignore_errors=True)
 
     def copy_to_host(self) -> Optional[HostCopy]:
-        """A snapshot of this step (the one the step hook took, or one taken now): DCP stages the
-        part in host memory; the rest happens in the snapshot's thread."""
-        step = self.runner.step
-        taking = self.snapshots.taking
-        if taking is None or taking[0] != step:
-            self.snapshots.take(wait=False)
-            taking = self.snapshots.taking
+        """The host copy of this step's snapshot (the one the step hook took, or one taken
+        now), written as files later in the checkpoint's writer thread."""
+        snapshots = self.snapshots
+        taking = snapshots.taking
+        if taking is None or taking.step != self.runner.step:
+            snapshots.take(wait=False)
+            taking = snapshots.taking
         assert taking is not None
-        return _SnapshotHostCopy(self.snapshots, step, taking[1])
+        return _FilesFromSnapshot(taking, snapshots.files_group(), snapshots.writing_from(taking))
 
     @classmethod
     def parts(cls, world_size: int) -> list[str]:
         return [METADATA_FILE, STATE_FILE, *(f"__{rank}_0.distcp" for rank in range(world_size))]
 
-    def adopt_parts(self, step: int, parts: Mapping[int, Any]) -> None:
-        if not parts:
+    def adopt_parts(self, step: int, moves: Sequence[tuple[int, int, int]]) -> None:
+        if not moves:
             return
-        generation = self.snapshots.held.get(step)
-        if generation is None:
-            raise RuntimeError(f"this worker holds no snapshot at step {step}")
-        for rank, (_, ref, meters) in parts.items():
-            files = ray.get(ref)
-            generation.parts[rank] = (
-                {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in files.items()},
-                meters,
-            )
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        parts = self.snapshots.parts_at(step)
+        sends = [(to, *parts[part]) for part, holder, to in moves if holder == rank]
+        incoming = [(part, holder) for part, holder, to in moves if to == rank]
+        received = exchange(self.snapshots.group(), sends, [holder for _, holder in incoming])
+        if incoming:
+            generation = self.snapshots.held.get(step)
+            if generation is None:
+                raise RuntimeError(f"this worker holds no snapshot at step {step}")
+            for (part, _), (chunks, meters) in zip(incoming, received):
+                generation.parts[part] = (chunks, meters)
 
     def close(self) -> None:
         # A snapshot in flight is of no use once the state is dropped; its swap may wait for a
         # peer that is already gone, so it is not waited for long.
         self.snapshots.join(timeout_s=CLOSE_WAIT_S)
+        self.snapshots.release()
 
 
-class _SnapshotHostCopy(HostCopy):
-    """This worker's part of the snapshot at `step`, once its thread has finished it."""
+class _FilesFromSnapshot(HostCopy):
+    """A snapshot's host copy, to be written as this worker's files of a checkpoint folder."""
 
-    def __init__(self, snapshots: Snapshots, step: int, thread: threading.Thread) -> None:
-        self.snapshots, self.step, self.thread = snapshots, step, thread
+    def __init__(self, taken: Taken, group: Any, done: threading.Event) -> None:
+        self.taken, self.group, self.done = taken, group, done
 
     def write(self, folder: Storage) -> None:
-        self.thread.join()
-        generation = self.snapshots.held.get(self.step)
-        rank = get_context().world_rank
-        if generation is None or rank not in generation.parts:
-            raise RuntimeError(f"the snapshot at step {self.step} did not finish on this worker")
-        for name, data in generation.parts[rank][0].items():
-            # A tensor's memory as it is: no copy of the shard on its way to the local disk.
-            folder.write_bytes(
-                name, memoryview(data.numpy()) if isinstance(data, torch.Tensor) else data
-            )
-        if rank == 0:
-            folder.write_bytes(METADATA_FILE, generation.metadata)
-            write_state(folder, STATE_FILE, generation.state)
+        try:
+            self._write(folder)
+        finally:
+            self.done.set()
+
+    def _write(self, folder: Storage) -> None:
+        from raysgd_operator import sharded_memory
+
+        directory = tempfile.mkdtemp(prefix="part-", dir=_files_dir(_nbytes(self.taken.staged)))
+        try:
+            sharded_memory.write_files(self.taken.staged, directory, self.group)
+            for name in sorted(os.listdir(directory)):
+                path = os.path.join(directory, name)
+                folder.write_stream(name, lambda out, path=path: _copy_file(path, out))
+            if get_context().world_rank == 0:
+                write_state(folder, STATE_FILE, self.taken.state)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _copy_file(path: str, out: Any) -> None:
+    with open(path, "rb") as source:
+        shutil.copyfileobj(source, out, 16 * 2**20)
 
 
 def _read(directory: str, name: str) -> bytes:

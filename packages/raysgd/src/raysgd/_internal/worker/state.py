@@ -4,8 +4,8 @@ strategy.
 - `ReplicatedState` (``ddp``, ``none``; `worker.replicated`): every worker holds the whole state.
   After a resize the survivor furthest along sends it to the workers that need it.
 - `ShardedState` (``fsdp``; `worker.sharded`): each worker holds its part of the model and
-  optimizers, and keeps in-memory snapshots of its part and of a peer's. After a resize every
-  worker is rebuilt from the newest snapshot whose every part survived.
+  optimizers, and keeps in-memory snapshots (tensors) of its part and of a peer's. After a resize
+  every worker is rebuilt from the newest snapshot whose every part survived.
 
 Every method runs on a worker; the driver's `training_state.TrainingState` decides (with the pure
 planners of `driver.restore_plan`) and calls them through `calls`, which picks the kind
@@ -20,7 +20,7 @@ import abc
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional
 
@@ -126,9 +126,10 @@ class WorkerState(abc.ABC):
     def parts(cls, world_size: int) -> list[str]:
         """The files of a checkpoint folder of this kind written by `world_size` workers."""
 
-    def adopt_parts(self, step: int, parts: Mapping[int, Any]) -> None:
-        """Keep copies of leaving workers' parts of the snapshot at `step` (a move off a
-        draining node). Nothing to take when every worker holds the whole state."""
+    def adopt_parts(self, step: int, moves: Sequence[tuple[int, int, int]]) -> None:
+        """Move copies of leaving workers' parts of the snapshot at `step` (a move off a draining
+        node): each ``(part, holder, receiver)`` of `moves`, sent by the holder and kept by the
+        receiver (a collective). Nothing to move when every worker holds the whole state."""
         return None
 
     def load(self, source: LoadSource) -> None:
@@ -222,7 +223,7 @@ def load_into(runner: OperatorRunner, source: LoadSource, rank_source: Optional[
         return
     # Fetch only the files holding parts of this worker's new shard (all when it cannot tell).
     names = set(files) if isinstance(files, dict) else set(files.listdir())
-    needed = runner.needed_files(source.metadata) or {n for n in names if n.endswith(".distcp")}
+    needed = runner.needed_parts(source.metadata) or {n for n in names if n.endswith(".distcp")}
     directory = tempfile.mkdtemp(prefix="load-", dir=scratch_dir())
     try:
         _write(directory, METADATA_FILE, source.metadata)
