@@ -1,42 +1,22 @@
-"""A sharded training state (``fsdp``): each worker holds its part, and in-memory snapshots of its
-part and of a peer's, so that a lost worker's part comes back without a disk.
+"""A sharded training state (``fsdp``): each worker holds its part of the models and optimizers,
+and in-memory snapshots of its part and of a peer's (`snapshots`).
 
-Every `snapshot_every` steps, or as often as their measured cost allows (`snapshot_schedule`), and
-when the trainer asks (at start-up, after a restore or a load, before workers leave) every worker,
-at the same step boundary:
-
-1. copies its part of the models and optimizers to host memory (`sharded_memory.stage`), the one
-   copy that training waits for;
-2. keeps the small rest of the state (epoch, position, schedulers, the call in progress with its
-   metrics so far);
-3. in a background thread, on a gloo group of its own, saves the copy with
-   `torch.distributed.checkpoint` into memory (`sharded_memory.keep`: the tensors stay as they
-   are, with metadata that says where each chunk sits in the whole) and sends its part to its
-   ring peer (`part_exchange`): worker r keeps its own part and that of worker r - 1.
-
-So a snapshot is tensors in host memory from end to end: no file, no serialisation. A lost
-worker's part is gone only when its peer is lost too. The parts of the last two finished
-snapshots are kept, so a snapshot interrupted by a failure never leaves a worker without the one
-before it. After a resize every worker is rebuilt from the newest snapshot whose every part
-survived (`restore_plan.plan_from_snapshots`): the holders send each part to the workers whose
-new shard overlaps it and that lack it, and DCP loads it resharded to the new size, slice by
-slice from memory. A checkpoint at a snapshot's step is written as a DCP folder from the same
-host copy, in the checkpoint's writer thread (`copy_to_host`); `save` writes one from the live
-parts, straight into its folder.
+After a resize every worker is rebuilt from the newest snapshot whose every part survived
+(`restore_plan.plan_from_snapshots`): the holders send each part to the workers whose new shard
+overlaps it and that lack it (`gather_parts`), and DCP loads it resharded to the new size, slice
+by slice from memory. A checkpoint at a snapshot's step is written as a DCP folder from that
+snapshot's host copy, in the checkpoint's writer thread (`copy_to_host`); `save` writes one from
+the live parts, straight into its folder.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import tempfile
 import threading
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional
 
 import ray
 import torch
@@ -51,7 +31,7 @@ from raysgd._internal.worker.runner import (
     my_dataset_splits,
 )
 from raysgd._internal.worker.slot import this_worker
-from raysgd._internal.worker.snapshot_schedule import SnapshotSchedule
+from raysgd._internal.worker.snapshots import Snapshots, Taken
 from raysgd._internal.worker.state import (
     RANK_STATES,
     HostCopy,
@@ -62,52 +42,12 @@ from raysgd._internal.worker.state import (
     load_into,
 )
 from raysgd_core import get_context, scratch_dir
-from raysgd_operator import AverageMeterCollection, CallRecord, OperatorRunner
+from raysgd_operator import OperatorRunner
 
 if TYPE_CHECKING:  # the module imports DCP: imported at run time on first use only
     from raysgd_operator.sharded_memory import Chunks
 
-__all__ = ["Generation", "ShardedState", "Snapshots"]
-
-logger = logging.getLogger("raysgd")
-
-#: How long the snapshot group's collectives wait for a peer before giving up on a snapshot.
-SWAP_TIMEOUT_S = 300.0
-
-
-@dataclass
-class Generation:
-    """One finished snapshot as a worker holds it."""
-
-    step: int
-    world_size: int
-    metadata: bytes
-    #: The small rest of the state (`OperatorRunner.sharded_parts`'s second dict).
-    state: dict[str, Any]
-    #: The call in progress when it was taken (its rows so far), or None.
-    call: Optional[CallRecord]
-    #: old rank -> (its chunks, its call metrics): this worker's own part and its peer's.
-    parts: dict[int, tuple[Chunks, Optional[AverageMeterCollection]]] = field(default_factory=dict)
-    #: The host memory (`Snapshots` slot) its own part lives in.
-    slot: int = 0
-
-
-@dataclass(frozen=True)
-class Taken:
-    """The snapshot taken last: its step, the thread that finishes it, and its host copy (which a
-    checkpoint at the same step writes as files) with the slot it lives in."""
-
-    step: int
-    thread: threading.Thread
-    staged: dict[str, Any]
-    state: dict[str, Any]
-    slot: int
-
-
-#: Host memory for this many snapshots' own parts, used in turn: the last two finished ones and
-#: the one being taken.
-SLOTS = 3
-
+__all__ = ["ShardedState", "gather_parts"]
 
 #: How long dropping a sharded state waits for the snapshot in flight to finish.
 CLOSE_WAIT_S = 5.0
@@ -126,198 +66,6 @@ def _files_dir(expected_bytes: int) -> str:
     except OSError:
         pass
     return scratch_dir()
-
-
-class Snapshots:
-    """This worker's snapshots and the step hook that takes them (see the module docstring)."""
-
-    def __init__(self, runner: OperatorRunner, every: Union[int, str]) -> None:
-        self.runner = runner
-        self.schedule = SnapshotSchedule(every)
-        self.held: dict[int, Generation] = {}
-        #: Steps reported to the driver (`ShardedState.holding`): never dropped before the restore
-        #: or the move that asked for them (until the next snapshot is taken).
-        self.reported: set[int] = set()
-        self._group: Any = None
-        self._files_group: Any = None
-        self._thread: Optional[threading.Thread] = None
-        #: The snapshot taken last (held once its thread has finished).
-        self.taking: Optional[Taken] = None
-        #: One stager per slot (`SLOTS`), made on first use; the slot used last.
-        self._stagers: list[Any] = []
-        self._slot = -1
-        #: slot -> set once the checkpoint being written from that slot's copy is written.
-        self._writing: dict[int, threading.Event] = {}
-        self._failed: Optional[BaseException] = None
-        # The last step boundary (after its snapshot, if any), and the call it was in.
-        self._boundary: Optional[tuple[float, Any]] = None
-        if self.schedule.every > 0:
-            runner.add_step_hook(self._on_step)
-
-    def _on_step(self) -> None:
-        now, call = time.perf_counter(), self.runner.call
-        running = self._thread is not None and self._thread.is_alive()
-        if self._boundary is not None and _same_call(self._boundary[1], call):
-            self.schedule.stepped(now - self._boundary[0], running)
-        if not running:
-            self.schedule.finished()
-        if self.schedule.due(self.runner.step):
-            self.take(wait=False)
-        self._boundary = (time.perf_counter(), call)
-
-    def group(self) -> Any:
-        """The gloo group snapshots are saved and swapped over (made on first use: every worker
-        asks at the same point)."""
-        import torch.distributed as dist
-
-        if self._group is None:
-            # Collectives of this group run in threads beside training's: a group of their own,
-            # on the CPU (the parts are in host memory), never in the way of the training group.
-            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=SWAP_TIMEOUT_S))
-        return self._group
-
-    def files_group(self) -> Any:
-        """The gloo group a checkpoint's files are written over, in the writer threads (made on
-        first use: every worker asks at the same checkpoint step). Not the snapshot group: its
-        collectives would interleave with a snapshot's in another thread."""
-        import torch.distributed as dist
-
-        if self._files_group is None:
-            self._files_group = dist.new_group(
-                backend="gloo", timeout=timedelta(seconds=SWAP_TIMEOUT_S)
-            )
-        return self._files_group
-
-    def take(self, *, wait: bool) -> Generation | None:
-        """Snapshot this worker's part now (every worker calls it at the same step). With `wait`,
-        return once the snapshot is held here and on the peer."""
-        import torch.distributed as dist
-
-        from raysgd_operator import sharded_memory
-
-        self.join()
-        self.reported.clear()
-        group = self.group()
-        runner, rank = self.runner, dist.get_rank()
-        started = time.perf_counter()
-        if self.schedule.auto:
-            # Each worker measured its own cost; the next snapshot must fall on the same step
-            # on all of them.
-            wanted = torch.tensor([self.schedule.wanted()], dtype=torch.int64)
-            dist.all_reduce(wanted, op=dist.ReduceOp.MAX, group=group)
-            self.schedule.agree(int(wanted.item()))
-        tensors, state = runner.sharded_parts()
-        # Every worker keeps every rank's per-rank state (small): whichever survives has the
-        # lost ones' for their replacements.
-        rank_states = gather_rank_states(runner, None)
-        if rank_states is not None:
-            state[RANK_STATES] = rank_states
-        meters = runner.call_meters()
-        call = runner.call
-        slot = self._next_slot()
-        staged = self._stagers[slot].stage(tensors)
-        del tensors
-        step, size = runner.step, dist.get_world_size()
-        copied = time.perf_counter()
-        self.schedule.taken(step, copied - started)
-
-        def finish() -> None:
-            try:
-                metadata, chunks = sharded_memory.keep(staged, group)
-                holder = [metadata]
-                dist.broadcast_object_list(holder, src=0, group=group)
-                kept = time.perf_counter()
-                generation = Generation(step, size, holder[0], state, call, slot=slot)
-                generation.parts[rank] = (chunks, meters)
-                if size > 1:
-                    peer = (rank - 1) % size
-                    [generation.parts[peer]] = exchange(
-                        group, [((rank + 1) % size, chunks, meters)], [peer]
-                    )
-                self.held[step] = generation
-                for old in sorted(set(self.held) - self.reported)[:-2]:
-                    del self.held[old]
-                logger.debug(
-                    "snapshot at step %d: %.3f s in the loop, %.3f s keeping, %.3f s swapping",
-                    step,
-                    copied - started,
-                    kept - copied,
-                    time.perf_counter() - kept,
-                )
-            except BaseException as exc:  # kept for `join`; a lost peer ends the swap here
-                self._failed = exc
-
-        self._thread = threading.Thread(target=finish, name="raysgd-snapshot", daemon=True)
-        self._thread.start()
-        self.taking = Taken(step, self._thread, staged, state, slot)
-        if wait:
-            self.join()
-            if self._failed is not None:
-                raise RuntimeError(f"the snapshot at step {step} failed: {self._failed}")
-            return self.held[step]
-        return None
-
-    def _next_slot(self) -> int:
-        """The slot the next snapshot's own part is copied into. The snapshot that used it before
-        (three snapshots ago: older than the two kept) is dropped; a checkpoint still being
-        written from it keeps that memory, and the slot gets new memory."""
-        from raysgd_operator import sharded_memory
-
-        if not self._stagers:
-            self._stagers = [sharded_memory.Stager() for _ in range(SLOTS)]
-        self._slot = slot = (self._slot + 1) % SLOTS
-        for step in [step for step, g in self.held.items() if g.slot == slot]:
-            del self.held[step]
-        writing = self._writing.pop(slot, None)
-        if writing is not None and not writing.is_set():
-            self._stagers[slot].close()
-            self._stagers[slot] = sharded_memory.Stager()
-        return slot
-
-    def writing_from(self, taken: Taken) -> threading.Event:
-        """Note that a checkpoint is written from `taken`'s copy (until the event is set)."""
-        done = self._writing[taken.slot] = threading.Event()
-        return done
-
-    def parts_at(self, step: int) -> dict[int, tuple[Chunks, Optional[AverageMeterCollection]]]:
-        """The parts this worker holds of the snapshot at `step` (none when it holds none)."""
-        self.join()
-        generation = self.held.get(step)
-        return dict(generation.parts) if generation is not None else {}
-
-    def on_new_group(self) -> None:
-        """The process group was re-formed: the snapshots held belong to the old one, and the
-        snapshot groups are made again over the new one when next used."""
-        self.join()
-        self.held.clear()
-        self.reported.clear()
-        self.taking, self._group, self._files_group, self._boundary = None, None, None, None
-        self.release()
-
-    def release(self) -> None:
-        """Forget the host memory of the copies (what still holds one keeps it)."""
-        for stager in self._stagers:
-            stager.close()
-        self._stagers, self._slot, self._writing = [], -1, {}
-
-    def join(self, timeout_s: Optional[float] = None) -> None:
-        """Wait for the snapshot in flight (if any) to be held."""
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout_s)
-            if not thread.is_alive():
-                self._thread = None
-        if self._failed is not None:
-            logger.warning("a sharded snapshot failed: %s", self._failed)
-            self._failed = None
-
-
-def _same_call(a: Any, b: Any) -> bool:
-    """Whether two call records are of one call (a step's time across two calls includes the
-    driver's time between them)."""
-    if a is None or b is None:
-        return False
-    return (a.call_id, a.start_step) == (b.call_id, b.start_step)
 
 
 def _nbytes(tree: Any) -> int:
