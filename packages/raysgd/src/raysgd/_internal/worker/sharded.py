@@ -221,11 +221,10 @@ class ShardedState(WorkerState):
                 torch.save(rest, os.path.join(directory, STATE_FILE))
             if direct:
                 return None
-            mine = {name: _read(directory, name) for name in os.listdir(directory)}
             if folder.is_local:
+                mine = {name: _read(directory, name) for name in os.listdir(directory)}
                 return {name: ray.put(mine) for name in mine}
-            for name, data in mine.items():
-                folder.write_bytes(name, data)
+            _upload(directory, folder)
             return None
         finally:
             if not direct:
@@ -288,13 +287,19 @@ class _FilesFromSnapshot(HostCopy):
         directory = tempfile.mkdtemp(prefix="part-", dir=_files_dir(_nbytes(self.taken.staged)))
         try:
             sharded_memory.write_files(self.taken.staged, directory, self.group)
-            for name in sorted(os.listdir(directory)):
-                path = os.path.join(directory, name)
-                folder.write_stream(name, lambda out, path=path: _copy_file(path, out))
+            _upload(directory, folder)
             if get_context().world_rank == 0:
                 write_state(folder, STATE_FILE, self.taken.state)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def _upload(directory: str, folder: Storage) -> None:
+    """Copy every file of `directory` into `folder`, streamed: a part is never held in memory
+    whole on its way."""
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        folder.write_stream(name, lambda out, path=path: _copy_file(path, out))
 
 
 def _copy_file(path: str, out: Any) -> None:
