@@ -119,10 +119,13 @@ def test_a_user_error_kills_none_and_a_crash_releases_ranks_that_were_not_its_ne
 def test_a_silent_rank_costs_one_bound_and_only_it_is_lost(ray_local):
     # The first rank to wait out its bound names the silent one; the others are let go at once
     # rather than each waiting out a bound of its own (the last would be killed as silent too).
+    # The bound (8 s) outlasts the stagger (7.5 s), so every rank is in the collective when the
+    # first bound runs out; without the abort, rank 5's own bound would end at 15.5 s, past the
+    # 5 s the others are given once a peer timed out.
     with WorkerGroup(6, peer_grace_s=100, **_SIX) as group:
         pids = _pids(group)
         with pytest.raises(WorkerDiedError) as info:
-            group.execute(_rank_stops_others_staggered, 2, 3.0)
+            group.execute(_rank_stops_others_staggered, 2, 8.0)
         assert info.value.ranks == [2] and info.value.silent == [2]
         report = group.recover(5, timeout_s=60)
         assert report.kept == {0: 0, 1: 1, 3: 2, 4: 3, 5: 4}

@@ -109,9 +109,18 @@ def test_killed_actor_gives_worker_died_error_and_recover(ray_local, wait_no_lef
         assert report.path == "keep-healthy"
         assert report.kept == {0: 0, 2: 1}
         assert report.started == [2] and report.world_size == 3
+        assert report.found_lost == {}  # the error above reported it
         after = group.execute(_rank_and_pid)
         assert [pid for _, pid in after[:2]] == [before[0][1], before[2][1]]
         assert after[2][1] not in {pid for _, pid in before}
+        assert group.execute(_all_reduce_sum) == [6.0, 6.0, 6.0]
+        # A worker lost with no call to report it (the second of a burst, gone before the
+        # recovery for the first): the recovery finds it, replaces it and says so.
+        node = group.workers[0].node_id
+        os.kill(group.workers[0].pid, signal.SIGKILL)
+        report = group.recover(3, timeout_s=60)
+        assert report.lost == [0] and report.found_lost == {0: node}
+        assert report.kept == {1: 0, 2: 1} and report.started == [2]
         assert group.execute(_all_reduce_sum) == [6.0, 6.0, 6.0]
     finally:
         group.shutdown()
@@ -193,6 +202,7 @@ def test_stuck_peer_is_killed_after_grace_and_replaced(ray_local):
         assert info.value.rank == 1 and info.value.lost_ranks == [0]
         report = group.recover(2, timeout_s=60)
         assert report.kept == {1: 0} and report.started == [1] and report.lost == [0]
+        assert report.found_lost == {}  # killed for being stuck: the error named it
         assert stuck_pid not in [w.pid for w in group.workers]
         assert group.execute(_all_reduce_sum) == [3.0, 3.0]
 

@@ -122,8 +122,9 @@ def _assert_once(per_worker: list[list[int]], num_rows: int) -> None:
     assert len({len(ids) for ids in per_worker}) == 1, "the shards are not equal"
 
 
-def _live_split_coordinators() -> int:
-    """Alive Ray Data split coordinators (one per dataset split that is still referenced).
+def _live_split_coordinators() -> frozenset[str]:
+    """The ids of the alive Ray Data split coordinators (one per dataset split that is still
+    referenced).
 
     No public Ray API lists actors without the dashboard (`ray.util.state` needs it), so this reads
     the actor table through Ray's private state module; the tests assert it finds the live ones,
@@ -131,20 +132,23 @@ def _live_split_coordinators() -> int:
     """
     from ray._private import state
 
-    return sum(
-        1
-        for actor in state.actors().values()
+    return frozenset(
+        actor_id
+        for actor_id, actor in state.actors().items()
         if actor.get("ActorClassName") == "SplitCoordinator" and actor.get("State") == "ALIVE"
     )
 
 
-def _wait_for_coordinators(expected: int, timeout_s: float = 15.0) -> int:
+def _new_coordinators(before: frozenset[str], expected: int, timeout_s: float = 15.0) -> int:
+    """How many live split coordinators are not among `before`, once that is `expected` (or the
+    time is up). A coordinator of an earlier test may still be shutting down: it is in `before`,
+    and whenever it goes, no count here changes."""
     deadline = time.monotonic() + timeout_s
-    live = _live_split_coordinators()
-    while live != expected and time.monotonic() < deadline:
+    new = len(_live_split_coordinators() - before)
+    while new != expected and time.monotonic() < deadline:
         time.sleep(0.2)
-        live = _live_split_coordinators()
-    return live
+        new = len(_live_split_coordinators() - before)
+    return new
 
 
 def _make(
@@ -209,7 +213,7 @@ def test_shrink_and_grow_resplit_and_the_epoch_goes_on_from_its_position(
     trainer = _make({"train": parquet_dataset}, tmp_path, failure_policy=ShrinkThenGrowPolicy())
     try:
         trainer.train(num_steps=2)  # 2 global batches into epoch 1
-        assert _live_split_coordinators() == baseline + 1
+        assert len(_live_split_coordinators() - baseline) == 1
 
         # Rank 1 dies mid-epoch (after one more step); the policy keeps the survivor only, and the
         # call goes on on it, over a split of one that skips the rows the group had read.
@@ -228,14 +232,14 @@ def test_shrink_and_grow_resplit_and_the_epoch_goes_on_from_its_position(
         assert len(epoch) == NUM_ROWS  # 48 rows over 2 workers, then the other 55 on 1
         assert len(epoch) - len(set(epoch)) <= 3 * GLOBAL_BATCH
         # The old split went with the group that read it; only the new one is left.
-        assert _wait_for_coordinators(baseline + 1) == baseline + 1
+        assert _new_coordinators(baseline, 1) == 1
 
         result = trainer.train(max_retries=2)  # grows back to 2 and splits over them
         assert trainer.num_workers == 2 and result["epoch"] == 2
         _assert_once(_ids(trainer), NUM_ROWS)
     finally:
         trainer.shutdown()
-    assert _wait_for_coordinators(baseline) == baseline
+    assert _new_coordinators(baseline, 0) == 0
 
 
 def _initial_params() -> list[float]:
@@ -275,10 +279,10 @@ def test_every_worker_lost_mid_epoch_restarts_all_and_resplits(tmp_path: Path) -
         assert params[0] == params[1] != _initial_params()
         assert np.isfinite(result["train_loss"])
         # Only the new split is left: the old one went with the workers that read it.
-        assert _wait_for_coordinators(baseline + 1) == baseline + 1
+        assert _new_coordinators(baseline, 1) == 1
     finally:
         trainer.shutdown()
-    assert _wait_for_coordinators(baseline) == baseline
+    assert _new_coordinators(baseline, 0) == 0
 
 
 @pytest.mark.timeout(180)

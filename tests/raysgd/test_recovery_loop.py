@@ -44,6 +44,8 @@ class FakeGroup:
         self.dead = 0  # workers lost since the last recover (still counted in `world_size`)
         self.recover_calls: list[int] = []
         self.recover_errors: list[BaseException] = []  # raised by the next recover calls
+        # Workers the next recover finds gone although no call reported them (rank -> node).
+        self.found_next: dict[int, str] = {}
         self.spare_waits: list[float] = []  # a move's waits for starting spares
         self.spares_up = 0  # spares started and up: `recover` promotes them first
         self.spares_starting = 0
@@ -62,6 +64,8 @@ class FakeGroup:
         self.recover_calls.append(num_workers)
         if self.recover_errors:
             raise self.recover_errors.pop(0)
+        found, self.found_next = self.found_next, {}
+        self.dead += len(found)
         survivors = min(self.world_size - self.dead, num_workers)
         self.spares_up -= min(self.spares_up, num_workers - survivors)
         self.world_size = min(num_workers, max(self.room, survivors))
@@ -74,6 +78,7 @@ class FakeGroup:
             duration_s=0.0,
             lost=[],
             timings={"start_s": 0.25, "form_s": 0.125},
+            found_lost=found,
         )
 
     def estimate_fitting(self) -> int:
@@ -277,6 +282,33 @@ def test_a_failed_restart_is_one_more_loss_and_is_retried() -> None:
     assert loop.run(Script(lambda: died(group, [1])), max_retries=3) == "done"
     assert loop.failures == 2 and len(restored) == 1
     assert [e.kind for e in loop.events].count("restart_failed") == 1
+
+
+def test_a_worker_the_resize_finds_gone_is_one_more_loss_recorded_before_the_resize() -> None:
+    # Rank 2 went after rank 1's loss was seen and before the group's recovery pinged it: the
+    # one resize replaces both, and rank 2's loss is counted, in the order the losses came.
+    group = FakeGroup(size=3, room=3)
+    group.found_next = {2: "node-b"}
+    loop, restored, _ = make_loop(group, 3)
+    meter = GoodputMeter()
+    loop.log.subscribe(meter.take)
+    finished_at = time.time() - 2.0
+    loop.fake_state._restore = lambda report: RestoreOutcome("rank 0", 4, 1, finished_at)  # type: ignore[attr-defined]
+    assert loop.run(Script(lambda: died(group, [1])), max_retries=3) == "done"
+    assert loop.failures == 2 and group.recover_calls == [3] and len(restored) == 1
+    assert restored[0].started == [1, 2] and group.world_size == 3
+    kinds = [e.kind for e in loop.events]
+    assert kinds == ["failure", "decision", "restart_failed", "resize", "recovered"]
+    found = loop.events[2]
+    assert found.ranks == (2,) and found.nodes == ("node-b",)
+    assert found.error.startswith("WorkerDiedError") and found.num_workers_after == 1
+    # The detection is measured from the first loss, once, by the resize that followed both.
+    assert meter.report(failures=2)["lost_s"]["detection"] == pytest.approx(2.0, abs=0.5)
+    # While the group is repaired after a user error, such a loss is logged, not counted.
+    group.found_next, group.needs_recovery = {0: "node-a"}, True
+    loop.repair(WorkerError("boom", 1, "node", "Traceback ..."))
+    assert loop.failures == 2 and loop.events[-2].kind == "restart_failed"
+    assert "not counted" in loop.events[-2].message
 
 
 def test_the_policy_alone_owns_the_budget() -> None:

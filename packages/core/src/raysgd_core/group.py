@@ -325,9 +325,7 @@ class WorkerGroup:
         )
         if not outcome.ok:
             self._running.broken = True
-            for r in outcome.died:
-                by_rank[r].alive = False
-            raise_for(outcome, lambda r: by_rank[r].node_id if r in by_rank else "?")
+            raise_for(outcome, by_rank.get)
 
     def _check_usable(self) -> None:
         if not self._started:

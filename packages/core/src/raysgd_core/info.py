@@ -33,6 +33,10 @@ class RecoveryReport:
         world_size: the size of the re-formed group (0 when nothing could be started).
         duration_s: wall time of the recovery.
         lost: old ranks that were dead, stuck or dropped.
+        found_lost: old rank -> node id of each lost worker that no call had reported lost:
+            this recovery found it dead or not answering (a loss since the error that called
+            for the recovery, such as the second of a burst). A subset of `lost`; a caller
+            that counts losses counts these too.
         timings: seconds per phase: "ping_s" (finding the dead and stuck), "leave_s" (survivors
             leaving the old process group, while the replacements start), "start_s" (from asking
             for the replacements until they are up and their init hook ran), "form_s" (the new
@@ -51,3 +55,4 @@ class RecoveryReport:
     lost: list[int]
     timings: dict[str, float] = field(default_factory=dict)
     steps_redone: Optional[int] = None
+    found_lost: dict[int, str] = field(default_factory=dict)

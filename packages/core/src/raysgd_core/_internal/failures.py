@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from raysgd_core._internal.runtime import Failure, is_collateral, is_peer_timeout
 from raysgd_core.errors import WorkerDiedError, WorkerError
@@ -147,14 +147,35 @@ def failure_to_error(failure: Failure, lost_ranks: Sequence[int] = ()) -> Worker
     return error
 
 
-def raise_for(outcome: Outcome, node_of: Callable[[int], str]) -> None:
-    """Raise the one error that best explains `outcome` (nothing when every rank succeeded).
+class _Member(Protocol):
+    """What `raise_for` needs of the driver's record of a rank (`workers.Worker`)."""
+
+    alive: bool
+
+    @property
+    def node_id(self) -> str: ...
+
+
+def raise_for(outcome: Outcome, member: Callable[[int], Optional[_Member]]) -> None:
+    """Raise the one error that best explains `outcome` (nothing when every rank succeeded);
+    `member(rank)` is the record of the rank the outcome calls `rank` (None: unknown).
 
     A user exception explains everything else (peers' "connection closed" errors, ranks killed while
     stuck), so it wins; then deaths; a lone process-group error (no other cause known) comes last.
+    Every rank that died is marked not alive first: its loss is reported here, so a later
+    `recover` does not take it for one nobody reported (`RecoveryReport.found_lost`).
     """
     if outcome.ok:
         return
+    for rank in outcome.died:
+        record = member(rank)
+        if record is not None:
+            record.alive = False
+
+    def node_of(rank: int) -> str:
+        record = member(rank)
+        return record.node_id if record is not None else "?"
+
     lost = sorted(set(outcome.died) | set(outcome.killed))
     own = sorted((f for f in outcome.failures if not f.collateral), key=lambda f: f.time)
     if own:

@@ -44,8 +44,9 @@ def recover(running: RunningGroup, num_workers: int, timeout_s: float) -> Recove
     old = list(running.workers)
     rank_before = {id(w): w.rank for w in old}
     timings: dict[str, float] = {}
+    found_lost: dict[int, str] = {}
     try:
-        kept, started = _keep_healthy(running, num_workers, deadline, timings)
+        kept, started = _keep_healthy(running, num_workers, deadline, timings, found_lost)
         path = "keep-healthy"
     except Exception as exc:  # includes a failed re-formation; WorkerError from init_hook too
         if isinstance(exc, (WorkerError, WorkerDiedError)):
@@ -67,6 +68,7 @@ def recover(running: RunningGroup, num_workers: int, timeout_s: float) -> Recove
         duration_s=time.monotonic() - t0,
         lost=sorted(rank_before[id(w)] for w in old if id(w) not in kept_ids),
         timings=timings,
+        found_lost=found_lost,
     )
     logger.info("recovered (%s) to %d workers in %.2fs", path, report.world_size, report.duration_s)
     spares.replenish(running)
@@ -74,7 +76,11 @@ def recover(running: RunningGroup, num_workers: int, timeout_s: float) -> Recove
 
 
 def _keep_healthy(
-    running: RunningGroup, target: int, deadline: float, timings: dict[str, float]
+    running: RunningGroup,
+    target: int,
+    deadline: float,
+    timings: dict[str, float],
+    found_lost: dict[int, str],
 ) -> tuple[list, list]:
     workers = running.workers
     t0 = time.monotonic()
@@ -83,6 +89,8 @@ def _keep_healthy(
     timings["ping_s"] = time.monotonic() - t0
     for w in workers:
         if w not in alive:
+            if w.alive:  # no call reported it: lost since (see `RecoveryReport.found_lost`)
+                found_lost[w.rank] = w.node_id
             running.drop(w)
     survivors = [w for w in workers if w in alive]
     for w in survivors[target:]:  # shrinking: drop the highest ranks
@@ -104,7 +112,7 @@ def _keep_healthy(
         if running.local is not None:
             running.local.runtime.destroy()
         collect(refs, outcome, kill=lambda i: _drop_stuck(running, survivors[i]))
-        raise_for(outcome, lambda i: survivors[i].node_id)
+        raise_for(outcome, survivors.__getitem__)
         timings["leave_s"] = time.monotonic() - t_spawn
         running.workers = survivors
         new = _await_new(running, spawned, deadline)

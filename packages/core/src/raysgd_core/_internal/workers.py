@@ -118,7 +118,7 @@ def run_hooks(
     by_index = {first_rank + i: w for i, w in enumerate(workers)}
     pending = {w.info.pop("hook_ref"): i for i, w in by_index.items() if "hook_ref" in w.info}
     collect(pending, outcome, kill=lambda i: kill_worker(by_index[i], unresponsive=True))
-    raise_for(outcome, lambda i: by_index[i].node_id if i in by_index else "?")
+    raise_for(outcome, by_index.get)
 
 
 def form_group(
@@ -143,7 +143,7 @@ def form_group(
         w.local_rank = seen[w.node_id]
         w.local_world_size = per_node[w.node_id]
         seen[w.node_id] += 1
-    node_of = lambda r: workers[r].node_id  # noqa: E731
+    member = workers.__getitem__
     head = workers[0]
     if head.local is not None:
         host, port = head.local.runtime.open_store(world_size, formation_timeout_s)
@@ -154,7 +154,7 @@ def form_group(
             outcome,
             kill=lambda r: kill_worker(workers[r], unresponsive=True),
         )
-        raise_for(outcome, node_of)
+        raise_for(outcome, member)
         host, port = outcome.results[0]
 
     def kwargs(w: Worker, gpu_index: Optional[int]) -> dict:
@@ -195,7 +195,7 @@ def form_group(
         grace_s=formation_timeout_s + GRACE_S,
         abort=lambda ranks: abort_workers([workers[r] for r in ranks], generation),
     )
-    raise_for(outcome, node_of)
+    raise_for(outcome, member)
     for w in workers:
         w.device = outcome.results[w.rank]
 

@@ -157,14 +157,8 @@ class Preemption:
                 )
         finally:
             recovery.losses.draining = frozenset()
-        lost = next((r.lost for r in resizes if r.lost is not None), None)
-        if lost is not None:
-            recovery.losses.draining = frozenset(nodes)
-            try:
-                recovery.losses.count(lost, during_restart=True)
-            finally:
-                recovery.losses.draining = frozenset()
-        if lost is not None or not resizes[-1].ok:
+        lost = any(r.lost is not None for r in resizes)
+        if lost or not resizes[-1].ok:
             return self._not_moved(
                 leaving,
                 nodes,

@@ -119,7 +119,8 @@ class ResizeResult:
         report: The group's `RecoveryReport` (its `steps_redone` filled in), or None when the
             resize failed before the group was re-formed.
         restored: Where the state came from and how many steps are redone.
-        lost: The error of a worker lost during the resize (one more loss), or None.
+        lost: The error of a worker lost during the resize, which made it fail (one more
+            loss, counted by the resize), or None.
         duration_s: The whole resize.
         formed_s: Until the group was re-formed (the rest is the restore).
     """
@@ -314,7 +315,7 @@ class Recovery:
                 assert decision is not None
                 losses = self.failures_this_call
                 now, later = self._split_background(decision)
-                if self._resize_counting(now, "failure").ok:
+                if self.resize(now, "failure").ok:
                     if later:
                         self._group.start_spares(later)
                     self.stage = Stage.RUNNING
@@ -368,8 +369,8 @@ class Recovery:
         except WorkerDiedError as err:
             self.losses.count(err, during_restart=False, alive=current - len(err.ranks))
             return False
-        if not self._resize_counting(decision.num_workers, "grow").ok:
-            self._resize_counting(max(1, current), "repair after a failed grow")
+        if not self.resize(decision.num_workers, "grow").ok:
+            self.resize(max(1, current), "repair after a failed grow")
         return self._world_size() > current
 
     def maybe_grow(self) -> bool:
@@ -393,11 +394,11 @@ class Recovery:
         decision = self._size("grow", running=current, fitting=fitting)
         if decision.num_workers <= current:
             return False
-        if not self._resize_counting(decision.num_workers, "grow").ok:
+        if not self.resize(decision.num_workers, "grow").ok:
             # A new worker failed while joining; the old members may have left their process group
             # already, so re-form at the old size. Should that fail too, the next attempt sees a
             # broken group and the failure path takes over.
-            self._resize_counting(max(1, current), "repair after a failed grow")
+            self.resize(max(1, current), "repair after a failed grow")
         if self._world_size() > current:
             self._grow_backoff_s = 0.0
             return True
@@ -439,9 +440,7 @@ class Recovery:
         if not self._group.needs_recovery:
             return True
         self.stage = Stage.RESTARTING
-        repaired = self._resize_counting(
-            max(1, self._world_size()), "repair after a failed call"
-        ).ok
+        repaired = self.resize(max(1, self._world_size()), "repair after a failed call").ok
         self.stage = Stage.SUCCEEDED if repaired else Stage.FAILED
         if not repaired:
             logger.warning(
@@ -457,14 +456,19 @@ class Recovery:
         *,
         timeout_s: Optional[float] = None,
         leaving: Sequence[int] = (),
+        counted: bool = True,
     ) -> ResizeResult:
         """Resize the group to `num_workers`, as one transaction: the state handed over (made
         restorable without the workers of `leaving`) and those workers retired, then
         `group.recover` (healthy workers kept, the rest started, within `timeout_s`), then the
         state restored on the new group. `num_workers` None: as the scaling policy sizes a move
         (`size_for_move`), asked once the leaving workers are gone (their room then counts).
-        Every event is derived from the returned result; a worker lost meanwhile is in
-        `ResizeResult.lost`, for the caller to count.
+        Every event is derived from the returned result.
+
+        A worker lost meanwhile is a loss during the restart, counted here (`counted` False:
+        logged only, for a repair after a user error): one the group found gone while it
+        re-formed (`RecoveryReport.found_lost`: the resize replaced it and went on), or one whose
+        loss made the resize fail (`ResizeResult.lost`).
 
         Raises:
             StateLostError: no worker, copy or checkpoint holds the state (retrying cannot help).
@@ -487,6 +491,8 @@ class Recovery:
                 timeout_s=timeout_s if timeout_s is not None else self._restart_timeout_s,
             )
             formed = time.monotonic()
+            if report.found_lost:
+                self._lose(_found_lost_error(report), counted, alive=len(report.kept))
             if report.world_size >= 1:
                 outcome = self._state.restore(report)
                 if isinstance(outcome, RestoreOutcome):
@@ -502,14 +508,16 @@ class Recovery:
             reason, target, before, report, restored, lost, done - started, formed - started
         )
         self._record(result)
+        if lost is not None:
+            self._lose(lost, counted)
         return result
 
-    def _resize_counting(self, num_workers: int, reason: str) -> ResizeResult:
-        """`resize`, a worker lost meanwhile counted as a loss during the restart."""
-        result = self.resize(num_workers, reason)
-        if result.lost is not None:
-            self.losses.count(result.lost, during_restart=True)
-        return result
+    def _lose(self, err: BaseException, counted: bool, alive: Optional[int] = None) -> None:
+        """A worker lost during a resize: counted as a loss during the restart, or only logged."""
+        if counted:
+            self.losses.count(err, during_restart=True, alive=alive)
+        else:
+            self.losses.note(err)
 
     def _record(self, result: ResizeResult) -> None:
         """The event of a resize: what it did, or that it started nobody (a loss during it is
@@ -567,9 +575,7 @@ class Recovery:
         # at the same size, every worker at the last step the group finished, so that the next
         # call starts from a consistent model. This is housekeeping, not a loss of the user's
         # run: a worker lost meanwhile is logged, not counted.
-        result = self.resize(max(1, self._world_size()), "repair after a user error")
-        if result.lost is not None:
-            self.losses.note(result.lost)
+        result = self.resize(max(1, self._world_size()), "repair after a user error", counted=False)
         if not result.ok:
             logger.warning("the worker group could not be repaired after the user error above")
 
@@ -653,3 +659,15 @@ class Recovery:
         except Exception:  # no answer: count nothing, the group's estimate decides
             logger.debug("counting reclaimable slots failed", exc_info=True)
             return 0
+
+
+def _found_lost_error(report: RecoveryReport) -> WorkerDiedError:
+    """The loss of the workers a recovery found gone that no call had reported (the second of a
+    burst, say), as the error a call would have raised for it."""
+    ranks = sorted(report.found_lost)
+    return WorkerDiedError(
+        f"Workers lost: rank(s) {ranks} were found gone while the group re-formed (lost after "
+        "the error that called for the resize); replaced",
+        ranks,
+        [report.found_lost[r] for r in ranks],
+    )
