@@ -475,7 +475,8 @@ class UseLocalDriver:
     """A driver process on a worker node (as a Tune trial's is): `use_local=True` puts rank 0 here."""
 
     def train(self, folder: str, checkpoint_dir: str) -> dict[str, Any]:
-        trainer = _trainer(Path(folder), use_local=True, checkpoint_dir=checkpoint_dir)
+        # Held at step 5 until the notice is given: the epoch must not end first.
+        trainer = _trainer(Path(folder), 5, use_local=True, checkpoint_dir=checkpoint_dir)
         try:
             nodes = trainer.apply_all_workers(_node_id)
             Path(folder, "ready").touch()
@@ -509,7 +510,7 @@ def test_a_draining_driver_node_under_use_local_writes_a_checkpoint_and_training
         scheduling_strategy=NodeAffinitySchedulingStrategy(driver_node.node_id, soft=False),
     ).remote()
     drainer = threading.Thread(
-        target=lambda: _wait_then_drain(ray_multinode, tmp_path / "step-3", driver_node.node_id)
+        target=lambda: _wait_then_drain(ray_multinode, tmp_path, driver_node.node_id)
     )
     drainer.start()
     out = ray.get(driver.train.remote(str(tmp_path), str(tmp_path / "checkpoints")), timeout=120)
@@ -523,8 +524,11 @@ def test_a_draining_driver_node_under_use_local_writes_a_checkpoint_and_training
     assert sorted(rows_by_epoch(tmp_path)[1]) == list(range(ROWS))
 
 
-def _wait_then_drain(cluster: Any, marker: Path, node_id: str) -> None:
+def _wait_then_drain(cluster: Any, folder: Path, node_id: str) -> None:
+    """Drain `node_id` once rank 0 finished step 3, then let the ranks held at their `hold_step`
+    go on."""
     until = time.monotonic() + 120
-    while not marker.exists() and time.monotonic() < until:
+    while not (folder / "step-3").exists() and time.monotonic() < until:
         time.sleep(0.02)
     _drain(cluster, node_id, 60)
+    (folder / "drained").touch()
