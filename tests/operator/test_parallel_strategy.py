@@ -102,6 +102,25 @@ def test_fsdp_mixed_precision_follows_the_precision_backend() -> None:
     assert get_precision("bf16", device="cpu").param_dtypes() == (torch.bfloat16, torch.float32)
 
 
+def test_a_whole_state_is_the_strategys_to_give_and_a_sharded_one_has_none() -> None:
+    torch.manual_seed(0)
+    model, other = nn.Linear(3, 2), nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    for strategy in (NoStrategy(), DDPStrategy()):
+        models, optimizers = strategy.whole_state([model], [optimizer])
+        # The live tensors, not copies: the caller decides whether to copy.
+        assert models[0]["weight"].data_ptr() == model.weight.data_ptr()
+        into = torch.optim.SGD(other.parameters(), lr=0.5, momentum=0.9)
+        strategy.load_whole_state([other], [into], models, optimizers)
+        assert torch.equal(other.weight, model.weight)
+        assert into.param_groups[0]["lr"] == 0.1 and len(into.state) == 2  # weight, bias
+    assert not DDPStrategy.wraps_meta_models and FSDPStrategy.wraps_meta_models
+    with pytest.raises(RuntimeError, match=r"'fsdp' shards the model.*use save_sharded"):
+        FSDPStrategy().whole_state([model], [optimizer])
+
+
 class _RunsCode:
     def __reduce__(self) -> tuple:
         return (os.system, ("echo should-not-run",))

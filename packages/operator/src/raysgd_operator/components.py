@@ -153,13 +153,15 @@ class Components:
                     f"optimizers must be torch.optim.Optimizer objects, got {type(o).__name__}"
                 )
         device = self.rank_info.device
-        # A model built on the meta device gets memory where it will live: after sharding (each
-        # worker then holds its shards only), else here, before it is wrapped.
+        # A model built on the meta device gets memory where it will live: after wrapping when
+        # the strategy wraps it there (sharding: each worker then holds its shards only), else
+        # here, before it is wrapped.
         on_meta_device = [m for m in model_list if on_meta(m)]
+        later = self.strategy.wraps_meta_models
         for m in model_list:
             if m not in on_meta_device:
                 m.to(device)
-            elif not self.strategy.sharded:
+            elif not later:
                 materialize(m, device, init_weights, opt_list)
         if isinstance(criterion, nn.Module):
             criterion = criterion.to(device)
@@ -180,8 +182,8 @@ class Components:
         self.ddp_args = dict(ddp_args or {})
         self.criterion = criterion
         self.wrapped = self._wrap(self.models, sync=not self._restoring)
-        for m in on_meta_device:
-            if self.strategy.sharded:
+        if later:
+            for m in on_meta_device:
                 materialize(m, device, init_weights, self.optimizers)
         if schedulers is not None:
             self.schedulers, self.scheduler_shape = flatten(

@@ -80,6 +80,12 @@ class ParallelStrategy:
       the runner build a new operator instead.
     - `sharded`: whether each worker holds only a part of the parameters (checkpoints are then
       written per worker, in `torch.distributed.checkpoint` format).
+    - `wraps_meta_models`: whether `wrap` takes models still on the meta device (each worker then
+      gives memory to its own part only, after wrapping); otherwise a model built there gets its
+      memory before `wrap`.
+    - `whole_state(models, optimizers)` and `load_whole_state(...)`: the models' and optimizers'
+      state dicts as one whole copy (what `OperatorRunner.state_dict` holds), saved where every
+      worker has all of it and loaded into any strategy's models.
     - `whole_model(model)` gives the user's whole module: the unwrapped model itself when every
       worker holds all of it; for a sharded strategy, a collective that returns a new module on
       the CPU, with every parameter gathered, on rank 0 (None on the others).
@@ -89,6 +95,7 @@ class ParallelStrategy:
     name: str = "none"
     sharded: bool = False
     rewrappable: bool = True
+    wraps_meta_models: bool = False
 
     def wrap(
         self, models: Sequence[nn.Module], optimizers: Sequence[Optimizer], context: WrapContext
@@ -99,6 +106,27 @@ class ParallelStrategy:
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside a wrapper (the model itself when not wrapped)."""
         return model
+
+    def whole_state(
+        self, models: Sequence[nn.Module], optimizers: Sequence[Optimizer]
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The `state_dict()` of every model and optimizer, their live tensors (not copies).
+        A sharded strategy raises: no worker has the whole state."""
+        return [m.state_dict() for m in models], [o.state_dict() for o in optimizers]
+
+    def load_whole_state(
+        self,
+        models: Sequence[nn.Module],
+        optimizers: Sequence[Optimizer],
+        model_states: Sequence[dict[str, Any]],
+        optimizer_states: Sequence[dict[str, Any]],
+    ) -> None:
+        """Load whole state dicts (`whole_state` of a run with any strategy that has one) into
+        this worker's models and optimizers."""
+        for model, state in zip(models, model_states):
+            model.load_state_dict(state)
+        for optimizer, state in zip(optimizers, optimizer_states):
+            optimizer.load_state_dict(state)
 
     def whole_model(self, model: nn.Module) -> nn.Module | None:
         """The user's whole module (see the class docstring); the base class unwraps it."""

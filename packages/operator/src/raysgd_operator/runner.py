@@ -334,11 +334,6 @@ class OperatorRunner:
             )
 
     # -- state -------------------------------------------------------------------------------
-    @property
-    def sharded(self) -> bool:
-        """Whether each worker holds only part of the model (see `save_sharded`)."""
-        return bool(self.components.strategy.sharded)
-
     def _progress_state(self) -> dict[str, Any]:
         """The part of the state that is the same on every worker and is not a model tensor."""
         op, parts = self.operator, self.components
@@ -363,13 +358,7 @@ class OperatorRunner:
         `save_sharded`.
         """
         parts = self.components
-        if self.sharded:
-            raise RuntimeError(
-                f"strategy {parts.strategy.name!r} shards the model: no worker has its whole "
-                "state (use save_sharded)"
-            )
-        models = [m.state_dict() for m in parts.models]
-        optimizers = [o.state_dict() for o in parts.optimizers]
+        models, optimizers = parts.strategy.whole_state(parts.models, parts.optimizers)
         if not live:
             earlier = into or {}
             models = cpu_copy(models, earlier.get("models"))
@@ -576,15 +565,9 @@ class OperatorRunner:
                 raise ValueError(
                     f"state has {len(state.get(key, []))} {key} but this operator registered {len(have)}"
                 )
-        if self.sharded:
-            # A whole-model state (from ddp or none) into sharded modules: each worker keeps
-            # its own part of every tensor.
-            _dcp().load_full(parts.models, parts.optimizers, state["models"], state["optimizers"])
-        else:
-            for model, sd in zip(parts.models, state["models"]):
-                model.load_state_dict(sd)
-            for opt, sd in zip(parts.optimizers, state["optimizers"]):
-                opt.load_state_dict(sd)
+        parts.strategy.load_whole_state(
+            parts.models, parts.optimizers, state["models"], state["optimizers"]
+        )
         self._load_progress(state)
 
     # -- misc --------------------------------------------------------------------------------
@@ -599,15 +582,21 @@ class OperatorRunner:
         strategy this is a collective: every parameter is gathered into new, whole modules on the
         CPU on rank 0 (the other ranks return an empty list).
         """
-        parts = self.components
-        if self.sharded:
-            whole = [parts.strategy.whole_model(m) for m in parts.models]
-            return [] if any(m is None for m in whole) else whole  # type: ignore[misc]
-        models = parts.unwrapped_models()
-        return [
-            copy.deepcopy(m).cpu() if to_cpu or (cpu_if_on_device and on_device(m)) else m
-            for m in models
-        ]
+        strategy = self.components.strategy
+        models = self.components.models
+        # Every model first: under a sharded strategy each one is a collective on every rank.
+        whole = [strategy.whole_model(m) for m in models]
+        if any(m is None for m in whole):
+            return []  # gathered on rank 0
+        copies = []
+        for model, made in zip(models, whole):
+            assert made is not None
+            if to_cpu or (cpu_if_on_device and on_device(made)):
+                # A module made for this call (a sharded model gathered) is the caller's own:
+                # moved, not copied again; the live one is copied.
+                made = (copy.deepcopy(made) if made is strategy.unwrap(model) else made).cpu()
+            copies.append(made)
+        return copies
 
     def models_nbytes(self) -> int:
         """What `get_models` brings into one process, in bytes (parameters and buffers)."""

@@ -72,6 +72,8 @@ class FSDPStrategy(ParallelStrategy):
     # A sharded module is bound to the process group it was sharded over: after a resize the
     # runner builds the model again and loads the state resharded for the new size.
     rewrappable = False
+    # fully_shard takes a module on the meta device: each worker then allocates its shards only.
+    wraps_meta_models = True
 
     def __init__(
         self,
@@ -153,6 +155,28 @@ class FSDPStrategy(ParallelStrategy):
             replaced.update({pid: after[name] for pid, name in before.items() if name in after})
         repoint_optimizers(optimizers, replaced)
         return list(models)
+
+    def whole_state(
+        self, models: Sequence[nn.Module], optimizers: Sequence[Optimizer]
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        raise RuntimeError(
+            f"strategy {self.name!r} shards the model: no worker has its whole state (use "
+            "save_sharded)"
+        )
+
+    def load_whole_state(
+        self,
+        models: Sequence[nn.Module],
+        optimizers: Sequence[Optimizer],
+        model_states: Sequence[dict[str, Any]],
+        optimizer_states: Sequence[dict[str, Any]],
+    ) -> None:
+        """Load a whole state (of a `ddp` or `none` run) into the sharded models: each worker
+        keeps its own part of every tensor."""
+        # Imported on first use, as the runner imports it: DCP is slow to import.
+        from raysgd_operator._internal.sharded import load_full
+
+        load_full(models, optimizers, model_states, optimizer_states)
 
     def whole_model(self, model: nn.Module) -> Optional[nn.Module]:
         """Gather every parameter and buffer of `model` (DCP's full state dict, offloaded to the
