@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import time
 
 import pytest
 import torch
@@ -148,13 +150,19 @@ def test_population_based_training(ray_local, tune_storage, nothing_leaked):
 
 
 def dies_once(config, checkpoint_dir=None):
-    """Rank 1's process dies at step 1 of the first attempt; the retry resumes from step 0."""
+    """Rank 1's process dies at step 1 of the first attempt, once Tune has the step-0 checkpoint
+    (rank 0 reports it concurrently: on a busy machine the loss could otherwise be seen first);
+    the retry resumes from step 0."""
     start = 0
     if checkpoint_dir:
         with open(os.path.join(checkpoint_dir, "step")) as f:
             start = int(f.read()) + 1
     for step in range(start, 3):
         if step == 1 and dist.get_rank() == 1 and not os.path.exists(config["marker"]):
+            until = time.monotonic() + 60
+            storage = pathlib.Path(config["storage"])
+            while not any(storage.rglob("checkpoint_000000")) and time.monotonic() < until:
+                time.sleep(0.05)
             open(config["marker"], "w").close()
             os._exit(1)  # a lost worker: no exception, no goodbye
         dist.barrier()
@@ -169,7 +177,7 @@ def test_lost_worker_fails_the_trial_and_tune_retries(
     ray_local, tune_storage, tmp_path, nothing_leaked
 ):
     trainable = DistributedTrainableCreator(dies_once, num_workers=2, num_cpus_per_worker=1)
-    config = {"marker": str(tmp_path / "died")}
+    config = {"marker": str(tmp_path / "died"), "storage": tune_storage}
     # Called as RaySGD 1.x's docs call it: tune.run with resources_per_trial=None.
     analysis = tune.run(
         trainable,
