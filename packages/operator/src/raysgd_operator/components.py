@@ -223,10 +223,6 @@ class Components:
         """The strategy-wrapped model inside `model` when `model` is a compiled one."""
         return self._uncompiled.get(id(model), model)
 
-    def unwrapped_models(self) -> list[nn.Module]:
-        """The user's modules without the strategy's wrappers."""
-        return [self.strategy.unwrap(m) for m in self.models]
-
     # -- resize ------------------------------------------------------------------------------
     def rebind(
         self,
