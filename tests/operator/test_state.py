@@ -171,39 +171,42 @@ def test_apply_operator_and_shutdown() -> None:
 
 
 class IndexRecordingOperator(NoisyOperator):
-    """Records the batch_idx and global_step of every batch it trains."""
+    """Records the batch_idx, epoch_batch_idx and global_step of every batch it trains."""
 
     def setup(self, config: dict[str, Any]) -> None:
         super().setup(config)
-        self.seen: list[tuple[int, int]] = []
+        self.seen: list[tuple[int, int, int]] = []
 
     def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
-        self.seen.append((batch_info["batch_idx"], batch_info["global_step"]))
+        info = batch_info
+        self.seen.append((info["batch_idx"], info["epoch_batch_idx"], info["global_step"]))
         return super().train_batch(batch, batch_info)
 
 
-def test_a_state_saved_inside_a_call_numbers_the_next_calls_batches_on_from_it() -> None:
-    # A periodic checkpoint is taken between two steps of a call: loading it (load(), resume=True)
-    # must go on with the batch numbers the interrupted call would have given, as an in-call
-    # recovery does, not from 0.
+def test_batch_idx_counts_in_the_call_and_epoch_batch_idx_in_the_epoch_across_loads() -> None:
+    # batch_idx is a batch's place in its call (0 at every call's first batch, as RaySGD's was),
+    # epoch_batch_idx its place in its epoch, which a load in the middle of an epoch (a periodic
+    # checkpoint, resume=True) goes on with: per-epoch logic keys on it.
     first = OperatorRunner(IndexRecordingOperator, {}, scheduler_step_freq="epoch")
     saved: list[dict[str, Any]] = []
     first.add_step_hook(lambda: saved.append(first.state_dict()) if first.step in (6, 10) else None)
-    first.train_epoch()  # 10 batches
-    assert first.operator.seen == [(i, i) for i in range(10)]
+    first.train_epoch(num_steps=4)
+    first.train_epoch()  # the 6 other batches of the epoch's 10
+    assert first.operator.seen == [(i, i, i) for i in range(4)] + [
+        (i - 4, i, i) for i in range(4, 10)
+    ]
 
     resumed = OperatorRunner(IndexRecordingOperator, {}, scheduler_step_freq="epoch")
     resumed.load_state_dict(reload(saved[0]))
     resumed.train_epoch()  # the rest of the epoch
-    assert resumed.operator.seen == [(i, i) for i in range(6, 10)]
-    # A call after it starts at 0 again (each call numbers its batches, as RaySGD's did).
-    resumed.train_epoch(num_steps=2)
-    assert resumed.operator.seen[-2:] == [(0, 10), (1, 11)]
+    assert resumed.operator.seen == [(i - 6, i, i) for i in range(6, 10)]
+    resumed.train_epoch(num_steps=2)  # the next epoch
+    assert resumed.operator.seen[-2:] == [(0, 0, 10), (1, 1, 11)]
 
-    # A state saved between calls, or at the last step of an epoch (its call ends there): the
-    # next call starts at 0.
+    # A state saved between calls, or at the last step of an epoch: the next call and epoch
+    # start at 0.
     for state in (first.state_dict(), saved[1]):
         between = OperatorRunner(IndexRecordingOperator, {}, scheduler_step_freq="epoch")
         between.load_state_dict(reload(state))
         between.train_epoch(num_steps=1)
-        assert between.operator.seen == [(0, 10)]
+        assert between.operator.seen == [(0, 0, 10)]

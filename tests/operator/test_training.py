@@ -322,9 +322,10 @@ def test_a_runner_without_a_train_loader_has_a_state_and_validates() -> None:
         "position": 0,
         "epoch_rows": None,
         "in_epoch": False,
+        "epoch_steps": 0,
         "step": 0,
         "global_step": 0,
-        "call_steps": 0,
+        "trained_to": 0,
     }
     state = runner.state_dict()
     assert (state["position"], state["in_epoch"], state["step"]) == (0, False, 0)

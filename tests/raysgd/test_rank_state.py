@@ -1,5 +1,6 @@
-"""Per-rank state (`TrainingOperator.rank_state_dict`): saved for every rank, kept by survivors,
-handed to a replacement where a snapshot or a checkpoint holds the lost rank's, else fresh.
+"""Per-rank state (`TrainingOperator.rank_state_dict`): saved for every rank; after a lost worker
+a group that kept its size gives rank r rank r's (a survivor its own, a replacement the lost
+rank's: from its ring peer's replica under ddp, from the snapshot under fsdp).
 
 The operator's per-rank state here is where it came from (the rank that first made it) and how
 many steps it has seen: a carried state that must follow the steps it belongs to.
@@ -90,12 +91,12 @@ def test_saved_per_rank_and_loaded_by_rank_on_another_size(tmp_path: Path) -> No
     try:
         trainer.train(num_steps=5)
         path = trainer.save(tmp_path / "state.pt")
-        # A replacement for a lost ddp worker: nobody held its per-rank state, it starts afresh;
-        # the survivors keep theirs (all counted the same steps).
+        # Rank 1 is lost: the group goes on at its size, each rank with its rank's state (rank
+        # 1's from the replica its ring peer kept), all having counted the same steps.
         _arm(trainer, 1, 8, tmp_path / "died")
         trainer.train()  # to the end of the first epoch: 16 steps
         assert trainer.failures == 1
-        assert trainer.apply_all_operators(_carried) == [(0, 16), (2, 16), None]
+        assert trainer.apply_all_operators(_carried) == [(0, 16), (1, 16), (2, 16)]
     finally:
         trainer.shutdown()
     smaller = _trainer(2)
@@ -116,15 +117,15 @@ def test_fsdp_restores_every_ranks_state_with_the_snapshot_a_replacement_the_los
         result = trainer.train()
         assert trainer.failures == 1 and result["num_samples"] == ROWS
         # Every worker went back to the snapshot, its carried state too, and redid the steps
-        # since: each counted each of the epoch's 16 steps once. Rank 1's went to its
-        # replacement (now rank 2), from its peer's copy; rank 2 became rank 1.
-        assert trainer.apply_all_operators(_carried) == [(0, 16), (2, 16), (1, 16)]
+        # since: each counted each of the epoch's 16 steps once. Each rank took its rank's
+        # state: rank 1's (whose worker was lost) from the snapshot's copies.
+        assert trainer.apply_all_operators(_carried) == [(0, 16), (1, 16), (2, 16)]
         path = trainer.save(tmp_path / "sharded")
     finally:
         trainer.shutdown()
     smaller = _trainer(2, strategy="fsdp")
     try:
         smaller.load(path)  # a sharded folder: each rank's per-rank state with the rest
-        assert smaller.apply_all_operators(_carried) == [(0, 16), (2, 16)]
+        assert smaller.apply_all_operators(_carried) == [(0, 16), (1, 16)]
     finally:
         smaller.shutdown()

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from raysgd._internal.driver.restore_plan import plan_from_peers as plan_restore
+from raysgd._internal.driver.restore_plan import Holding, RestorePlan, plan_from_peers
 from raysgd_operator import Progress
+
+
+def plan_restore(progress: list[Any]) -> RestorePlan:
+    return plan_from_peers([Holding(p) for p in progress])
 
 
 def _p(step: int, *, clean: bool = True, in_batch: bool = False) -> Progress:

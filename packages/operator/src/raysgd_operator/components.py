@@ -107,6 +107,9 @@ class Components:
         self.criterion: Any = None
         #: Whether `register` was called (models and optimizers exist).
         self.registered = False
+        #: Optimizer steps the loops asked the precision backend for (`optimizer_step`), taken
+        #: or skipped: the runner ends an accumulation window at each.
+        self.optimizer_steps = 0
         self.ddp_args: dict[str, Any] = {}
         # What the user registered, and the loaders built from it (with a sampler when distributed).
         self.loader_sources: dict[str, Any] = dict.fromkeys(LOADER_KINDS)

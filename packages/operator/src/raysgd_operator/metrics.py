@@ -6,6 +6,7 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from numbers import Number
 from typing import Any
 
@@ -16,6 +17,7 @@ __all__ = [
     "NUM_SAMPLES",
     "AverageMeter",
     "AverageMeterCollection",
+    "MetersMark",
     "TimerCollection",
     "reduce_worker_results",
 ]
@@ -66,6 +68,18 @@ def _read_scalars(tensors: list[torch.Tensor]) -> list[Any]:
     if all(t.dtype == first.dtype and t.device == first.device for t in tensors):
         return torch.stack([t.detach().reshape(()) for t in tensors]).tolist()
     return [t.item() for t in tensors]
+
+
+@dataclass(frozen=True)
+class MetersMark:
+    """An `AverageMeterCollection` as it was at one point (`AverageMeterCollection.mark`)."""
+
+    batch_count: int
+    n: int
+    #: key -> the meter's (val, sum, count, avg) then.
+    meters: dict[str, tuple[Any, float, int, float]]
+    #: key -> (the list of values not read yet then, its length then).
+    pending: dict[str, tuple[list[tuple[torch.Tensor, Any]], int]]
 
 
 class AverageMeterCollection:
@@ -130,6 +144,27 @@ class AverageMeterCollection:
             twin = copy._meters[key] = AverageMeter()
             twin.val, twin.sum, twin.count, twin.avg = meter.val, meter.sum, meter.count, meter.avg
         return copy
+
+    def mark(self) -> MetersMark:
+        """Where the metrics stand now, for `rewind` (nothing is read from the device: the
+        values not read yet are kept by reference)."""
+        return MetersMark(
+            self._batch_count,
+            self.n,
+            {key: (m.val, m.sum, m.count, m.avg) for key, m in self._meters.items()},
+            {key: (pending, len(pending)) for key, pending in self._pending.items()},
+        )
+
+    def rewind(self, mark: MetersMark) -> None:
+        """Forget every batch recorded since `mark` (batches a recovery does again)."""
+        self._batch_count, self.n = mark.batch_count, mark.n
+        self._meters = {}
+        for key, (val, total, count, avg) in mark.meters.items():
+            meter = self._meters[key] = AverageMeter()
+            meter.val, meter.sum, meter.count, meter.avg = val, total, count, avg
+        # A list of values not read yet only grows until it is read (`_flush` replaces it), so
+        # its first entries are still those it had at the mark.
+        self._pending = {key: pending[:length] for key, (pending, length) in mark.pending.items()}
 
     def merge(self, other: AverageMeterCollection) -> None:
         """Add `other`'s batches to these (the metrics of a worker that is no longer there)."""

@@ -218,7 +218,13 @@ class TrainingOperator(OperatorBase):
         self.precision.backward(loss, optimizer)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
-        """Step ``optimizer`` (default: the first) through the backend; False if the step was skipped."""
+        """Step ``optimizer`` (default: the first) through the backend; False if the step was skipped.
+
+        The batch in which a loop steps (or tries to: a skipped step counts) ends its
+        accumulation window: a loop that accumulates gradients itself steps through here, or
+        calls ``optimizer.step()``, and raysgd follows its windows without being told their size.
+        """
+        self._components.optimizer_steps += 1
         return bool(self.precision.step(optimizer if optimizer is not None else self.optimizer))
 
     def clip_grad_norm(
@@ -269,6 +275,12 @@ class TrainingOperator(OperatorBase):
     def train_epoch(self, iterator: Iterable[Any], info: dict[str, Any]) -> dict[str, Any]:
         """Train over ``iterator`` (this call's batches) and return the averaged metrics.
 
+        Each batch's ``batch_info`` holds ``batch_idx`` (its place in this call: 0 for the call's
+        first batch; a call that a recovery continues goes on counting), ``epoch_batch_idx`` (its
+        place in its epoch: 0 for an epoch's first batch, however many calls, loads, resumes or
+        recoveries the epoch took), ``global_step`` (batches trained since training began, which
+        accumulation windows are aligned on) and the call's ``info``.
+
         Calls ``train_batch`` per batch, steps "batch" schedulers after each optimizer step and
         "epoch" schedulers at the end, and averages the returned dicts weighted by their ``num_samples``.
         The metrics go into the meters the runner hands over with the batches (``iterator.meters``),
@@ -288,7 +300,12 @@ class TrainingOperator(OperatorBase):
         bar = self._progress(iterator, f"{epoch_name}e")
         try:
             for batch_idx, batch in enumerate(iterator, start=first):
-                batch_info = {"batch_idx": batch_idx, "global_step": self.global_step, **info}
+                batch_info = {
+                    "batch_idx": batch_idx,
+                    "epoch_batch_idx": getattr(iterator, "epoch_batch_idx", batch_idx),
+                    "global_step": self.global_step,
+                    **info,
+                }
                 metrics = self.train_batch(batch, batch_info)
                 # With accumulation the optimizer steps every k batches, and so does the schedule.
                 stepped = (self.global_step + 1) % self.options.accumulate_grad_batches == 0
@@ -325,7 +342,9 @@ class TrainingOperator(OperatorBase):
         ``train_loss`` is the detached loss tensor (``float()`` it if you need the number here).
 
         With ``accumulate_grad_batches=k`` the loss is divided by k and the optimizer steps every
-        k-th global step; the batches in between skip the gradient sync (``no_sync``).
+        k-th global step; the batches in between skip the gradient sync (``no_sync``). A
+        recovery, a load or a resume goes back to the start of the window it falls in, so every
+        batch of a window is counted once.
         """
         model, optimizer, criterion = self.model, self.optimizer, self.criterion
         if criterion is None:

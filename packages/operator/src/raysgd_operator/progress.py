@@ -20,15 +20,20 @@ class Progress:
     """One worker's answer to "how far did you get?", asked after a failure.
 
     Attributes:
-        step: Steps finished since training began (over every call; a loaded state sets it).
-        epoch: The epoch those steps are in.
-        clean: The worker's state is that of its last finished step: no optimizer of the batch
-            it was in the middle of has stepped, or those steps were rolled back. A worker that is
-            not clean is never the source of a restore.
-        in_batch: The worker was in the middle of a batch when its call stopped (that batch is
-            redone: the one step a failure may cost).
-        call: The `train()` call it was in, or last finished.
+        step: The step the worker can go on from: the start of the accumulation window it was
+            in (its last finished step without accumulation), to which it went back. Counted
+            since training began, over every call (a loaded state sets it).
+        epoch: The epoch that step is in.
+        clean: The worker's state is that of `step`: no optimizer of the batch it was in the
+            middle of has stepped, or those steps were rolled back. A worker that is not clean is
+            never the source of a restore.
+        in_batch: The worker was in the middle of a batch when its call stopped.
+        call: The `train()` call it was in, or last finished, as of `step`.
         finished_at: When its last step finished (`time.time()`), None before the first.
+        reached: The steps it had started (finished, plus the one it was in): those from `step`
+            on are done again. None: `step`, plus the batch it was in.
+        interleaved: A validation ran after the window's start, which a redo of the window
+            follows instead of preceding: the random numbers it drew come in another order.
     """
 
     step: int
@@ -37,6 +42,8 @@ class Progress:
     in_batch: bool
     call: Optional[CallRecord] = None
     finished_at: Optional[float] = None
+    reached: Optional[int] = None
+    interleaved: bool = False
 
 
 @dataclass(frozen=True)
@@ -57,9 +64,8 @@ class CallRecord:
         finished: The call returned on this worker.
         recovered: The call went on after a failure (its metrics then cover the steps since it
             began, including those finished before the failure by workers that survived it).
-        first_index: The `batch_idx` of the call's first step: 0, or, for the first call after
-            a state saved inside a call was loaded (a periodic checkpoint), that call's steps
-            then, so that the numbering goes on as it would have without the interruption.
+
+    A step's `batch_idx` is its place in its call: `steps` before it, 0 for the call's first.
     """
 
     call_id: Hashable
@@ -70,7 +76,6 @@ class CallRecord:
     epoch: Optional[int] = None
     finished: bool = False
     recovered: bool = False
-    first_index: int = 0
 
     def remaining(self) -> Optional[int]:
         """Steps still to take (None: to the end of `epoch`)."""
@@ -84,6 +89,10 @@ class CallRecord:
         if self.steps >= 0:  # a step of the call itself (not one redone from before it)
             total = None if rows is None or self.rows is None else self.rows + rows
         return replace(self, steps=self.steps + 1, rows=total)
+
+    def same_call(self, other: CallRecord) -> bool:
+        """Whether `other` is a record of this same call (at another step)."""
+        return (self.call_id, self.start_step) == (other.call_id, other.start_step)
 
     def resumed_at(self, step: int, rows: Optional[int] = 0) -> CallRecord:
         """This call going on from a state at `step` (`rows`: the call's rows up to there)."""

@@ -18,6 +18,7 @@ from raysgd_operator._internal.rng import rng_state, set_rng_state
 from raysgd_operator._internal.step_journal import StepJournal
 from raysgd_operator._internal.stream import BatchStream, CallBatches
 from raysgd_operator._internal.tensors import cpu_copy, host_like, on_device, same_device_copy
+from raysgd_operator._internal.window import RankSlot, WindowStart
 from raysgd_operator.batch import BATCH_SIZE
 from raysgd_operator.components import Components, RankInfo
 from raysgd_operator.metrics import BATCH_COUNT, AverageMeterCollection
@@ -69,9 +70,11 @@ class OperatorRunner:
     ``epoch_rows``, ``step`` and ``global_step``, all plain tensors and containers
     (``torch.load(weights_only=True)`` reads them).
 
-    It counts finished steps (`progress`): a `train_epoch` call interrupted by a failure can be
-    continued, on the survivors and on workers that took over their state, from the last step the
-    group finished (`call_id`), and its metrics then count every step of the call once.
+    It counts finished steps (`progress`) and keeps the start of the accumulation window in
+    progress (`raysgd_operator._internal.window`): a `train_epoch` call interrupted by a failure
+    can be continued, on the survivors and on workers that took over their state, from the start
+    of the window the group was in (`call_id`), every batch of that window done again, and its
+    metrics then count every step of the call once. The state it saves is that window start's.
 
     ``datasets`` maps names to this worker's dataset shards (objects with ``iter_torch_batches``,
     such as Ray Data ``DataIterator``s); the ``"train"`` and ``"validation"`` shards replace the
@@ -125,11 +128,11 @@ class OperatorRunner:
         self.epoch = 0
         #: Steps finished since training began (see `progress`).
         self.step = 0
-        # The operator's global_step as it was when the last step finished.
-        self._global_step_at_step = 0
+        # The furthest step trained. A recovery or a load that goes back to the start of a window
+        # leaves `step` behind it: the steps up to it belong to calls already made, and the next
+        # call does them again before its own.
+        self._trained_to = 0
         self._call: CallRecord | None = None
-        # The steps of the call a loaded state was saved in (the next call's first batch_idx).
-        self._loaded_call_steps = 0
         self._finished_at: float | None = None
         self._meters: AverageMeterCollection | None = None
         #: The last `train_epoch` call stopped at a boundary on request (`request_stop`).
@@ -153,11 +156,10 @@ class OperatorRunner:
             missing=lambda: _missing_loader_error("validation"),
         )
         self.operator = operator_cls(config, components=self.components)
-        self._global_step_at_step = self.operator.global_step
         self.journal = StepJournal(self.components.optimizers, self.components.models)
-        # The operator's per-rank state as it was when the last step finished (see `progress`).
-        self._rank_state_at_step: Any = None
-        self._commit_rank_state()
+        #: Validation calls since the window start (see `progress`).
+        self._validations_in_window = 0
+        self._window = self._mark_window_start()
 
     @property
     def device(self) -> torch.device:
@@ -209,14 +211,13 @@ class OperatorRunner:
         op.timers.reset()
         call = self._call
         if call is None or call.finished or call_id is None or call.call_id != call_id:
+            # A new call's own steps begin where training had got to: steps a recovery or a load
+            # went back over are done again first, and are not the call's.
+            start = max(self.step, self._trained_to)
             call = CallRecord(
-                call_id=call_id,
-                num_steps=num_steps,
-                start_step=self.step,
-                first_index=self._loaded_call_steps,
+                call_id=call_id, num_steps=num_steps, start_step=start, steps=self.step - start
             )
             self._meters = AverageMeterCollection()
-        self._loaded_call_steps = 0
         self._call = call
         meters = self._meters
         remaining = call.remaining()
@@ -233,10 +234,7 @@ class OperatorRunner:
             # before its own.
             until = call.epoch if remaining is None else None
             batches = self._train.begin_call(
-                remaining,
-                meters=meters,
-                first_index=call.first_index + max(0, call.steps),
-                until_epoch=until,
+                remaining, meters=meters, first_index=max(0, call.steps), until_epoch=until
             )
             if call.epoch is None:
                 self._call = call = dataclasses.replace(call, epoch=self.epoch)
@@ -244,9 +242,7 @@ class OperatorRunner:
                 # The call's epoch had just ended when the call stopped: nothing is left of it.
                 self.epoch -= 1
                 self._train.reset()
-                batches = CallBatches(
-                    iter(()), 0, meters=meters, first_index=call.first_index + call.steps
-                )
+                batches = CallBatches(iter(()), 0, meters=meters, first_index=call.steps)
         call_info = {**self._base_info(num_steps), "epoch_idx": self.epoch - 1, **(info or {})}
         finished = False
         try:
@@ -261,6 +257,10 @@ class OperatorRunner:
         )
         # A call stopped at a step boundary on request goes on later: it is not finished.
         self._call = call = dataclasses.replace(self._call, finished=not self.yielded)
+        if self.at_window_start:
+            # What the loop did after its last batch (an "epoch" scheduler's step) belongs to
+            # the window start it ended at.
+            self._window = self._mark_window_start()
         metrics["epoch"] = self.epoch
         if call.recovered and BATCH_COUNT in metrics:
             metrics[BATCH_COUNT] = call.steps  # the call's steps, before and after the recovery
@@ -271,24 +271,94 @@ class OperatorRunner:
     def _on_step(self, rows: int | None) -> None:
         """A training batch is finished (called by the stream)."""
         self.step += 1
+        self._trained_to = max(self._trained_to, self.step)
         self._finished_at = time.time()
-        self._global_step_at_step = self.operator.global_step
         if self._call is not None:
             self._call = self._call.after_step(rows)
             if self._meters is not None:
                 # The next batch is the call's own once the step count reaches the call's start.
                 self._meters.recording = self.step >= self._call.start_step
-        self.journal.commit()
-        self._commit_rank_state()
+        # The batch ended its window when an optimizer stepped in it, or the loop asked the
+        # precision backend to step (a skipped step ends its window too).
+        window = self._window
+        if self.journal.dirty or self.components.optimizer_steps != window.optimizer_steps:
+            self._window = self._mark_window_start()
         for hook in self._step_hooks:
             hook()
 
-    def _commit_rank_state(self) -> None:
+    @property
+    def at_window_start(self) -> bool:
+        """Whether the last finished step ended an accumulation window (always without
+        accumulation): a boundary where nothing is accumulated, at which workers can leave and
+        join and a checkpoint is that of this very step."""
+        return self._window.step == self.step
+
+    @property
+    def window_step(self) -> int:
+        """The step the accumulation window in progress started at (`step` at a window start):
+        the step a recovery goes back to, and the step a checkpoint taken now describes."""
+        return self._window.step
+
+    def _live_position(self) -> dict[str, Any]:
+        """The counters and place in the epoch as they are now."""
+        in_epoch = self._train.is_open()
+        return {
+            "epoch": self.epoch,
+            "position": self._train.consumed(),
+            "epoch_rows": self._train.consumed_rows(),
+            "in_epoch": in_epoch,
+            "epoch_steps": self._train.epoch_steps if in_epoch else 0,
+            "step": self.step,
+            "global_step": self.operator.global_step,
+        }
+
+    def _mark_window_start(self) -> WindowStart:
+        """This moment as the start of a window (see `window`): what going back to it restores."""
+        parts, meters = self.components, self._meters
+        rank_state = (
+            same_device_copy(self.operator.rank_state_dict()) if self.has_rank_state else None
+        )
+        self.journal.commit()
+        self._validations_in_window = 0
+        return WindowStart(
+            position=self._live_position(),
+            call=self._call,
+            meters=(meters, meters.mark()) if meters is not None else None,
+            rank=RankSlot(
+                state=rank_state,
+                rng=rng_state(),
+                pass_seed=self._train.pass_seed if self._train.is_open() else None,
+            ),
+            optimizer_steps=parts.optimizer_steps,
+        )
+
+    def _rewind(self) -> None:
+        """Go back to the start of the window in progress (see `progress`)."""
+        window, parts = self._window, self.components
+        for optimizer in parts.optimizers:
+            # Whatever the window had accumulated: its batches are all done again.
+            optimizer.zero_grad(set_to_none=True)
+        self._set_position(window.position, pass_seed=window.rank.pass_seed)
+        window.rank.restore_generators()
         if self.has_rank_state:
-            self._rank_state_at_step = same_device_copy(self.operator.rank_state_dict())
+            self.operator.load_rank_state_dict(same_device_copy(window.rank.state))
+        call, marked = self._call, window.call
+        if call is not None and (marked is None or not call.same_call(marked)):
+            # The call began inside the window: the window's steps before it are done again
+            # first, and are not the call's.
+            self._call = call.resumed_at(window.step, 0)
+            self._meters = AverageMeterCollection()
+            self._meters.recording = False
+        else:
+            self._call = window.call
+            if window.meters is not None:
+                meters, mark = window.meters
+                meters.rewind(mark)
+                self._meters = meters
 
     def add_step_hook(self, hook: Callable[[], None]) -> None:
-        """Call `hook()` every time a training step is finished (after the counters moved)."""
+        """Call `hook()` every time a training step is finished (after the counters moved and,
+        at the end of a window, its successor's start was marked: see `at_window_start`)."""
         self._step_hooks.append(hook)
 
     def request_stop(self) -> None:
@@ -311,6 +381,7 @@ class OperatorRunner:
         else:
             self._check_validation_split()
             batches = self._val.begin_call(num_steps)
+        self._validations_in_window += 1
         finished = False
         try:
             with op.timers.record("validation"):
@@ -335,20 +406,23 @@ class OperatorRunner:
 
     # -- state -------------------------------------------------------------------------------
     def _progress_state(self) -> dict[str, Any]:
-        """The part of the state that is the same on every worker and is not a model tensor."""
-        op, parts = self.operator, self.components
+        """The part of the state that is not a model tensor, as of the window start (the same on
+        every worker but ``rng``, this worker's generators: every rank's are in `rank_slot`)."""
         return {
             **self.position_state(),
-            "operator": cpu_copy(op.state_dict()),
-            "schedulers": [cpu_copy(s.state_dict()) for s in parts.schedulers],
+            "operator": cpu_copy(self.operator.state_dict()),
+            "schedulers": [cpu_copy(s.state_dict()) for s in self.components.schedulers],
             "precision": cpu_copy(self.precision.state_dict()),
-            "rng": rng_state(),
+            "rng": self._window.rank.rng,
         }
 
     def state_dict(
         self, *, live: bool = False, into: Optional[dict[str, Any]] = None
     ) -> dict[str, Any]:
-        """A CPU snapshot of everything needed to continue training exactly here.
+        """A CPU snapshot of everything needed to continue training exactly from the start of the
+        accumulation window in progress (`window_step`: this step at a window start). Inside a
+        window the models and optimizers are those of its start; the batches since are done
+        again by whoever loads it, so that no part of a window's gradient is lost.
 
         With `live`, the model and optimizer tensors are the worker's own, on its device, not
         copies (to send them to another worker without a copy; training must not run meanwhile).
@@ -375,19 +449,27 @@ class OperatorRunner:
 
     # -- recovery ------------------------------------------------------------------------------
     def progress(self) -> Progress:
-        """How far this worker got (asked after a failure). A worker left in the middle of a batch
-        with some of its optimizers stepped is first rolled back to its last finished step where
-        the journal can (several optimizers); otherwise it reports itself as not clean. Its
-        per-rank state goes back to that step too (a survivor redoes the batch it was in)."""
-        if self._train.in_flight and self.has_rank_state:
-            self.operator.load_rank_state_dict(same_device_copy(self._rank_state_at_step))
+        """How far this worker got (asked after a failure), once it went back to the start of the
+        accumulation window it was in (the last finished step without accumulation): counters,
+        place in the epoch, call and metrics, generators, per-rank state, running statistics of
+        normalisation layers as they were then, and no gradient accumulated, so
+        that every batch of the window is done again and counts once. A worker left in the
+        middle of a batch with some of its optimizers stepped is first rolled back where the
+        journal can (several optimizers); otherwise it reports itself as not clean."""
+        reached = self.step + (1 if self._train.in_flight else 0)
+        in_batch = self._train.in_flight
+        interleaved = self._validations_in_window > 0 and self.step > self._window.step
+        clean = self.journal.rollback()
+        self._rewind()
         return Progress(
             step=self.step,
             epoch=self.epoch,
-            clean=self.journal.rollback(),
-            in_batch=self._train.in_flight,
+            clean=clean,
+            in_batch=in_batch,
             call=self._call,
             finished_at=self._finished_at,
+            reached=reached,
+            interleaved=interleaved,
         )
 
     @property
@@ -396,41 +478,26 @@ class OperatorRunner:
         return self.epoch - (1 if self._train.is_open() else 0)
 
     def position_state(self) -> dict[str, Any]:
-        """This worker's counters and place in the epoch (a part of `state_dict`)."""
-        return {
-            "epoch": self.epoch,
-            "position": self._train.consumed(),
-            "epoch_rows": self._train.consumed_rows(),
-            "in_epoch": self._train.is_open(),
-            "step": self.step,
-            # As it was when the last step finished (a custom loop may count a batch at its start).
-            "global_step": self._global_step_at_step,
-            # Steps into the call in progress (0 between calls): where a loaded state's next
-            # call numbers its batches from.
-            "call_steps": self._call_steps(),
-        }
-
-    def _call_steps(self) -> int:
-        call = self._call
-        if call is None or call.finished or call.remaining() == 0:
-            return 0
-        if call.num_steps is None and not self._train.is_open():
-            return 0  # its epoch is over: the call ends at this boundary
-        return call.first_index + max(0, call.steps)
+        """This worker's counters and place in the epoch at the start of the accumulation window
+        in progress (a part of `state_dict`), and ``trained_to``, the furthest step trained."""
+        return {**self._window.position, "trained_to": self._trained_to}
 
     def adopt(self, position: Mapping[str, Any], call: CallRecord | None) -> None:
         """Go on from the recovery source's `position_state` and call: the next `train_epoch` with
         the same call id continues that call. Metrics this worker recorded in the call are kept
         (a survivor's); a worker new to the call starts its metrics empty."""
-        self._set_position(position)
+        # This worker's own generator state for the loader's seed (its peers' differ).
+        self._set_position(position, pass_seed=self._train.pass_seed)
+        self._trained_to = int(position.get("trained_to", self.step))
         self._val.reset()
         if call is None:
             self._call = None
-            return
-        mine = self._call
-        if mine is None or mine.call_id != call.call_id or mine.start_step != call.start_step:
-            self._meters = AverageMeterCollection()
-        self._call = dataclasses.replace(call, recovered=not call.finished or call.recovered)
+        else:
+            mine = self._call
+            if mine is None or not mine.same_call(call):
+                self._meters = AverageMeterCollection()
+            self._call = dataclasses.replace(call, recovered=not call.finished or call.recovered)
+        self._window = self._mark_window_start()
 
     def adopt_snapshot(
         self, call: CallRecord | None, meters: AverageMeterCollection | None
@@ -446,13 +513,14 @@ class OperatorRunner:
         self._meters = meters if meters is not None and self.step >= call.start_step else None
         if self._meters is None:
             self._meters = AverageMeterCollection()
+        self._window = self._mark_window_start()
 
     def take_over(self, old: OperatorRunner) -> None:
         """Become `old` (a runner this worker had to build again after a resize): its state, its
         own per-rank state, its place and the call it was in, with the metrics it recorded."""
         self.load_state_dict(old.state_dict(live=True))
-        self.load_rank_state(old.operator.rank_state_dict())
-        self._call, self._meters = old._call, old._meters
+        self._call, self._meters, self._trained_to = old._call, old._meters, old._trained_to
+        self.load_rank_slot(old.rank_slot())
 
     @property
     def has_rank_state(self) -> bool:
@@ -460,14 +528,25 @@ class OperatorRunner:
         on every worker."""
         return type(self.operator).rank_state_dict is not TrainingOperator.rank_state_dict
 
-    def rank_state(self) -> Any:
-        """This worker's per-rank state (`TrainingOperator.rank_state_dict`), on the CPU."""
-        return cpu_copy(self.operator.rank_state_dict())
+    def rank_slot(self) -> dict[str, Any]:
+        """What this worker holds of the window start that its peers do not hold the same: the
+        operator's per-rank state (`TrainingOperator.rank_state_dict`, None without one), the
+        random generators and the loader's seed of the epoch; plain, on the CPU."""
+        return self._window.rank.to_plain()
 
-    def load_rank_state(self, state: Any) -> None:
-        """Give the operator `state` as its per-rank state (None: it starts its own afresh)."""
-        self.operator.load_rank_state_dict(state)
-        self._commit_rank_state()
+    def load_rank_slot(self, slot: Optional[Mapping[str, Any]]) -> None:
+        """Take `slot` (a `rank_slot` of the rank whose place this worker takes) as this worker's:
+        None when no such slot exists (a rank the saved run did not have, a lost worker's whose
+        holders are gone too): the operator then starts its per-rank state afresh and the
+        generators stay as they are."""
+        slot = slot or {}
+        if self.has_rank_state:
+            self.operator.load_rank_state_dict(slot.get("state"))
+        if slot.get("rng") is not None:
+            set_rng_state(slot["rng"])
+        if slot.get("pass_seed") is not None and self._train.iterator is None:
+            self._train.pass_seed = slot["pass_seed"]
+        self._window = self._mark_window_start()
 
     @property
     def call(self) -> CallRecord | None:
@@ -533,25 +612,30 @@ class OperatorRunner:
             self.precision.load_state_dict(state["precision"])
         op.load_state_dict(state.get("operator"))
         self._set_position(state)
-        self._loaded_call_steps = int(state.get("call_steps", 0))
+        self._trained_to = int(state.get("trained_to", self.step))
         self._val.reset()
+        self._window = self._mark_window_start()
 
-    def _set_position(self, state: Mapping[str, Any]) -> None:
-        """Counters and the place in the epoch from a state dict (the next pass goes on there)."""
+    def _set_position(
+        self, state: Mapping[str, Any], pass_seed: Optional[torch.Tensor] = None
+    ) -> None:
+        """Counters and the place in the epoch from a state dict (the next pass goes on there,
+        its loader iterator seeded from `pass_seed`)."""
         op = self.operator
-        op.global_step = self._global_step_at_step = int(state.get("global_step", op.global_step))
+        op.global_step = int(state.get("global_step", op.global_step))
         self.step = int(state.get("step", self.step))
         self.epoch = int(state["epoch"])
         position, rows = int(state.get("position", 0)), state.get("epoch_rows")
         # States written before "in_epoch" existed: an epoch was in progress iff it had a position.
         in_epoch = bool(state.get("in_epoch", position > 0 or bool(rows)))
+        # States written before "epoch_steps" existed: the batches of the pass.
+        done = int(state.get("epoch_steps", position))
         if not in_epoch:
             self._train.reset()
         elif rows is not None and self._train.consumed_rows() is not None:
-            self._train.reset(resume_rows=int(rows))
+            self._train.reset(resume_rows=int(rows), epoch_steps=done, pass_seed=pass_seed)
         else:
-            self._train.reset(resume=position)
-        self.journal.commit()
+            self._train.reset(resume=position, epoch_steps=done, pass_seed=pass_seed)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict`; the next train call redoes the saved epoch from its position."""
@@ -644,14 +728,16 @@ class OperatorRunner:
             self.journal = StepJournal(self.components.optimizers, self.components.models)
         # The pass in progress was split for the old group: the next one re-splits from the same
         # place (the caller then adopts the position the restore chose).
-        self._set_position(self.position_state())
+        self._set_position(self._live_position(), pass_seed=self._train.pass_seed)
         self._val.reset()
+        self._window = self._mark_window_start()
         return True
 
     def shutdown(self) -> None:
         """Drop the data iterators (and with them any DataLoader worker processes)."""
         self._train.reset()
         self._val.reset()
+        self._window = self._mark_window_start()
 
 
 def _swap_references(operator: TrainingOperator, replaced: Mapping[int, nn.Module]) -> None:

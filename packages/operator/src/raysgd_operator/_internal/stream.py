@@ -5,12 +5,22 @@ counts as done when the loop asks for the next one (or its call returns normally
 merely handed out, so that a call interrupted mid-batch leaves the position at the last finished
 step. For a loader split by a `PlannedBatchSampler` the position is also kept in rows of the epoch,
 which a group of another size can resume from.
+
+A pass resumed in the middle of its epoch (after a load, or a recovery) reads the rows it would
+have read, and draws what it would have drawn: a `DataLoader`'s iterator takes a seed for its
+worker processes from the loader's generator (torch's global one by default) when it is made, so
+the stream keeps that generator's state from the start of the pass (`pass_seed`) and makes the
+resumed iterator draw from a copy of it. The global generator is then left alone, and the worker
+processes get the seeds they had.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Callable
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils.data import DataLoader
 
 from raysgd_base import check_int
 from raysgd_operator._internal.epoch_plan import EpochSampler
@@ -23,6 +33,30 @@ def _group_rows(loader: Any, batch: Any) -> int | None:
     """Rows the whole group reads in the step of `batch`, for a loader that can tell (None)."""
     count = getattr(loader, "group_rows", None)
     return count(batch) if callable(count) else None
+
+
+def seed_state(loader: Any) -> Optional[torch.Tensor]:
+    """The state of the generator `iter(loader)` draws its worker seed from (None: `loader` is
+    not a `DataLoader`)."""
+    if not isinstance(loader, DataLoader):
+        return None
+    generator = loader.generator if loader.generator is not None else torch.default_generator
+    return generator.get_state()
+
+
+def _iterate_seeded(loader: Any, state: Optional[torch.Tensor]) -> Iterator[Any]:
+    """`iter(loader)`, its worker seed drawn from a generator in `state` (None: as usual) rather
+    than from the loader's own generator, which is left as it is."""
+    if state is None or not isinstance(loader, DataLoader):
+        return iter(loader)
+    generator = torch.Generator()
+    generator.set_state(state)
+    own = loader.generator
+    loader.generator = generator
+    try:
+        return iter(loader)
+    finally:
+        loader.generator = own
 
 
 def _known_len(loader: Any) -> int | None:
@@ -50,6 +84,10 @@ class CallBatches:
     ) -> None:
         self._batches, self._length = batches, length
         self.meters, self.first_index = meters, first_index
+        #: The place in its epoch of the batch handed out last: the steps of that epoch finished
+        #: before it (0: the epoch's first batch), however many calls, loads or recoveries
+        #: those steps took.
+        self.epoch_batch_idx = 0
         #: The call was asked to stop at a step boundary before its end (to move workers off a
         #: node about to be reclaimed); it goes on later. A loop should then skip what it does at
         #: the end of an epoch (the default loop skips its "epoch" scheduler step).
@@ -78,7 +116,8 @@ class BatchStream:
     called each time the loop finishes a batch, with the rows the whole group read in that step
     when the loader is planned or can tell from the batch (a dataset shard's `group_rows`), else
     None. ``resume`` (batches to skip) or ``resume_rows`` (the epoch's first unread row, for a
-    planned loader) are set after a state load so that the next pass goes on from the same place.
+    planned loader) are set after a state load so that the next pass goes on from the same place,
+    with `epoch_steps` and `pass_seed` as they were there.
     """
 
     def __init__(
@@ -100,6 +139,11 @@ class BatchStream:
         #: rows of the epoch finished so far.
         self.rows_start = 0
         self.rows = 0
+        #: Steps of the current epoch finished (over every pass of it: a resumed one goes on).
+        self.epoch_steps = 0
+        #: The state of the generator the epoch's first iterator drew its worker seed from
+        #: (`seed_state`); a pass that resumes the epoch draws from a copy of it.
+        self.pass_seed: Optional[torch.Tensor] = None
         #: A batch was handed to the loop and the loop has not finished with it yet.
         self.in_flight = False
         #: Rows the whole group reads in the in-flight batch's step, for a loader that can tell
@@ -144,12 +188,23 @@ class BatchStream:
             return self.resume is not None or self.resume_rows is not None
         return not self._exhausted()
 
-    def reset(self, resume: int | None = None, resume_rows: int | None = None) -> None:
+    def reset(
+        self,
+        resume: int | None = None,
+        resume_rows: int | None = None,
+        *,
+        epoch_steps: int = 0,
+        pass_seed: Optional[torch.Tensor] = None,
+    ) -> None:
         """Drop the current pass. With `resume` (batches to skip) or `resume_rows` (the epoch's
         first unread row, for a planned loader) the next pass goes on with the same epoch from
-        there, even from 0; without either it starts a new epoch."""
+        there, even from 0, the epoch's `epoch_steps` finished and its iterator seeded from
+        `pass_seed` (None: as a new one would be); without either it starts a new epoch."""
         self.iterator, self.position, self.in_flight = None, 0, False
         self.resume, self.resume_rows = resume, resume_rows
+        resuming = resume is not None or resume_rows is not None
+        self.epoch_steps = epoch_steps if resuming else 0
+        self.pass_seed = pass_seed if resuming else None
         self._peeked = _END
 
     def begin_call(
@@ -214,7 +269,16 @@ class BatchStream:
         if sampler is not None:
             sampler.set_start(min(start, sampler.num_rows))
         self.rows_start = self.rows = start if sampler is not None else 0
-        self.iterator, self._peeked = iter(loader), _END
+        if not resuming:
+            self.epoch_steps, self.pass_seed = 0, None
+        if self.pass_seed is None:
+            # A new epoch (or one resumed from a state that did not keep it): its iterator draws
+            # as usual, from the generator's state now.
+            self.pass_seed = seed_state(loader)
+            self.iterator = iter(loader)
+        else:
+            self.iterator = _iterate_seeded(loader, self.pass_seed)
+        self._peeked = _END
         self.position = 0
         for _ in range(skip):
             if next(self.iterator, _END) is _END:
@@ -252,6 +316,7 @@ class BatchStream:
         sampler = self._planned()
         rows = sampler.step_rows(self.position) if sampler is not None else self._flight_rows
         self.position += 1
+        self.epoch_steps += 1
         self.in_flight = False
         if sampler is not None:
             self.rows += rows
@@ -269,6 +334,8 @@ class BatchStream:
                 yielded = True
                 self.in_flight = True
                 self._flight_rows = _group_rows(self._get_loader(), batch)
+                if self._current is not None:
+                    self._current.epoch_batch_idx = self.epoch_steps
                 yield batch
                 # The loop came back for more: it is done with the batch it had.
                 self._complete()

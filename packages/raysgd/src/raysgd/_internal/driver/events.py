@@ -100,9 +100,13 @@ class RecoveryEvent:
         preempted: For a failure, the lost workers' node was reclaimed after a preemption drain
             (Ray says so): a preemption that came before the workers could move.
         steps_redone: For a resize, how many training steps that had been started are done
-            again: the one in flight when the worker was lost (0 when it was lost between steps),
-            plus those since the snapshot or copy the state came from. When no worker survived
-            to say how far it got, a lower bound (the steps the driver knows of).
+            again: those of the accumulation window the group was in (its finished batches, and
+            the one in flight when the worker was lost; without accumulation the one in flight
+            alone, 0 when it was lost between steps), plus those since the snapshot or copy the
+            state came from. When no worker survived to say how far it got, a lower bound (the
+            steps the driver knows of).
+        inexact: For a resize, why the run does not go on exactly as it would have without the
+            loss (empty when it does: at the same size, bit for bit).
         report: For a resize, the worker group's `RecoveryReport`, with its `steps_redone`
             filled in.
         state_at: For a resize, when the workers it restored from last finished a step
@@ -122,6 +126,7 @@ class RecoveryEvent:
     action: Optional[str] = None
     source: Optional[str] = None
     steps_redone: Optional[int] = None
+    inexact: tuple[str, ...] = ()
     preempted: bool = False
     error: Optional[str] = None
     phases: dict[str, float] = field(default_factory=dict)

@@ -553,6 +553,7 @@ class Recovery:
             phases={**report.timings, "restore_s": result.duration_s - result.formed_s},
             source=restored.source if restored is not None else None,
             steps_redone=report.steps_redone,
+            inexact=restored.inexact if restored is not None else (),
             report=report,
             state_at=restored.finished_at if restored is not None else None,
         )

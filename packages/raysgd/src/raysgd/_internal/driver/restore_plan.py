@@ -9,13 +9,22 @@ worker offers differs:
 - `plan_from_peers` (every worker holds the whole state: ``ddp``, ``none``): a worker whose state
   is clean (a worker torn between two optimizer steps never is) holds the one part of its step.
   The rule's holder is the source; every worker without a runner, behind the source or torn
-  receives the source's state.
+  receives the source's state. What differs from rank to rank (the generators, the per-rank
+  state: a rank's *slot*) is each survivor's own, and a replacement gets the lost rank's from the
+  ring peer that holds a replica of it (`worker.rank_replicas`).
 - `plan_from_snapshots` (each worker holds its part and a peer's copy: ``fsdp``): a worker holds
   the parts of each snapshot it keeps; every worker is rebuilt from the snapshot the rule picks.
 
 When neither finds a state (`RestorePlan.found` is False), the trainer falls back on a copy or a
 checkpoint (`RestorePlan.fallback`). `reached` is the one rule for how far the group had got, from
 which the steps redone are counted.
+
+Every worker goes back to the start of the accumulation window it was in before it answers
+(`OperatorRunner.progress`), so the step a plan goes on from is a window start, and the steps
+redone are the window's batches finished before the failure plus the one in flight. A plan is
+*exact* when the group goes on as it would have without the failure: at the same size, every rank
+taking a lost rank's place gets that rank's slot as of the step gone on from. `RestorePlan.inexact`
+names the ranks for which that was not possible, and why.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ __all__ = [
     "Holding",
     "RestoreOutcome",
     "RestorePlan",
+    "SlotMove",
     "SnapshotPlan",
     "StateLostError",
     "last_finished",
@@ -76,10 +86,17 @@ class Holding:
     Attributes:
         progress: How far it got; None for a worker without a runner (a replacement).
         snapshots: With a sharded strategy, the snapshots it holds parts of.
+        rank: Its rank in the group it trained in last, and that group's number (None: a new
+            worker).
+        peer_slots: With a replicated state, the slots of other ranks it keeps copies of (its
+            ring predecessor's; a leaving worker's before a move): (that rank, its group, the
+            step of the window start it describes) each.
     """
 
     progress: Optional[Progress]
     snapshots: tuple[HeldSnapshot, ...] = ()
+    rank: Optional[tuple[int, int]] = None
+    peer_slots: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -102,6 +119,23 @@ class SnapshotPlan:
 
 
 @dataclass(frozen=True)
+class SlotMove:
+    """One rank slot sent at a restore (ranks of the re-formed group).
+
+    Attributes:
+        rank: The rank of the group before whose slot it is.
+        holder: The rank that sends it.
+        receiver: The rank that takes it.
+        replica: Whether the holder sends a copy it keeps of another rank's slot (else its own).
+    """
+
+    rank: int
+    holder: int
+    receiver: int
+    replica: bool
+
+
+@dataclass(frozen=True)
 class RestorePlan:
     """What the planners decided (and, when they found nothing, the trainer's fallback).
 
@@ -119,9 +153,13 @@ class RestorePlan:
         finished_at: When the surviving workers last finished a step (`time.time()`; None when
             none did): the loss was detected that long after the group's last progress.
         rank_sources: For each rank of the re-formed group, the rank of the group before whose
-            per-rank state (`TrainingOperator.rank_state_dict`) it takes from a snapshot or a
-            checkpoint: a kept worker its own, a replacement a lost worker's; None for a worker
-            that starts its own afresh. Empty: every rank takes its own number's.
+            slot (`OperatorRunner.rank_slot`: per-rank state, generators) it takes: a kept worker
+            its own, a replacement a lost worker's; None for a worker that starts its own
+            afresh. Empty: every rank takes its own number's.
+        slot_moves: From peers: how the ranks of the re-formed group that take another rank's
+            place get its slot.
+        inexact: Why the group does not go on exactly as it would have without the failure,
+            in words (empty: it does, bit for bit where the group kept its size).
     """
 
     step: int
@@ -134,6 +172,8 @@ class RestorePlan:
     description: str = ""
     finished_at: Optional[float] = None
     rank_sources: tuple[Optional[int], ...] = ()
+    slot_moves: tuple[SlotMove, ...] = ()
+    inexact: tuple[str, ...] = ()
 
     def rank_source(self, rank: int) -> Optional[int]:
         """Whose per-rank state rank `rank` takes (see `rank_sources`)."""
@@ -164,14 +204,17 @@ class RestoreOutcome:
     Attributes:
         source: Where the state came from, in words.
         step: The finished step training goes on from.
-        steps_redone: Steps started before the failure that are done again.
+        steps_redone: Steps started before the failure that are done again (with gradient
+            accumulation: micro-batches, the interrupted window's).
         finished_at: When the surviving workers last finished a step (see `RestorePlan`).
+        inexact: Why the run does not go on exactly as without the failure (empty: it does).
     """
 
     source: str
     step: int
     steps_redone: int
     finished_at: Optional[float] = None
+    inexact: tuple[str, ...] = ()
 
 
 def last_finished(progress: Iterable[Optional[Progress]]) -> Optional[float]:
@@ -182,10 +225,13 @@ def last_finished(progress: Iterable[Optional[Progress]]) -> Optional[float]:
 
 def reached(progress: Iterable[Optional[Progress]]) -> int:
     """The furthest step any worker had started: its finished steps, plus the one it was in."""
-    return max(
-        (p.step + (1 if p.in_batch or not p.clean else 0) for p in progress if p is not None),
-        default=0,
-    )
+    return max((_reached(p) for p in progress if p is not None), default=0)
+
+
+def _reached(p: Progress) -> int:
+    if p.reached is not None:
+        return p.reached
+    return p.step + (1 if p.in_batch or not p.clean else 0)
 
 
 #: One worker's offer to the planner: (its rank, a step it holds state of, how many parts that
@@ -210,9 +256,78 @@ def newest_held_step(offers: Iterable[Offer]) -> Optional[tuple[int, dict[int, i
     return step, holders[step]
 
 
-def plan_from_peers(progress: Sequence[Optional[Progress]]) -> RestorePlan:
-    """The restore of a group whose rank r reported `progress[r]` (None: a new worker), when every
-    worker holds the whole state: a clean worker holds the one part of its step."""
+def plan_from_peers(
+    holdings: Sequence[Holding], rank_sources: Sequence[Optional[int]] = ()
+) -> RestorePlan:
+    """The restore of a group whose rank r reported `holdings[r]`, when every worker holds the
+    whole state: a clean worker holds the one part of its step. `rank_sources`: whose slot each
+    rank takes (see `RestorePlan`; empty: its own)."""
+    plan = replace(
+        _whole_from_peers([holding.progress for holding in holdings]),
+        rank_sources=tuple(rank_sources),
+    )
+    if plan.source is None:
+        return plan
+    moves, inexact = _slot_moves(holdings, rank_sources, plan.step)
+    return replace(
+        plan, slot_moves=moves, inexact=inexact + _interleaved([h.progress for h in holdings])
+    )
+
+
+def _slot_moves(
+    holdings: Sequence[Holding], rank_sources: Sequence[Optional[int]], step: int
+) -> tuple[tuple[SlotMove, ...], tuple[str, ...]]:
+    """How each rank of the re-formed group gets the slot of the rank of the group before whose
+    place it takes (`rank_sources`), as of `step`: from the survivor that was that rank (its
+    own), else from the ring peer that keeps a replica; and the ranks for which neither is held."""
+    groups = {h.rank[1] for h in holdings if h.rank is not None and h.progress is not None}
+    if not groups:
+        return (), ()
+    trained_in = max(groups)  # the group the survivors trained in last
+    own = {
+        held.rank[0]: rank
+        for rank, held in enumerate(holdings)
+        if held.rank is not None
+        and held.rank[1] == trained_in
+        and held.progress is not None
+        and held.progress.step == step
+    }
+    replica = {
+        copy[0]: rank
+        for rank, held in enumerate(holdings)
+        for copy in held.peer_slots
+        if copy[1:] == (trained_in, step)
+    }
+    moves: list[SlotMove] = []
+    missing: list[str] = []
+    for new_rank, old_rank in enumerate(rank_sources):
+        if old_rank is None:
+            continue  # a worker added to the group: no rank's place to take
+        if own.get(old_rank) == new_rank:
+            continue  # a survivor in its own place: its slot is where it belongs
+        if old_rank in own:
+            moves.append(SlotMove(old_rank, own[old_rank], new_rank, replica=False))
+        elif old_rank in replica:
+            moves.append(SlotMove(old_rank, replica[old_rank], new_rank, replica=True))
+        else:
+            missing.append(
+                f"the generators and per-rank state of rank {old_rank} at step {step} were lost "
+                "with it (no peer held them)"
+            )
+    return tuple(moves), tuple(missing)
+
+
+def _interleaved(progress: Sequence[Optional[Progress]]) -> tuple[str, ...]:
+    if any(p is not None and p.interleaved for p in progress):
+        return (
+            "a validation ran inside the interrupted accumulation window: redoing the window "
+            "after it draws its random numbers in another order",
+        )
+    return ()
+
+
+def _whole_from_peers(progress: Sequence[Optional[Progress]]) -> RestorePlan:
+    """The source and receivers of a whole state (see `plan_from_peers`)."""
     found = newest_held_step(
         (rank, p.step, 1, (0,)) for rank, p in enumerate(progress) if p is not None and p.clean
     )

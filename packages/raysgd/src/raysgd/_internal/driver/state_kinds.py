@@ -18,7 +18,8 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import replace
+from typing import Any, Optional
 
 import ray
 
@@ -74,9 +75,12 @@ class StateKind(abc.ABC):
     gathers_models: bool = False
 
     @abc.abstractmethod
-    def plan(self, holdings: Sequence[Holding], world_size: int) -> RestorePlan:
+    def plan(
+        self, holdings: Sequence[Holding], world_size: int, rank_sources: Sequence[Optional[int]]
+    ) -> RestorePlan:
         """How a group of `world_size` is restored from what its workers hold (the plan's
-        `found` is False when none of them holds a usable state)."""
+        `found` is False when none of them holds a usable state); `rank_sources`: whose slot
+        each rank takes (`RestorePlan.rank_sources`)."""
 
     @abc.abstractmethod
     def settle(self, group: WorkerGroup) -> None:
@@ -108,12 +112,15 @@ class Replicated(StateKind):
     checkpoint_name = AUTO_CHECKPOINT_NAME
     keeps_driver_copy = True
 
-    def plan(self, holdings: Sequence[Holding], world_size: int) -> RestorePlan:
-        return plan_from_peers([holding.progress for holding in holdings])
+    def plan(
+        self, holdings: Sequence[Holding], world_size: int, rank_sources: Sequence[Optional[int]]
+    ) -> RestorePlan:
+        return plan_from_peers(holdings, rank_sources)
 
     def settle(self, group: WorkerGroup) -> None:
-        # Every worker holds all of it: nothing to copy anywhere.
-        return None
+        # Every worker holds the models and optimizers whole; what differs from rank to rank is
+        # given to the ring peer now, so that a loss before the next window start finds it.
+        group.execute(worker.replicate_slots)
 
     def save(self, workers: WorkerCalls, location: Storage, step: int) -> str:
         """One file, written by a worker that can reach it (an object store; the local disk of
@@ -138,8 +145,10 @@ class Replicated(StateKind):
         return state_from_bytes(workers.group.execute(worker.state_bytes)[0])
 
     def hand_over(self, group: WorkerGroup, leaving: Sequence[int]) -> None:
-        # The workers that stay hold the whole state of this boundary already.
-        return None
+        # The workers that stay hold the models and optimizers of this boundary already; each
+        # leaving worker gives its slot (generators, per-rank state) to one that stays.
+        if leaving:
+            group.execute(worker.hand_over_slots, list(leaving))
 
     def fallback_warning(self, what: str, redone: int, holdings: Sequence[Holding]) -> str:
         return (
@@ -159,8 +168,10 @@ class Sharded(StateKind):
     spare_imports = SHARDED_STATE_IMPORTS
     gathers_models = True
 
-    def plan(self, holdings: Sequence[Holding], world_size: int) -> RestorePlan:
-        return plan_from_snapshots(holdings, world_size)
+    def plan(
+        self, holdings: Sequence[Holding], world_size: int, rank_sources: Sequence[Optional[int]]
+    ) -> RestorePlan:
+        return replace(plan_from_snapshots(holdings, world_size), rank_sources=tuple(rank_sources))
 
     def settle(self, group: WorkerGroup) -> None:
         # A new snapshot in the new layout: every part has a copy on a peer again.

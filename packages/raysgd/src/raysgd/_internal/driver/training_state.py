@@ -22,7 +22,6 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any, Optional, Union
 
 import ray
@@ -135,15 +134,27 @@ class TrainingState:
         is none."""
         group = self._workers.group
         holdings = group.execute(worker.holding)
-        plan = self._kind.plan(holdings, group.world_size)
+        sources = (
+            rank_sources(report, group.world_size)
+            if report is not None
+            else tuple(range(group.world_size))
+        )
+        plan = self._kind.plan(holdings, group.world_size, sources)
         if not plan.found:
             plan = self._fall_back(plan, holdings)
-        if report is not None:
-            plan = replace(plan, rank_sources=rank_sources(report, group.world_size))
+        if plan.inexact:
+            logger.warning(
+                "the run goes on from step %d, but not exactly as it would have without the "
+                "failure: %s",
+                plan.step,
+                "; ".join(plan.inexact),
+            )
         group.execute(worker.restore, *self._workers.runner_args(), plan)
         self._kind.settle(group)
         self.step = plan.step
-        return RestoreOutcome(plan.description, plan.step, plan.steps_redone, plan.finished_at)
+        return RestoreOutcome(
+            plan.description, plan.step, plan.steps_redone, plan.finished_at, plan.inexact
+        )
 
     def _fall_back(self, plan: RestorePlan, holdings: Sequence[Any]) -> RestorePlan:
         """`plan` with the newest of the driver's copy and the last checkpoint; StateLostError
@@ -298,9 +309,14 @@ class TrainingState:
 
 
 def rank_sources(report: RecoveryReport, world_size: int) -> tuple[Optional[int], ...]:
-    """Whose per-rank state each rank of the re-formed group takes (`RestorePlan.rank_sources`):
-    a kept worker its own old rank's, the new workers the lost ranks' in order (a grow's new
-    workers, with none lost, none)."""
+    """Whose slot (per-rank state, generators) each rank of the re-formed group takes
+    (`RestorePlan.rank_sources`). A group that kept its size goes on as it was: rank r takes
+    rank r's, whichever worker now has that rank, so that each rank's rows of the epoch are read
+    with the generators and per-rank state that went with them. Otherwise the rows are split
+    anew: a kept worker takes its own old rank's, the new workers the lost ranks' in order (a
+    grow's new workers, with none lost, none)."""
+    if len(report.kept) + len(report.lost) == world_size:
+        return tuple(range(world_size))
     sources: list[Optional[int]] = [None] * world_size
     for old, new in report.kept.items():
         sources[new] = old

@@ -1,10 +1,11 @@
-"""Stopping every worker at the same step boundary when the driver has a change to make.
+"""Stopping every worker at the same window boundary when the driver has a change to make.
 
 Inside a `train()` call the driver only waits on the workers, so the workers look themselves for
 a reason to hand the group back early: a node of theirs that Ray is draining (a preemption
 notice: the driver moves them off it), or a spare started beside a group that trains on smaller
-after a loss which is now up (the driver lets it join). `BoundaryWatch` is a step hook: at a step
-boundary every so often rank 0 looks (asking Ray for the draining nodes and `ray.wait`-ing on the
+after a loss which is now up (the driver lets it join). `BoundaryWatch` is a step hook: at a boundary
+between two accumulation windows (every step without accumulation: nothing accumulated is then
+lost when workers leave or join) every so often rank 0 looks (asking Ray for the draining nodes and `ray.wait`-ing on the
 spares' readiness refs with no timeout: about a millisecond) and broadcasts the answer, with the
 number of steps until the next look, to every worker. All of them thus stop at the same boundary
 and the call returns saying why (`stopped_for`), to be continued by the driver after its change. A look costs one
@@ -97,7 +98,7 @@ class BoundaryWatch:
 
     def _on_step(self) -> None:
         spec = self.spec
-        if spec is None or self.runner.step < self._next_check:
+        if spec is None or self.runner.step < self._next_check or not self.runner.at_window_start:
             return
         import torch.distributed as dist
 

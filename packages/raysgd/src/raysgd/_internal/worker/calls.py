@@ -22,6 +22,7 @@ from raysgd._internal.storage.location import Storage
 from raysgd._internal.worker.boundary_watch import WatchSpec, watch_for
 from raysgd._internal.worker.collective_bound import bound_for
 from raysgd._internal.worker.periodic_checkpoints import CheckpointPlan, periodic_for, uploads
+from raysgd._internal.worker.rank_replicas import replicas_for
 from raysgd._internal.worker.runner import (
     RunnerArgs,
     build_runner,
@@ -29,10 +30,10 @@ from raysgd._internal.worker.runner import (
 )
 from raysgd._internal.worker.slot import this_worker
 from raysgd._internal.worker.state import (
-    RANK_STATES,
+    RANK_SLOTS,
     LoadSource,
     WorkerState,
-    gather_rank_states,
+    gather_rank_slots,
     keep,
     state_within,
     worker_state,
@@ -53,10 +54,12 @@ __all__ = [
     "finish_uploads",
     "get_models",
     "get_operator",
+    "hand_over_slots",
     "holding",
     "load",
     "models_nbytes",
     "remove_file",
+    "replicate_slots",
     "restore",
     "save",
     "save_file",
@@ -170,6 +173,18 @@ def restore(
     state_class(options.sharded).restore(args, plan)
 
 
+def hand_over_slots(leaving: Sequence[int]) -> None:
+    """Before the workers of `leaving` leave on purpose: each gives its rank slot to a worker
+    that stays (a replicated state; every worker calls it at once): see `rank_replicas`."""
+    replicas_for(current_runner()).adopt(leaving)
+
+
+def replicate_slots() -> None:
+    """Give this worker's rank slot to its ring peer and keep its predecessor's, now (a
+    replicated state; every worker calls it at once): see `rank_replicas`."""
+    replicas_for(current_runner()).exchange()
+
+
 def capture() -> int:
     """Snapshot a sharded state now on every worker (a collective); the snapshot's step."""
     return worker_state().capture()
@@ -191,9 +206,9 @@ def save_file(location: Storage, writer: int) -> None:
     """Rank `writer` writes the whole state as one checkpoint file at `location`, atomically,
     with every rank's per-rank state (every worker calls this: the latter is a collective)."""
     runner = current_runner()
-    rank_states = gather_rank_states(runner, writer)
+    rank_slots = gather_rank_slots(runner, writer)
     if get_context().world_rank == writer:
-        write_state(location.parent(), location.name, _with_rank_states(runner, rank_states))
+        write_state(location.parent(), location.name, _with_rank_slots(runner, rank_slots))
 
 
 def load(source: LoadSource) -> LoadAnswer:
@@ -223,16 +238,16 @@ def state_bytes() -> Optional[bytes]:
     """The whole state, serialised, with every rank's per-rank state, on rank 0 (None on the
     others; every worker calls this: asked for by the user, `state_dict`, `save`)."""
     runner = current_runner()
-    rank_states = gather_rank_states(runner, 0)
+    rank_slots = gather_rank_slots(runner, 0)
     if get_context().world_rank != 0:
         return None
-    return state_to_bytes(_with_rank_states(runner, rank_states))
+    return state_to_bytes(_with_rank_slots(runner, rank_slots))
 
 
-def _with_rank_states(runner: OperatorRunner, rank_states: Optional[list]) -> dict[str, Any]:
+def _with_rank_slots(runner: OperatorRunner, rank_slots: Optional[list]) -> dict[str, Any]:
     state = runner.state_dict()
-    if rank_states is not None:
-        state[RANK_STATES] = rank_states
+    if rank_slots is not None:
+        state[RANK_SLOTS] = rank_slots
     return state
 
 

@@ -1,6 +1,8 @@
 """Checkpoints inside an epoch, written in the background (`checkpoint_every=N`).
 
-At every N-th step boundary of a `train()` call every worker stages its part of the training state
+At the first window boundary at or after every N-th step of a `train()` call (with gradient
+accumulation a checkpoint is taken only where no partial gradient would be lost: at the end of an
+accumulation window; without, at every N-th step) every worker stages its part of the training state
 in host memory (`WorkerState.copy_to_host`: the loop waits only for this copy) and hands it to its writer
 thread (one per worker, kept between checkpoints), which writes it into a new checkpoint folder
 under `checkpoint_dir` (`checkpoint.checkpoint_name`: a folder per attempt). Rank 0 then waits, in
@@ -79,6 +81,8 @@ class PeriodicCheckpoints:
         #: Seconds the training loop waited at checkpoint steps (staging, a previous upload).
         self.blocked_s = 0.0
         self.last: Optional[Written] = None
+        # The step of the last checkpoint taken (or where the runner was when this began).
+        self._taken_at = state.runner.step
         self.error: Optional[str] = None
         #: The writer: one thread for all of this worker's checkpoints, fed through `_jobs` (a
         #: queue's put costs the loop microseconds; starting a thread waits for the busy cores
@@ -127,9 +131,13 @@ class PeriodicCheckpoints:
         plan, runner = self.plan, self.state.runner
         if plan is None:
             return
-        if runner.step % plan.every != 0:
+        # Due once a multiple of `every` was passed since the last checkpoint's step (a step
+        # done again after a recovery does not take it again).
+        due = runner.step // plan.every > self._taken_at // plan.every
+        if not (due and runner.at_window_start):
             self._stage_ahead()
             return
+        self._taken_at = runner.step
         started = time.perf_counter()
         self.finish()  # the one before, if storage has not kept up
         ctx = get_context()

@@ -3,18 +3,25 @@
 After a resize the survivor furthest along (`restore_plan.plan_from_peers`) sends its live tensors
 to the workers that need them over the new process group (`worker.transfer`), and every worker
 takes its place in the epoch and the call it was in. A survivor keeps its runner, re-bound to its
-new rank and size (built again, keeping its state, when the user's loaders cannot follow).
+new rank and size (built again, keeping its state, when the user's loaders cannot follow), and
+its own rank slot (generators, per-rank state) as of the window start it went back to; a worker
+that takes a lost rank's place gets that rank's slot from the ring peer that kept a replica of it
+(`rank_replicas`).
 """
 
 from __future__ import annotations
 
+import pickle
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional
 
 import torch
 
-from raysgd._internal.driver.restore_plan import Holding, RestorePlan
+from raysgd._internal.driver.restore_plan import Holding, RestorePlan, SlotMove
 from raysgd._internal.storage.format import WHOLE, WHOLE_FILE, write_state
 from raysgd._internal.storage.location import Storage
+from raysgd._internal.worker.part_exchange import exchange
+from raysgd._internal.worker.rank_replicas import PeerSlot, replicas_for
 from raysgd._internal.worker.runner import (
     RunnerArgs,
     build_runner,
@@ -22,11 +29,10 @@ from raysgd._internal.worker.runner import (
 )
 from raysgd._internal.worker.slot import this_worker
 from raysgd._internal.worker.state import (
-    RANK_STATES,
+    RANK_SLOTS,
     HostCopy,
     WorkerState,
-    apply_rank_state,
-    gather_rank_states,
+    gather_rank_slots,
     keep,
     load_into,
     state_within,
@@ -45,14 +51,30 @@ class ReplicatedState(WorkerState):
     #: Rank 0's last host copy for a periodic checkpoint, which the next one is copied into.
     _host_copy: Optional[dict[str, Any]] = None
 
+    def __init__(self, runner: OperatorRunner) -> None:
+        super().__init__(runner)
+        replicas_for(runner)
+
     def holding(self) -> Holding:
-        return Holding(self.runner.progress())
+        progress = self.runner.progress()
+        info = self.runner.components.rank_info
+        replicas = this_worker().replicas
+        return Holding(
+            progress,
+            rank=(info.world_rank, info.group),
+            peer_slots=replicas.held() if replicas is not None else (),
+        )
 
     @classmethod
     def restore(cls, args: RunnerArgs, plan: RestorePlan) -> ReplicatedState:
         ctx = get_context()
         rank = ctx.world_rank
         runner: Optional[OperatorRunner] = this_worker().runner
+        # The copies of other ranks' slots this worker keeps (taken before the runner is
+        # re-bound), and its own slot as of the window start it went back to.
+        replicas = this_worker().replicas
+        copies = replicas.copies if replicas is not None and replicas.runner is runner else {}
+        own = runner.rank_slot() if runner is not None else None
         if runner is not None and not runner.rebind(
             world_rank=rank,
             local_rank=ctx.local_rank,
@@ -68,9 +90,6 @@ class ReplicatedState(WorkerState):
             old.shutdown()
         if runner is None:
             runner = build_runner(args, restoring=True)
-            # A new worker: no per-rank state of the rank it takes exists any more (its worker
-            # held it), unless the fallback below brings the saved ones.
-            apply_rank_state(runner, None, None)
         state = keep(cls(runner))
         if not plan.found:
             load_into(runner, plan.fallback, plan.rank_source(rank))
@@ -88,6 +107,11 @@ class ReplicatedState(WorkerState):
         if rank in plan.receivers:
             runner.load_state_dict(received)
         _adopt_from(runner, plan.source)
+        slot = _move_slots(plan.slot_moves, own, copies, replicas_for(runner).group())
+        # The slot of the rank whose place this worker takes, when another worker held it; else
+        # its own (a survivor's, also when it received the source's state, which carries the
+        # source's generators); a new worker with none starts its per-rank state afresh.
+        runner.load_rank_slot(slot if slot is not None else own)
         return state
 
     def save(self, folder: Storage) -> Optional[dict[str, Any]]:
@@ -101,12 +125,12 @@ class ReplicatedState(WorkerState):
     def copy_to_host(self) -> Optional[HostCopy]:
         """Rank 0 copies the whole state to host memory, into the previous checkpoint's copy
         (kept for that), with every rank's per-rank state; the others write nothing."""
-        rank_states = gather_rank_states(self.runner, 0)
+        rank_slots = gather_rank_slots(self.runner, 0)
         if get_context().world_rank != 0:
             return None
         self._host_copy = self.runner.state_dict(into=self._host_copy)
-        if rank_states is not None:
-            self._host_copy[RANK_STATES] = rank_states
+        if rank_slots is not None:
+            self._host_copy[RANK_SLOTS] = rank_slots
         return _WholeHostCopy(self._host_copy)
 
     def prepare_host_copy(self) -> Optional[Callable[[], None]]:
@@ -136,6 +160,40 @@ class _WholeHostCopy(HostCopy):
 
     def write(self, folder: Storage) -> None:
         write_state(folder, WHOLE_FILE, self.state)
+
+
+def _move_slots(
+    moves: Sequence[SlotMove], own: Optional[dict], copies: Mapping[int, PeerSlot], group: Any
+) -> Optional[dict]:
+    """Send and receive the rank slots of `moves` over `group`: a holder sends its `own` slot or
+    its copy of another rank's (`copies`, by that rank). Returns the slot this worker receives,
+    or None (every worker calls this)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    sends, kept = [], None
+    for move in moves:
+        if move.holder != rank:
+            continue
+        if move.replica:
+            data = copies[move.rank].data
+        else:
+            data = pickle.dumps(own, protocol=pickle.HIGHEST_PROTOCOL)
+        if move.receiver == rank:
+            kept = pickle.loads(data)  # this worker holds the slot it takes
+        else:
+            sends.append(
+                (
+                    move.receiver,
+                    {"slot": torch.frombuffer(bytearray(data), dtype=torch.uint8)},
+                    None,
+                )
+            )
+    receives = [move.holder for move in moves if move.receiver == rank and move.holder != rank]
+    if not sends and not receives:
+        return kept
+    received = exchange(group, sends, receives)
+    return pickle.loads(received[0][0]["slot"].numpy().tobytes()) if receives else kept
 
 
 def _adopt_from(runner: OperatorRunner, source: int) -> None:

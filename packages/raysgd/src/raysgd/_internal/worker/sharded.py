@@ -33,11 +33,11 @@ from raysgd._internal.worker.runner import (
 from raysgd._internal.worker.slot import this_worker
 from raysgd._internal.worker.snapshots import Snapshots, Taken
 from raysgd._internal.worker.state import (
-    RANK_STATES,
+    RANK_SLOTS,
     HostCopy,
     WorkerState,
-    apply_rank_state,
-    gather_rank_states,
+    apply_rank_slot,
+    gather_rank_slots,
     keep,
     load_into,
 )
@@ -192,7 +192,7 @@ class ShardedState(WorkerState):
         del chunks
         # Every worker goes back to the snapshot, its per-rank state too: a survivor its own as
         # it was then, a replacement the lost worker's.
-        apply_rank_state(runner, snapshot.state.get(RANK_STATES), plan.rank_source(rank))
+        apply_rank_slot(runner, snapshot.state, plan.rank_source(rank))
         runner.adopt_snapshot(
             plan.call, snapshot.meters[rank] if rank < len(snapshot.meters) else None
         )
@@ -214,9 +214,9 @@ class ShardedState(WorkerState):
         directory = folder.path if direct else tempfile.mkdtemp(prefix="part-", dir=scratch_dir())
         try:
             rest = self.runner.save_sharded(directory)
-            rank_states = gather_rank_states(self.runner, 0)
-            if rank_states is not None:
-                rest[RANK_STATES] = rank_states
+            rank_slots = gather_rank_slots(self.runner, 0)
+            if rank_slots is not None:
+                rest[RANK_SLOTS] = rank_slots
             if rank == 0:
                 torch.save(rest, os.path.join(directory, STATE_FILE))
             if direct:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from raysgd._internal.worker.boundary_watch import BoundaryWatch
     from raysgd._internal.worker.collective_bound import CollectiveBound
     from raysgd._internal.worker.periodic_checkpoints import PeriodicCheckpoints
+    from raysgd._internal.worker.rank_replicas import RankReplicas
     from raysgd._internal.worker.state import WorkerState
     from raysgd_operator import OperatorRunner
 
@@ -35,6 +36,8 @@ class WorkerSlot:
         uploads: The checkpoints this worker writes in the background (`checkpoint_every`).
         watch: The step hook that stops every worker at one boundary (a move, a spare joining).
         bound: The step hook that bounds how long a collective waits for a silent peer.
+        replicas: The step hook that keeps the ring predecessor's rank slot (a replicated
+            state).
     """
 
     runner: Optional[OperatorRunner] = None
@@ -42,6 +45,7 @@ class WorkerSlot:
     uploads: Optional[PeriodicCheckpoints] = None
     watch: Optional[BoundaryWatch] = None
     bound: Optional[CollectiveBound] = None
+    replicas: Optional[RankReplicas] = None
 
 
 def this_worker() -> WorkerSlot:

@@ -11,8 +11,11 @@ that cost under `BUDGET` of the training time::
 
 so that a lost worker redoes as few steps as the cost allows: a cheap snapshot of a small model
 on slow steps is taken every step or two, an expensive one of a large model less often. Until
-both are measured (the snapshot taken at start-up, the steps before the first interval ends) the
-interval is `FIRST_INTERVAL`.
+both are measured (the snapshot taken at start-up, the steps while none is being taken) the
+intervals start at `FIRST_INTERVAL` and double at every snapshot up to `RAMP_LIMIT`: a loss in a
+run's first steps redoes a few of them, not all since the start, and a snapshot whose thread
+outlasts a few steps (so that no step without one is measured yet) is not taken at every other
+step for long.
 
 Every worker must take its snapshot at the same step (the snapshot is a collective), but each
 measures its own cost and steps. So no worker changes its interval alone: at every snapshot the
@@ -25,12 +28,14 @@ from __future__ import annotations
 import math
 from typing import Optional, Union
 
-__all__ = ["BUDGET", "FIRST_INTERVAL", "MAX_INTERVAL", "SnapshotSchedule"]
+__all__ = ["BUDGET", "FIRST_INTERVAL", "MAX_INTERVAL", "RAMP_LIMIT", "SnapshotSchedule"]
 
 #: The share of the training time the snapshots may cost with ``snapshot_every="auto"``.
 BUDGET = 0.03
-#: The interval before the cost and the step time are known.
-FIRST_INTERVAL = 20
+#: The first interval, before the cost and the step time are known (see `RAMP_LIMIT`).
+FIRST_INTERVAL = 2
+#: The longest interval while the cost or the step time is still unknown.
+RAMP_LIMIT = 20
 #: The longest interval "auto" picks: a state this much costlier than a step is better served by
 #: checkpoints.
 MAX_INTERVAL = 1000
@@ -93,4 +98,4 @@ class SnapshotSchedule:
         """Every worker's `wanted`, the largest of them, taken at the same snapshot: the
         interval from this snapshot on, the same on every worker (the costliest worker's)."""
         if self.auto:
-            self.every = largest_wanted or FIRST_INTERVAL
+            self.every = largest_wanted or min(RAMP_LIMIT, 2 * self.every)

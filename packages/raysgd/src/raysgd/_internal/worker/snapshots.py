@@ -34,7 +34,7 @@ import torch
 
 from raysgd._internal.worker.part_exchange import exchange
 from raysgd._internal.worker.snapshot_schedule import SnapshotSchedule
-from raysgd._internal.worker.state import RANK_STATES, gather_rank_states
+from raysgd._internal.worker.state import RANK_SLOTS, gather_rank_slots
 from raysgd_operator import AverageMeterCollection, CallRecord, OperatorRunner
 
 if TYPE_CHECKING:  # the module imports DCP: imported at run time on first use only
@@ -115,7 +115,9 @@ class Snapshots:
             self.schedule.stepped(now - self._boundary[0], running)
         if not running:
             self.schedule.finished()
-        if self.schedule.due(self.runner.step):
+        # At a window start only: a snapshot inside a window would have to hold the gradients
+        # accumulated since its start.
+        if self.schedule.due(self.runner.step) and self.runner.at_window_start:
             self.take(wait=False)
         self._boundary = (time.perf_counter(), call)
 
@@ -163,15 +165,16 @@ class Snapshots:
         tensors, state = runner.sharded_parts()
         # Every worker keeps every rank's per-rank state (small): whichever survives has the
         # lost ones' for their replacements.
-        rank_states = gather_rank_states(runner, None)
-        if rank_states is not None:
-            state[RANK_STATES] = rank_states
+        rank_slots = gather_rank_slots(runner, None)
+        if rank_slots is not None:
+            state[RANK_SLOTS] = rank_slots
         meters = runner.call_meters()
         call = runner.call
         slot = self._next_slot()
         staged = self._stagers[slot].stage(tensors)
         del tensors
-        step, size = runner.step, dist.get_world_size()
+        # The state taken is the window start's (`OperatorRunner.state_dict`).
+        step, size = runner.window_step, dist.get_world_size()
         copied = time.perf_counter()
         self.schedule.taken(step, copied - started)
 

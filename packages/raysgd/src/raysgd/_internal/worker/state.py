@@ -20,7 +20,7 @@ import abc
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional
 
@@ -36,20 +36,25 @@ from raysgd_core import get_context, scratch_dir
 from raysgd_operator import OperatorRunner
 
 __all__ = [
-    "RANK_STATES",
+    "RANK_SLOTS",
     "HostCopy",
     "LoadSource",
     "WorkerState",
-    "apply_rank_state",
-    "gather_rank_states",
+    "apply_rank_slot",
+    "gather_rank_slots",
     "keep",
     "load_into",
     "state_within",
     "worker_state",
 ]
 
-#: Where a saved state keeps every rank's `TrainingOperator.rank_state_dict`, in rank order.
-RANK_STATES = "rank_states"
+#: Where a saved state keeps what differs from rank to rank (`OperatorRunner.rank_slot`: the
+#: operator's per-rank state, the random generators, the loader's seed of the epoch), in rank
+#: order.
+RANK_SLOTS = "rank_slots"
+#: Where states written before the generators were kept per rank held the operator's per-rank
+#: states alone.
+_RANK_STATES = "rank_states"
 
 
 @dataclass(frozen=True)
@@ -168,15 +173,14 @@ def keep(state: WorkerState) -> WorkerState:
     return state
 
 
-def gather_rank_states(runner: OperatorRunner, dst: Optional[int]) -> Optional[list[Any]]:
-    """Every rank's per-rank state (`OperatorRunner.rank_state`), in rank order: on rank `dst`,
-    or on every rank with None; None elsewhere, and when the operator keeps none. A collective:
-    every worker calls it at once (whether the operator keeps one is the same on all)."""
+def gather_rank_slots(runner: OperatorRunner, dst: Optional[int]) -> Optional[list[Any]]:
+    """Every rank's slot (`OperatorRunner.rank_slot`), in rank order: on rank `dst`, or on every
+    rank with None; None elsewhere. A collective: every worker calls it at once."""
     import torch.distributed as dist
 
-    if not runner.has_rank_state:
-        return None
-    mine = runner.rank_state()
+    mine = runner.rank_slot()
+    if not dist.is_initialized():
+        return [mine]
     everyone: list[Any] = [None] * dist.get_world_size()
     if dst is None:
         dist.all_gather_object(everyone, mine)
@@ -185,21 +189,23 @@ def gather_rank_states(runner: OperatorRunner, dst: Optional[int]) -> Optional[l
     return everyone if dist.get_rank() == dst else None
 
 
-def apply_rank_state(
-    runner: OperatorRunner, states: Optional[Sequence[Any]], source: Optional[int]
+def apply_rank_slot(
+    runner: OperatorRunner, saved: Mapping[str, Any], source: Optional[int]
 ) -> None:
-    """Give the operator the per-rank state `states` holds for rank `source` of the run they
-    were saved in; None when there is none for it (the operator starts its own afresh)."""
-    if not runner.has_rank_state:
-        return
-    have = states is not None and source is not None and 0 <= source < len(states)
-    runner.load_rank_state(states[source] if have else None)  # type: ignore[index]
+    """Give `runner` the slot that the state `saved` holds for rank `source` of the run it was
+    saved in; none when it holds none for it (the operator starts its per-rank state afresh, the
+    generators stay as they are)."""
+    slots = saved.get(RANK_SLOTS)
+    if slots is None and saved.get(_RANK_STATES) is not None:
+        slots = [{"state": state} for state in saved[_RANK_STATES]]
+    have = slots is not None and source is not None and 0 <= source < len(slots)
+    runner.load_rank_slot(slots[source] if have else None)  # type: ignore[index]
 
 
 def load_into(runner: OperatorRunner, source: LoadSource, rank_source: Optional[int] = -1) -> None:
     """Load `source` into `runner`: a whole state into any strategy (each worker keeps its part
     when sharded), a sharded folder into any strategy and size (a collective). The operator's
-    per-rank state is the one saved for rank `rank_source` (-1: this worker's rank; None: none,
+    rank slot (`OperatorRunner.rank_slot`) is the one saved for rank `rank_source` (-1: this worker's rank; None: none,
     it starts afresh)."""
     if rank_source == -1:
         rank_source = get_context().world_rank
@@ -213,13 +219,13 @@ def load_into(runner: OperatorRunner, source: LoadSource, rank_source: Optional[
             where = "state"
         state = state_from_bytes(data, source=where)
         runner.load_state_dict(state)
-        apply_rank_state(runner, state.get(RANK_STATES), rank_source)
+        apply_rank_slot(runner, state, rank_source)
         return
     assert source.metadata is not None and source.state is not None
     files = source.files
     if isinstance(files, Storage) and files.is_local and os.path.isdir(files.path):
         runner.load_sharded(files.path, source.state)
-        apply_rank_state(runner, source.state.get(RANK_STATES), rank_source)
+        apply_rank_slot(runner, source.state, rank_source)
         return
     # Fetch only the files holding parts of this worker's new shard (all when it cannot tell).
     names = set(files) if isinstance(files, dict) else set(files.listdir())
@@ -240,7 +246,7 @@ def load_into(runner: OperatorRunner, source: LoadSource, rank_source: Optional[
         runner.load_sharded(directory, source.state)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    apply_rank_state(runner, source.state.get(RANK_STATES), rank_source)
+    apply_rank_slot(runner, source.state, rank_source)
 
 
 def _write(directory: str, name: str, data: Any) -> None:

@@ -1,0 +1,163 @@
+"""Each rank's slot of the window start, replicated on its ring peer (a replicated state: ``ddp``,
+``none``).
+
+Every worker of a replicated state holds the models and optimizers whole, but not what differs
+from rank to rank: its random generators, the operator's per-rank state and the loader's seed of
+the epoch (`OperatorRunner.rank_slot`). A replacement that takes a lost rank's place needs that
+rank's slot as of the step the group goes on from, or its dropout masks, its hidden state and its
+data loader's random transforms would not be those the lost rank would have used, and the run
+would no longer end with the weights of one never interrupted.
+
+So at every window start (every step without gradient accumulation) each rank sends its slot to
+the next rank of the ring and receives the previous rank's: rank r holds its own slot and that of
+rank r - 1, as of the same step (`RankReplicas.copies`). Before workers leave on purpose (a move
+off a draining node, which may take ring neighbours together) each leaving worker also gives its
+slot to one that stays (`RankReplicas.adopt`). The slot is small (a few KB of generator
+state, plus the per-rank state the operator keeps), and the exchange is two point-to-point
+messages each way, sent before the window's first batch. It runs on the training group when that
+is gloo (a lost peer's abort then releases it like any collective), else on a gloo group of its
+own (NCCL cannot carry host memory): a peer that died fails it at once on its ring neighbours,
+which are the only ranks that wait on it.
+
+A worker lost before its slot reached its peer (in the moment between its last step and the
+exchange) leaves its slot unreplicated: the restore plan then says the replacement's random
+numbers may differ (`restore_plan`).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from raysgd._internal.worker.slot import this_worker
+from raysgd_core import get_context
+from raysgd_operator import OperatorRunner
+
+__all__ = ["PeerSlot", "RankReplicas", "replicas_for"]
+
+
+class PeerSlot:
+    """The ring predecessor's slot, as received.
+
+    Attributes:
+        rank: The predecessor's rank in the group it was sent in.
+        group: That group's number (`WorkerContext.generation`).
+        step: The window start it describes.
+        data: The slot, pickled (`OperatorRunner.rank_slot`).
+    """
+
+    def __init__(self, rank: int, group: int, step: int, data: bytes) -> None:
+        self.rank, self.group, self.step, self.data = rank, group, step, data
+
+    def slot(self) -> dict[str, Any]:
+        """The slot itself."""
+        return pickle.loads(self.data)
+
+
+class RankReplicas:
+    """This worker's step hook that swaps slots with its ring neighbours (see the module
+    docstring)."""
+
+    def __init__(self, runner: OperatorRunner) -> None:
+        self.runner = runner
+        #: Other ranks' slots this worker keeps, by rank: its ring predecessor's at the last
+        #: window start, and those leaving workers gave it since.
+        self.copies: dict[int, PeerSlot] = {}
+        self._side_group: Any = None
+        self._side_generation = -1
+        runner.add_step_hook(self._on_step)
+
+    def group(self) -> Any:
+        """The group the slots travel over: the training group (None) when it is gloo, else a
+        gloo group beside it (made on first use in each process group: every worker asks at the
+        same point)."""
+        import torch.distributed as dist
+
+        ctx = get_context()
+        if dist.get_backend() == "gloo":
+            return None
+        if self._side_group is None or self._side_generation != ctx.generation:
+            self._side_group = dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=ctx.timeout_s)
+            )
+            self._side_generation = ctx.generation
+        return self._side_group
+
+    def _on_step(self) -> None:
+        if self.runner.at_window_start:
+            self.exchange()
+
+    def exchange(self) -> None:
+        """Send this rank's slot of the current window start to the next rank and keep the
+        previous rank's (every worker calls it at the same window start)."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        size, rank = dist.get_world_size(), dist.get_rank()
+        if size == 1:
+            return
+        group = self.group()
+        after, before = (rank + 1) % size, (rank - 1) % size
+        mine = pickle.dumps(self.runner.rank_slot(), protocol=pickle.HIGHEST_PROTOCOL)
+        length = torch.tensor([len(mine)], dtype=torch.int64)
+        incoming = torch.zeros(1, dtype=torch.int64)
+        _swap(group, length, after, incoming, before)
+        data = torch.empty(int(incoming.item()), dtype=torch.uint8)
+        _swap(group, torch.frombuffer(bytearray(mine), dtype=torch.uint8), after, data, before)
+        generation = get_context().generation
+        self.copies = {
+            before: PeerSlot(before, generation, self.runner.window_step, data.numpy().tobytes())
+        }
+
+    def adopt(self, leaving: Sequence[int]) -> None:
+        """Before the workers of `leaving` leave on purpose, at a window start: each gives its
+        slot to a worker that stays, which keeps it beside its predecessor's (every worker calls
+        it at once)."""
+        import torch.distributed as dist
+
+        from raysgd._internal.worker.part_exchange import exchange
+
+        rank, size = dist.get_rank(), dist.get_world_size()
+        staying = [r for r in range(size) if r not in set(leaving)]
+        if not staying:
+            return
+        keeper = {gone: staying[i % len(staying)] for i, gone in enumerate(sorted(set(leaving)))}
+        sends = []
+        if rank in keeper:
+            mine = pickle.dumps(self.runner.rank_slot(), protocol=pickle.HIGHEST_PROTOCOL)
+            payload = {"slot": torch.frombuffer(bytearray(mine), dtype=torch.uint8)}
+            sends.append((keeper[rank], payload, None))
+        givers = [gone for gone, to in keeper.items() if to == rank]
+        received = exchange(self.group(), sends, givers)
+        generation = get_context().generation
+        for gone, (chunks, _) in zip(givers, received):
+            data = chunks["slot"].numpy().tobytes()
+            self.copies[gone] = PeerSlot(gone, generation, self.runner.window_step, data)
+
+    def held(self) -> tuple[tuple[int, int, int], ...]:
+        """(its rank, its group, the step) of every other rank's slot this worker keeps."""
+        return tuple((copy.rank, copy.group, copy.step) for copy in self.copies.values())
+
+
+def _swap(group: Any, out: torch.Tensor, to: int, into: torch.Tensor, frm: int) -> None:
+    """Send `out` to rank `to` while receiving `into` from rank `frm`."""
+    import torch.distributed as dist
+
+    sending = dist.isend(out, to, group=group)
+    dist.irecv(into, frm, group=group).wait()
+    sending.wait()
+
+
+def replicas_for(runner: OperatorRunner) -> RankReplicas:
+    """This worker's replicas of its peer's slot (made on first use, per runner: its step hook
+    stays with the runner)."""
+    slot = this_worker()
+    replicas = slot.replicas
+    if replicas is None or replicas.runner is not runner:
+        replicas = slot.replicas = RankReplicas(runner)
+    return replicas

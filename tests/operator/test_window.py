@@ -1,0 +1,160 @@
+"""Going back to the start of an accumulation window: after an interrupted batch (what a lost peer
+does to a survivor) or through a state saved inside a window, one worker ends with the weights of
+a run never interrupted, bit for bit, although every batch draws from torch's, Python's and
+NumPy's generators and carries a per-rank state."""
+
+from __future__ import annotations
+
+import io
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from raysgd_operator import NUM_SAMPLES, OperatorRunner, TrainingOperator
+
+
+class Interrupted(RuntimeError):
+    """Stands for the collective a lost peer breaks."""
+
+
+class DrawingOperator(TrainingOperator):
+    """A model with dropout whose every batch also draws from Python's and NumPy's generators
+    and adds to a per-rank state; `config["fail_at"]` (a list) names the global steps at which a
+    batch is interrupted once, after its backward pass."""
+
+    def setup(self, config: dict[str, Any]) -> None:
+        torch.manual_seed(0)
+        random.seed(1)
+        np.random.seed(2)
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+        self.register(
+            models=model, optimizers=optimizer, criterion=nn.MSELoss(), schedulers=scheduler
+        )
+        gen = torch.Generator().manual_seed(3)
+        x = torch.randn(72, 6, generator=gen)  # 18 batches of 4: windows of 4 span epochs
+        y = torch.randn(72, 2, generator=gen)
+        self.register_data(
+            train_loader=DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
+        )
+        self.carried = torch.zeros(2)
+        self.fail_at = config.get("fail_at", [])
+
+    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        features, target = batch
+        k = self.accumulate_grad_batches
+        if self.global_step % k == 0:
+            self.optimizer.zero_grad()
+        noise = random.random() + float(np.random.rand())
+        output = self.model(features) + 0.01 * self.carried
+        loss = self.criterion(output, target) * (1 + 0.01 * noise)
+        (loss / k).backward()
+        self.carried = 0.5 * self.carried + output.detach().mean(dim=0)
+        if self.global_step in self.fail_at:
+            self.fail_at.remove(self.global_step)
+            raise Interrupted(f"interrupted at global step {self.global_step}")
+        if (self.global_step + 1) % k == 0:
+            self.optimizer_step()
+        return {"train_loss": loss.detach(), NUM_SAMPLES: len(target)}
+
+    def rank_state_dict(self) -> Any:
+        return {"carried": self.carried}
+
+    def load_rank_state_dict(self, state: Any) -> None:
+        self.carried = torch.zeros(2) if state is None else state["carried"].clone()
+
+
+def _runner(**config: Any) -> OperatorRunner:
+    # distributed: raysgd's own sampler, as every worker of a trainer has (one worker here).
+    return OperatorRunner(
+        DrawingOperator,
+        config,
+        accumulate_grad_batches=4,
+        scheduler_step_freq="epoch",
+        distributed=True,
+    )
+
+
+def _weights(runner: OperatorRunner) -> list[torch.Tensor]:
+    return [t.clone() for m in runner.get_models() for t in m.state_dict().values()]
+
+
+def _equal(a: OperatorRunner, b: OperatorRunner) -> None:
+    for x, y in zip(_weights(a), _weights(b)):
+        assert torch.equal(x, y)
+    assert torch.equal(a.operator.carried, b.operator.carried)
+    assert a.operator.scheduler.last_epoch == b.operator.scheduler.last_epoch
+    assert (a.step, a.operator.global_step, a.epoch) == (b.step, b.operator.global_step, b.epoch)
+
+
+def _train(runner: OperatorRunner, calls: list[int | None]) -> list[dict[str, Any]]:
+    """Each call of `calls` (its num_steps), each interrupted call gone back over and continued
+    (the same call id), as the trainer does after a recovery."""
+    results = []
+    for call_id, num_steps in enumerate(calls):
+        while True:
+            try:
+                results.append(runner.train_epoch(num_steps=num_steps, call_id=call_id))
+                break
+            except Interrupted:
+                runner.progress()
+    return results
+
+
+@pytest.mark.parametrize(
+    ("calls", "fail_at"),
+    [
+        ([None, None], [6]),  # inside the window of steps 4-7
+        ([None, None], [16, 19]),  # a window across the epochs' boundary, twice
+        ([6, 6, None, None], [7]),  # the window began in the call before
+    ],
+)
+def test_an_interrupted_window_is_done_again_whole(calls: list, fail_at: list) -> None:
+    clean = _runner()
+    expected = _train(clean, calls)
+    faulted = _runner(fail_at=list(fail_at))
+    got = _train(faulted, calls)
+    _equal(clean, faulted)
+    # Each call counts every one of its batches once, whatever was done again.
+    assert [r["batch_count"] for r in got] == [r["batch_count"] for r in expected]
+
+
+def test_progress_goes_back_to_the_window_start_and_says_how_far_it_got() -> None:
+    runner = _runner(fail_at=[6])
+    with pytest.raises(Interrupted):
+        runner.train_epoch()
+    progress = runner.progress()
+    assert (progress.step, progress.reached, progress.clean) == (4, 7, True)
+    assert runner.step == 4 and runner.operator.global_step == 4
+    assert all(p.grad is None for p in runner.operator.model.parameters())
+
+
+def _reload(state: dict[str, Any]) -> dict[str, Any]:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def test_a_state_saved_inside_a_window_is_its_start_and_loading_it_redoes_the_window() -> None:
+    clean = _runner()
+    clean.train_epoch(num_steps=6)
+    state = _reload({**clean.state_dict(), "slot": clean.rank_slot()})
+    assert (state["step"], state["trained_to"]) == (4, 6)
+    _train(clean, [6, None, None])
+
+    loaded = _runner()
+    loaded.load_state_dict(state)
+    loaded.load_rank_slot(state["slot"])
+    # The next call does steps 4 and 5 again (not its own), then six of its own, as the
+    # uninterrupted run's second call did.
+    first = loaded.train_epoch(num_steps=6)
+    assert first["batch_count"] == 6 and loaded.step == 12
+    _train(loaded, [None, None])
+    _equal(clean, loaded)
