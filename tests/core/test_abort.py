@@ -198,3 +198,22 @@ def test_nccl_groups_keep_a_survivor_alive_unless_the_user_says_otherwise(monkey
     }
     monkeypatch.setenv("TORCH_NCCL_ENABLE_MONITORING", "1")  # the user's choice wins
     assert apply_nccl_env()["TORCH_NCCL_ENABLE_MONITORING"] == "1"
+
+
+def test_endpoints_travel_as_bytes_without_numpy() -> None:
+    # The ranks tell each other their listeners in a tensor collective (an object collective
+    # needs NumPy, which an install of raysgd-core alone lacks): IPv4, IPv6 and wildcard
+    # addresses come back as the kernel's table shows them.
+    from raysgd_core._internal.abort import Endpoint, _pack, _unpack
+
+    endpoints = [
+        Endpoint("127.0.0.1", 29500),
+        Endpoint("0.0.0.0", 1),
+        Endpoint("::", 65535),
+        Endpoint("fe80::1", 40000),
+        Endpoint("10.1.2.3", 443),
+    ]
+    packed = _pack(endpoints)
+    assert len(packed) == 18 * len(endpoints)
+    assert _unpack(packed) == endpoints
+    assert _unpack(b"") == [] and _pack([]) == b""

@@ -37,7 +37,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 __all__ = ["Endpoint", "GroupConnections", "listening_endpoints", "shut_down_connections_to"]
 
@@ -174,12 +174,10 @@ class GroupConnections:
             return cls(backend, store=store)
         import torch.distributed as dist
 
-        mine = sorted(listening_endpoints() - before)
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, [tuple(e) for e in mine])
+        everyone = _all_gather_bytes(_pack(sorted(listening_endpoints() - before)))
         rank = dist.get_rank()
         peers = frozenset(
-            Endpoint(ip, port) for r, ends in enumerate(everyone) if r != rank for ip, port in ends
+            e for r, packed in enumerate(everyone) if r != rank for e in _unpack(packed)
         )
         return cls(backend, before, peers, store)
 
@@ -203,6 +201,52 @@ class GroupConnections:
         if self.backend == "nccl":
             return shut + _abort_nccl()
         return shut + sum(_shut_down(fd, inode) for fd, inode in self.connections())
+
+
+# Endpoints travel as bytes in a tensor collective, not in an object collective
+# (`all_gather_object`): torch reads an object collective's bytes back through NumPy, which neither
+# Ray nor raysgd-core installs, and unpickles what a peer sent. Each endpoint is 18 bytes: its
+# address as IPv6 (IPv4 as IPv4-mapped) and its port, big-endian.
+_PACKED = 18
+
+
+def _pack(endpoints: list[Endpoint]) -> bytes:
+    packed = bytearray()
+    for endpoint in endpoints:
+        ip = ipaddress.ip_address(endpoint.ip)
+        if isinstance(ip, ipaddress.IPv4Address):
+            ip = ipaddress.IPv6Address(f"::ffff:{ip}")
+        packed += ip.packed + endpoint.port.to_bytes(2, "big")
+    return bytes(packed)
+
+
+def _unpack(packed: bytes) -> list[Endpoint]:
+    endpoints = []
+    for i in range(0, len(packed), _PACKED):
+        ip = ipaddress.IPv6Address(packed[i : i + 16])
+        port = int.from_bytes(packed[i + 16 : i + _PACKED], "big")
+        endpoints.append(Endpoint(str(ip.ipv4_mapped or ip), port))
+    return endpoints
+
+
+def _all_gather_bytes(mine: bytes) -> list[bytes]:
+    """Every rank's `mine`, in rank order (a collective of the default group, on the CPU)."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    size = torch.tensor([len(mine)], dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    lengths = [int(s.item()) for s in sizes]
+    longest = max(lengths)
+    if longest == 0:  # every rank sees the same sizes: none goes on to the second collective
+        return [b""] * world
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: len(mine)] = torch.tensor(list(mine), dtype=torch.uint8)
+    gathered = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded)
+    return [bytes(t[:n].tolist()) for t, n in zip(gathered, lengths)]
 
 
 def shut_down_connections_to(store: Endpoint) -> int:
