@@ -43,7 +43,9 @@ class SlowLinearOperator(TrainingOperator):
 
     With `hold_step` in the config every rank holds that step until the test has given its notice
     (``drained`` in `marker_dir`): `ray drain-node` is a process of its own and can take longer
-    than the rest of this short epoch on a busy machine.
+    than the rest of this short epoch on a busy machine. With `dropout` its inputs are dropped
+    at that rate, each rank drawing from a generator seeded by its rank: a move must hand a
+    leaving rank's generator to the worker that takes its place.
     """
 
     def setup(self, config: dict[str, Any]) -> None:
@@ -61,6 +63,7 @@ class SlowLinearOperator(TrainingOperator):
         self.register_data(
             train_loader=DataLoader(data, batch_size=config[BATCH_SIZE], shuffle=True)
         )
+        torch.manual_seed(100 + self.world_rank)
 
     def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
         x, y, ids = batch
@@ -74,6 +77,8 @@ class SlowLinearOperator(TrainingOperator):
             # Stuck in this step (no boundary to stop at) until the test takes the node away.
             block.rename(block.with_name("blocking"))
             time.sleep(60)
+        if self.config.get("dropout"):
+            x = nn.functional.dropout(x, self.config["dropout"])
         metrics = super().train_batch((x, y), batch_info)
         folder = self.config["marker_dir"]
         record_rows(folder, batch_info["epoch_idx"] + 1, ids)
@@ -156,11 +161,20 @@ def _reclaim_at_marker(
 
 
 def _trainer(
-    folder: Path, hold_step: Optional[int] = None, num_workers: int = 2, **kwargs: Any
+    folder: Path,
+    hold_step: Optional[int] = None,
+    num_workers: int = 2,
+    dropout: float = 0.0,
+    **kwargs: Any,
 ) -> TorchTrainer:
     return TorchTrainer(
         training_operator_cls=SlowLinearOperator,
-        config={BATCH_SIZE: GLOBAL_BATCH, "marker_dir": str(folder), "hold_step": hold_step},
+        config={
+            BATCH_SIZE: GLOBAL_BATCH,
+            "marker_dir": str(folder),
+            "hold_step": hold_step,
+            "dropout": dropout,
+        },
         num_workers=num_workers,
         timeout_s=60,  # safety net only
         **kwargs,
@@ -182,22 +196,25 @@ def _on(nodes: list[Any], node_id: str) -> Any:
     return next(n for n in nodes if n.node_id == node_id)
 
 
-_REFERENCE: list[list[torch.Tensor]] = []
+_REFERENCE: dict[tuple, list[list[torch.Tensor]]] = {}
 
 
-def _reference_weights(folder: Path) -> list[list[torch.Tensor]]:
-    """The weights after each of two epochs without a notice (computed once per module, on
-    whatever cluster is up: the run is the same on any): what a preempted run must equal."""
-    if not _REFERENCE:
+def _reference_weights(folder: Path, **job: Any) -> list[list[torch.Tensor]]:
+    """The weights after each of two epochs of the job `job` (`_trainer`'s keywords) without a
+    notice (computed once per module, on whatever cluster is up: the run is the same on any):
+    what a preempted run must equal."""
+    key = tuple(sorted(job.items()))
+    if key not in _REFERENCE:
         folder.mkdir()
-        reference = _trainer(folder)
+        reference = _trainer(folder, **job)
         try:
+            _REFERENCE[key] = []
             for _ in range(2):
                 reference.train()
-                _REFERENCE.append(_weights(reference))
+                _REFERENCE[key].append(_weights(reference))
         finally:
             reference.shutdown()
-    return _REFERENCE
+    return _REFERENCE[key]
 
 
 @pytest.mark.timeout(240)
@@ -207,9 +224,12 @@ def test_a_drained_node_is_left_before_its_deadline_losing_nothing(
     nodes = _cluster(ray_multinode, 3)
     moved_dir = tmp_path / "moved"
     moved_dir.mkdir()
-    expected = _reference_weights(tmp_path / "reference")[1]
+    # Dropout with a generator per rank, and windows of two batches: the move falls on a
+    # window's end, and the worker that takes the leaving one's place takes its generator.
+    job = {"dropout": 0.2, "accumulate_grad_batches": 2}
+    expected = _reference_weights(tmp_path / "reference", **job)[1]
 
-    trainer = _trainer(moved_dir, hold_step=7)
+    trainer = _trainer(moved_dir, hold_step=7, **job)
     try:
         where = trainer.apply_all_workers(_node_id)
         victim = _on(nodes, where[1])
@@ -255,7 +275,14 @@ def test_a_notice_between_two_calls_moves_fsdp_workers_of_four_with_their_shards
     # Four workers of half a CPU over three nodes: the drained node holds one or two of them,
     # and the others (rank 0's neighbours or not) hand over and re-form around the move.
     nodes = _cluster(ray_multinode, 3, cpus=2)
-    trainer = _trainer(tmp_path, num_workers=4, strategy="fsdp", num_cpus_per_worker=0.5)
+    trainer = _trainer(
+        tmp_path,
+        num_workers=4,
+        strategy="fsdp",
+        num_cpus_per_worker=0.5,
+        dropout=0.2,
+        accumulate_grad_batches=2,
+    )
     try:
         trainer.train()
         saved = trainer.save(tmp_path / "before-the-notice")
@@ -272,7 +299,8 @@ def test_a_notice_between_two_calls_moves_fsdp_workers_of_four_with_their_shards
         assert sorted(rows_by_epoch(tmp_path)[1]) == list(range(ROWS))
         moved = trainer.apply_all_operators(_full_loss)
         # The same four steps from the state saved before the notice: the moved workers' shards
-        # went to their successors, so the model is the one it would have been without it.
+        # and generators went to the workers that took their places, so the model is the one it
+        # would have been without it.
         trainer.load(saved)
         trainer.train(num_steps=4)
         assert moved == pytest.approx(trainer.apply_all_operators(_full_loss), rel=1e-5)
