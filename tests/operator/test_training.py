@@ -421,3 +421,40 @@ def test_a_loop_that_counts_something_else_than_rows_is_told_apart() -> None:
     result = tokens.train_epoch()
     assert not tokens.counts_rows
     assert result["num_samples"] == 7 * rows.train_epoch()["num_samples"]
+
+
+class SelfScoringModel(nn.Module):
+    """A model that computes its own loss when given the targets, as GPT trainers' do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.linear(x)
+        return out, nn.functional.mse_loss(out, y)
+
+
+def test_a_model_that_returns_its_own_loss_trains_without_a_criterion() -> None:
+    class OwnLoss(LinearOperator):
+        def setup(self, config: dict[str, Any]) -> None:
+            torch.manual_seed(0)
+            model = SelfScoringModel()
+            self.register(models=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1))
+            train, validation = linear_loaders(config)
+            self.register_data(train_loader=train, validation_loader=validation)
+
+    runner = OperatorRunner(OwnLoss, {})
+    first = runner.validate()["val_loss"]
+    for _ in range(3):
+        result = runner.train_epoch()
+    assert result["num_samples"] == 256 and runner.validate()["val_loss"] < first / 4
+
+    class Unscored(OwnLoss):
+        def setup(self, config: dict[str, Any]) -> None:
+            model = nn.Linear(1, 1)  # returns predictions: without a criterion, no loss
+            self.register(models=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1))
+            self.register_data(train_loader=linear_loaders(config)[0])
+
+    with pytest.raises(RuntimeError, match="need a criterion .* or a model that takes the whole batch"):
+        OperatorRunner(Unscored, {}).train_epoch()

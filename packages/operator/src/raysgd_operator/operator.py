@@ -50,6 +50,17 @@ def _counts_other_than_rows(num_samples: Any, batch: Any) -> bool:
     return isinstance(num_samples, int) and rows is not None and num_samples != rows
 
 
+def _own_loss(output: Any) -> torch.Tensor | None:
+    """The loss in what a model that computes its own returned (see `TrainingOperator._forward`)."""
+    if isinstance(output, torch.Tensor):
+        return output if output.dim() == 0 else None
+    if isinstance(output, (list, tuple)) and output:
+        last = output[-1]
+        return last if isinstance(last, torch.Tensor) and last.dim() == 0 else None
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
+
+
 def _length(iterator: Any) -> int | None:
     try:
         return len(iterator)
@@ -247,6 +258,8 @@ class TrainingOperator(OperatorBase):
             return batch.to(self.device, non_blocking=True)
         if isinstance(batch, (list, tuple)):
             return type(batch)(self._to_device(b) for b in batch)
+        if isinstance(batch, dict):
+            return {key: self._to_device(value) for key, value in batch.items()}
         return batch
 
     def _progress(self, iterator: Any, desc: str) -> Any:
@@ -346,10 +359,8 @@ class TrainingOperator(OperatorBase):
         recovery, a load or a resume goes back to the start of the window it falls in, so every
         batch of a window is counted once.
         """
-        model, optimizer, criterion = self.model, self.optimizer, self.criterion
-        if criterion is None:
-            raise RuntimeError("the default train_batch needs a criterion: register(criterion=...)")
-        *features, target = self._to_device(batch)
+        model, optimizer = self.model, self.optimizer
+        batch = self._to_device(batch)
         k = self.options.accumulate_grad_batches
         window_start = self.global_step % k == 0
         will_step = (self.global_step + 1) % k == 0
@@ -358,8 +369,7 @@ class TrainingOperator(OperatorBase):
             optimizer.zero_grad()
         with sync:
             with self.timers.record("fwd"), self.autocast():
-                output = model(*features)
-                loss = criterion(output, target)
+                _, loss, rows = self._forward(model, batch)
             with self.timers.record("grad"):
                 self.backward(loss / k if k > 1 else loss, optimizer)
         if will_step:
@@ -369,7 +379,32 @@ class TrainingOperator(OperatorBase):
                 self.optimizer_step(optimizer)
         # The loss stays a tensor: `train_epoch` reads all of a call's losses in one transfer at the
         # end instead of waiting for the device after every batch.
-        return {"train_loss": loss.detach(), NUM_SAMPLES: target.size(0)}
+        return {"train_loss": loss.detach(), NUM_SAMPLES: rows}
+
+    def _forward(self, model: Any, batch: Any) -> tuple[Any, torch.Tensor, int]:
+        """(the model's output, the loss, the batch's rows) of the default loops. With a
+        registered criterion the batch is ``*features, target``: ``criterion(model(*features),
+        target)``. Without one the model is given the whole batch (its items, or a dict's as
+        keywords) and returns its own loss: a 0-dim tensor, a tuple or list ending with one
+        (``logits, loss``), or a dict or an object (Hugging Face's outputs) with a ``loss``."""
+        criterion = self.criterion
+        if criterion is not None:
+            *features, target = batch
+            output = model(*features)
+            return output, criterion(output, target), target.size(0)
+        need = (
+            "the default loops need a criterion (register(criterion=...)), or a model that takes "
+            "the whole batch and returns its own loss: a 0-dim tensor, a tuple ending with one, "
+            "or an object or dict with a 'loss'"
+        )
+        try:
+            output = model(**batch) if isinstance(batch, dict) else model(*batch)
+        except TypeError as exc:  # a model that does not take the targets
+            raise RuntimeError(f"{need}; calling this one with the batch failed: {exc}") from exc
+        loss = _own_loss(output)
+        if loss is None:
+            raise RuntimeError(f"{need}; this one returned {type(output).__name__}")
+        return output, loss, _rows(batch) or 1
 
     def validate(self, val_iterator: Iterable[Any], info: dict[str, Any]) -> dict[str, Any]:
         """Evaluate over ``val_iterator`` without gradients; averaged ``validate_batch`` results."""
@@ -392,21 +427,16 @@ class TrainingOperator(OperatorBase):
         return meters.summary()
 
     def validate_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
-        """Loss and argmax accuracy on one batch (``*features, target``), as tensors (see ``train_batch``)."""
-        model, criterion = self.model, self.criterion
-        if criterion is None:
-            raise RuntimeError(
-                "the default validate_batch needs a criterion: register(criterion=...)"
-            )
-        *features, target = self._to_device(batch)
+        """Loss and argmax accuracy on one batch (``*features, target``), as tensors (see
+        ``train_batch``; a model that returns its own loss: the loss, and an accuracy of 0)."""
+        batch = self._to_device(batch)
         with self.timers.record("eval_fwd"), self.autocast():
-            output = model(*features)
-            loss = criterion(output, target)
-        num_samples = target.size(0)
+            output, loss, num_samples = self._forward(self.model, batch)
         # Tensors, read once per call by `validate` (see `train_batch`); float64 division of the
         # count gives exactly the float a Python ``correct / num_samples`` would.
         accuracy: Any = 0.0
-        if output.dim() > 1:
+        if self.criterion is not None and output.dim() > 1:
+            target = batch[-1]
             accuracy = (output.argmax(dim=1) == target).sum().double() / num_samples
         return {"val_loss": loss.detach(), "val_accuracy": accuracy, NUM_SAMPLES: num_samples}
 
