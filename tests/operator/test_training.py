@@ -456,5 +456,7 @@ def test_a_model_that_returns_its_own_loss_trains_without_a_criterion() -> None:
             self.register(models=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1))
             self.register_data(train_loader=linear_loaders(config)[0])
 
-    with pytest.raises(RuntimeError, match="need a criterion .* or a model that takes the whole batch"):
+    with pytest.raises(
+        RuntimeError, match=r"need a criterion .* or a model that takes the whole batch"
+    ):
         OperatorRunner(Unscored, {}).train_epoch()
