@@ -616,9 +616,7 @@ class OperatorRunner:
         self._val.reset()
         self._window = self._mark_window_start()
 
-    def _set_position(
-        self, state: Mapping[str, Any], pass_seed: Optional[torch.Tensor] = None
-    ) -> None:
+    def _set_position(self, state: Mapping[str, Any], pass_seed: Optional[bytes] = None) -> None:
         """Counters and the place in the epoch from a state dict (the next pass goes on there,
         its loader iterator seeded from `pass_seed`)."""
         op = self.operator

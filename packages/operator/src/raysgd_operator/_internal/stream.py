@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from raysgd_base import check_int
 from raysgd_operator._internal.epoch_plan import EpochSampler
 from raysgd_operator._internal.loaders import planned_sampler
+from raysgd_operator._internal.rng import generator_state, set_generator_state
 
 __all__ = ["BatchStream", "CallBatches"]
 
@@ -35,22 +36,22 @@ def _group_rows(loader: Any, batch: Any) -> int | None:
     return count(batch) if callable(count) else None
 
 
-def seed_state(loader: Any) -> Optional[torch.Tensor]:
+def seed_state(loader: Any) -> Optional[bytes]:
     """The state of the generator `iter(loader)` draws its worker seed from (None: `loader` is
     not a `DataLoader`)."""
     if not isinstance(loader, DataLoader):
         return None
     generator = loader.generator if loader.generator is not None else torch.default_generator
-    return generator.get_state()
+    return generator_state(generator)
 
 
-def _iterate_seeded(loader: Any, state: Optional[torch.Tensor]) -> Iterator[Any]:
+def _iterate_seeded(loader: Any, state: Optional[bytes]) -> Iterator[Any]:
     """`iter(loader)`, its worker seed drawn from a generator in `state` (None: as usual) rather
     than from the loader's own generator, which is left as it is."""
     if state is None or not isinstance(loader, DataLoader):
         return iter(loader)
     generator = torch.Generator()
-    generator.set_state(state)
+    set_generator_state(generator, state)
     own = loader.generator
     loader.generator = generator
     try:
@@ -143,7 +144,7 @@ class BatchStream:
         self.epoch_steps = 0
         #: The state of the generator the epoch's first iterator drew its worker seed from
         #: (`seed_state`); a pass that resumes the epoch draws from a copy of it.
-        self.pass_seed: Optional[torch.Tensor] = None
+        self.pass_seed: Optional[bytes] = None
         #: A batch was handed to the loop and the loop has not finished with it yet.
         self.in_flight = False
         #: Rows the whole group reads in the in-flight batch's step, for a loader that can tell
@@ -194,7 +195,7 @@ class BatchStream:
         resume_rows: int | None = None,
         *,
         epoch_steps: int = 0,
-        pass_seed: Optional[torch.Tensor] = None,
+        pass_seed: Optional[bytes] = None,
     ) -> None:
         """Drop the current pass. With `resume` (batches to skip) or `resume_rows` (the epoch's
         first unread row, for a planned loader) the next pass goes on with the same epoch from

@@ -32,8 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
-
 from raysgd_operator._internal.rng import set_rng_state
 from raysgd_operator._internal.tensors import cpu_copy
 from raysgd_operator.metrics import AverageMeterCollection, MetersMark
@@ -56,7 +54,7 @@ class RankSlot:
 
     state: Any
     rng: dict[str, Any]
-    pass_seed: Optional[torch.Tensor]
+    pass_seed: Optional[bytes]
 
     def to_plain(self) -> dict[str, Any]:
         """The slot as plain CPU tensors and containers (what checkpoints and peers keep, and

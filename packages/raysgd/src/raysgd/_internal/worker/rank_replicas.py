@@ -37,7 +37,48 @@ from raysgd._internal.worker.slot import this_worker
 from raysgd_core import get_context
 from raysgd_operator import OperatorRunner
 
-__all__ = ["PeerSlot", "RankReplicas", "replicas_for"]
+__all__ = ["PeerSlot", "RankReplicas", "decode_slot", "encode_slot", "replicas_for"]
+
+
+class _Array:
+    """A tensor in an encoded slot: its dtype's name and its values as a NumPy array (bfloat16,
+    which NumPy lacks, as the same bits in int16)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().cpu().contiguous()
+        self.dtype = str(tensor.dtype).removeprefix("torch.")
+        if tensor.dtype == torch.bfloat16:
+            tensor = tensor.view(torch.int16)
+        self.values = tensor.numpy()
+
+    def tensor(self) -> torch.Tensor:
+        tensor = torch.from_numpy(self.values.copy())
+        return tensor.view(torch.bfloat16) if self.dtype == "bfloat16" else tensor
+
+
+def _arrays(tree: Any, into_arrays: bool) -> Any:
+    """`tree` with every tensor replaced by an `_Array` (or back)."""
+    if into_arrays and isinstance(tree, torch.Tensor):
+        return _Array(tree)
+    if not into_arrays and isinstance(tree, _Array):
+        return tree.tensor()
+    if isinstance(tree, dict):
+        return type(tree)((key, _arrays(value, into_arrays)) for key, value in tree.items())
+    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        return type(tree)(_arrays(value, into_arrays) for value in tree)
+    return tree
+
+
+def encode_slot(slot: Any) -> bytes:
+    """A rank slot (`OperatorRunner.rank_slot`) as bytes, to send to a peer. Its tensors travel
+    as NumPy arrays: pickling a tensor serialises its storage with `torch.save`, many times
+    slower, and this runs at every window start."""
+    return pickle.dumps(_arrays(slot, True), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_slot(data: bytes) -> Any:
+    """The slot `encode_slot` encoded (only ever bytes a peer of this run sent)."""
+    return _arrays(pickle.loads(data), False)
 
 
 class PeerSlot:
@@ -47,7 +88,7 @@ class PeerSlot:
         rank: The predecessor's rank in the group it was sent in.
         group: That group's number (`WorkerContext.generation`).
         step: The window start it describes.
-        data: The slot, pickled (`OperatorRunner.rank_slot`).
+        data: The slot, encoded (`encode_slot`).
     """
 
     def __init__(self, rank: int, group: int, step: int, data: bytes) -> None:
@@ -55,7 +96,7 @@ class PeerSlot:
 
     def slot(self) -> dict[str, Any]:
         """The slot itself."""
-        return pickle.loads(self.data)
+        return decode_slot(self.data)
 
 
 class RankReplicas:
@@ -103,7 +144,7 @@ class RankReplicas:
             return
         group = self.group()
         after, before = (rank + 1) % size, (rank - 1) % size
-        mine = pickle.dumps(self.runner.rank_slot(), protocol=pickle.HIGHEST_PROTOCOL)
+        mine = encode_slot(self.runner.rank_slot())
         length = torch.tensor([len(mine)], dtype=torch.int64)
         incoming = torch.zeros(1, dtype=torch.int64)
         _swap(group, length, after, incoming, before)
@@ -129,7 +170,7 @@ class RankReplicas:
         keeper = {gone: staying[i % len(staying)] for i, gone in enumerate(sorted(set(leaving)))}
         sends = []
         if rank in keeper:
-            mine = pickle.dumps(self.runner.rank_slot(), protocol=pickle.HIGHEST_PROTOCOL)
+            mine = encode_slot(self.runner.rank_slot())
             payload = {"slot": torch.frombuffer(bytearray(mine), dtype=torch.uint8)}
             sends.append((keeper[rank], payload, None))
         givers = [gone for gone, to in keeper.items() if to == rank]

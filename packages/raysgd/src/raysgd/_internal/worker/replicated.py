@@ -11,7 +11,6 @@ that takes a lost rank's place gets that rank's slot from the ring peer that kep
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional
 
@@ -21,7 +20,12 @@ from raysgd._internal.driver.restore_plan import Holding, RestorePlan, SlotMove
 from raysgd._internal.storage.format import WHOLE, WHOLE_FILE, write_state
 from raysgd._internal.storage.location import Storage
 from raysgd._internal.worker.part_exchange import exchange
-from raysgd._internal.worker.rank_replicas import PeerSlot, replicas_for
+from raysgd._internal.worker.rank_replicas import (
+    PeerSlot,
+    decode_slot,
+    encode_slot,
+    replicas_for,
+)
 from raysgd._internal.worker.runner import (
     RunnerArgs,
     build_runner,
@@ -178,9 +182,9 @@ def _move_slots(
         if move.replica:
             data = copies[move.rank].data
         else:
-            data = pickle.dumps(own, protocol=pickle.HIGHEST_PROTOCOL)
+            data = encode_slot(own)
         if move.receiver == rank:
-            kept = pickle.loads(data)  # this worker holds the slot it takes
+            kept = decode_slot(data)  # this worker holds the slot it takes
         else:
             sends.append(
                 (
@@ -193,7 +197,7 @@ def _move_slots(
     if not sends and not receives:
         return kept
     received = exchange(group, sends, receives)
-    return pickle.loads(received[0][0]["slot"].numpy().tobytes()) if receives else kept
+    return decode_slot(received[0][0]["slot"].numpy().tobytes()) if receives else kept
 
 
 def _adopt_from(runner: OperatorRunner, source: int) -> None:
