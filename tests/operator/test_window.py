@@ -40,15 +40,14 @@ class DrawingOperator(TrainingOperator):
         gen = torch.Generator().manual_seed(3)
         x = torch.randn(72, 6, generator=gen)  # 18 batches of 4: windows of 4 span epochs
         y = torch.randn(72, 2, generator=gen)
-        self.register_data(
-            train_loader=DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
-        )
+        self.register_data(train_loader=DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True))
         self.carried = torch.zeros(2)
         self.fail_at = config.get("fail_at", [])
 
     def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
         features, target = batch
-        k = self.accumulate_grad_batches
+        # Its own window size when given one (raysgd is not told it), else the trainer's.
+        k = self.config.get("own_k") or self.accumulate_grad_batches
         if self.global_step % k == 0:
             self.optimizer.zero_grad()
         noise = random.random() + float(np.random.rand())
@@ -75,7 +74,7 @@ def _runner(**config: Any) -> OperatorRunner:
     return OperatorRunner(
         DrawingOperator,
         config,
-        accumulate_grad_batches=4,
+        accumulate_grad_batches=1 if config.get("own_k") else 4,
         scheduler_step_freq="epoch",
         distributed=True,
     )
@@ -108,17 +107,20 @@ def _train(runner: OperatorRunner, calls: list[int | None]) -> list[dict[str, An
 
 
 @pytest.mark.parametrize(
-    ("calls", "fail_at"),
+    ("calls", "fail_at", "own_k"),
     [
-        ([None, None], [6]),  # inside the window of steps 4-7
-        ([None, None], [16, 19]),  # a window across the epochs' boundary, twice
-        ([6, 6, None, None], [7]),  # the window began in the call before
+        ([None, None], [6], None),  # inside the window of steps 4-7
+        ([None, None], [16, 19], None),  # a window across the epochs' boundary, twice
+        ([6, 6, None, None], [7], None),  # the window began in the call before
+        # A loop that accumulates over 4 batches without telling raysgd: its windows are
+        # followed from its optimizer steps.
+        ([None, None], [6, 19], 4),
     ],
 )
-def test_an_interrupted_window_is_done_again_whole(calls: list, fail_at: list) -> None:
-    clean = _runner()
+def test_an_interrupted_window_is_done_again_whole(calls: list, fail_at: list, own_k: Any) -> None:
+    clean = _runner(own_k=own_k)
     expected = _train(clean, calls)
-    faulted = _runner(fail_at=list(fail_at))
+    faulted = _runner(fail_at=list(fail_at), own_k=own_k)
     got = _train(faulted, calls)
     _equal(clean, faulted)
     # Each call counts every one of its batches once, whatever was done again.
