@@ -30,7 +30,8 @@ def pid() -> int:
 
 
 ray.init(address="local", num_cpus=4, **local_ray_options())
-with WorkerGroup(num_workers=2, backend="gloo") as group:
+# A loaded machine may start Ray's workers slowly: this smoke is about what is installed.
+with WorkerGroup(num_workers=2, backend="gloo", start_timeout_s=120) as group:
     first = group.execute(all_reduce_rank_plus_one)
     before = group.execute(pid)
     try:
@@ -38,7 +39,7 @@ with WorkerGroup(num_workers=2, backend="gloo") as group:
         died = None
     except WorkerDiedError as error:
         died = error.ranks
-    recovery = group.recover(2, timeout_s=60)
+    recovery = group.recover(2, timeout_s=120)
     second = group.execute(all_reduce_rank_plus_one)
     after = group.execute(pid)
     world_size = group.world_size

@@ -26,6 +26,9 @@ def data_creator(config):
     )
 
 
+# RaySGD's bound on the workers' start: a loaded machine may start Ray's workers slowly, and this
+# smoke is about what is installed.
+os.environ["SGD_PLACEMENT_GROUP_TIMEOUT_S"] = "120"
 ray.init(address="local", num_cpus=4, include_dashboard=False)
 trainer = TorchTrainer(
     model_creator=lambda config: nn.Linear(1, 1),

@@ -42,7 +42,14 @@ trainable = DistributedTrainableCreator(train_fn, num_workers=2, num_cpus_per_wo
 results = tune.Tuner(
     trainable,
     param_space={"scale": 10.0},
-    run_config=tune.RunConfig(storage_path=storage, name="smoke", verbose=0),
+    run_config=tune.RunConfig(
+        storage_path=storage,
+        name="smoke",
+        verbose=0,
+        # On a loaded machine the trial's workers may not start within the group's start
+        # timeout (30 s); Tune then restarts the trial, as it would for a user.
+        failure_config=tune.FailureConfig(max_failures=2),
+    ),
 ).fit()
 trials = []
 for result in results:
