@@ -46,13 +46,13 @@ def test_overflow_skips_the_step_and_halves_the_scale(apex_standin: ModuleType) 
     precision, model, opt = _setup()
     before = [p.detach().clone() for p in model.parameters()]
     precision.backward(model(torch.ones(2, 4)).sum() * 1e38, opt)  # x 2**16: inf
-    assert precision.step(opt) is False
+    assert not precision.step(opt)
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert precision.state_dict()["amp"]["loss_scaler0"]["loss_scale"] == 2.0**15
 
     opt.zero_grad()
     precision.backward(model(torch.ones(2, 4)).sum(), opt)
-    assert precision.step(opt) is True
+    assert precision.step(opt)
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 

@@ -58,7 +58,7 @@ def test_fp16_inf_grads_skip_step_and_lower_scale(device: str) -> None:
     with precision.autocast():
         loss = _loss(model, device, factor=1e38)  # times the 2**16 scale: inf in fp32
     precision.backward(loss, opt)
-    assert precision.step(opt) is False
+    assert not precision.step(opt)
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert precision.scaler.get_scale() == scale * 0.5
     assert precision.state_dict()["scaler"]["scale"] == scale * 0.5
@@ -67,7 +67,7 @@ def test_fp16_inf_grads_skip_step_and_lower_scale(device: str) -> None:
     with precision.autocast():
         loss = _loss(model, device)
     precision.backward(loss, opt)
-    assert precision.step(opt) is True
+    assert precision.step(opt)
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
@@ -101,8 +101,8 @@ def test_two_optimizers_update_the_scale_once_per_iteration() -> None:
         precision.backward(loss)
         precision.clip_grad_norm(disc.parameters(), 10.0, opt_d)
         precision.clip_grad_norm(gen.parameters(), 10.0, opt_g)
-        assert precision.step(opt_d) is True
-        assert precision.step(opt_g) is True
+        assert precision.step(opt_d)
+        assert precision.step(opt_g)
     # one scaler update per iteration, not one per optimizer
     assert precision.state_dict()["scaler"]["_growth_tracker"] == 2
 
@@ -170,7 +170,7 @@ def test_setup_again_keeps_the_learned_scale() -> None:
     with precision.autocast():
         loss = _loss(model, "cpu", factor=1e38)
     precision.backward(loss, opt)
-    assert precision.step(opt) is False
+    assert not precision.step(opt)
     state = precision.state_dict()
     precision.setup([model], [opt], "cpu")
     assert precision.state_dict() == state and state["scaler"]["scale"] == 2.0**15

@@ -108,7 +108,7 @@ def test_entry_point_backend_skips_nonfinite_steps(installed_plugin: Path) -> No
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     precision.setup([model], [opt], "cpu")
     precision.backward(model(torch.ones(1, 2)).sum() * float("inf"), opt)
-    assert precision.step(opt) is False
+    assert not precision.step(opt)
     assert precision.state_dict()["skipped"] == 1
 
 

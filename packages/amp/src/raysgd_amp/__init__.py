@@ -7,7 +7,7 @@ training loop talks to. Imports torch only; Apex is imported only when its backe
 from .apex_args import ApexArgsError, check_apex_args
 from .full import FullPrecision
 from .native import NativePrecision
-from .precision import Precision
+from .precision import Precision, StepOutcome
 from .registry import (
     ENTRY_POINT_GROUP,
     available_precisions,
@@ -25,6 +25,7 @@ __all__ = [
     "FullPrecision",
     "NativePrecision",
     "Precision",
+    "StepOutcome",
     "available_precisions",
     "check_apex_args",
     "check_precision",

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from .precision import Precision
+from .precision import Precision, StepOutcome
 
 __all__ = ["NativePrecision", "resolve_device"]
 
@@ -153,23 +153,23 @@ class NativePrecision(Precision):
         self._scaler.unscale_(optimizer)
         self._unscaled.add(id(optimizer))
 
-    def step(self, optimizer: Optimizer) -> bool:
+    def step(self, optimizer: Optimizer) -> Union[bool, StepOutcome]:
         if self._scaler is None:
             optimizer.step()
             return True
         # GradScaler.step returns optimizer.step()'s value (usually None) whether or not it
         # skipped; the per-optimizer inf record that unscale_ fills is the only direct answer.
-        # It is read *before* the step: step() itself waits for those same values, so this
-        # costs nothing more, whereas reading them after the step would also wait for every
-        # optimizer kernel just queued and leave the GPU idle while the next batch is launched.
+        # It is kept, not read: a loop that asks (`bool(...)`) waits for the device then, one
+        # that does not (the default loop) pays no host synchronisation beyond the step's own
+        # (GradScaler waits for it unless the optimizer takes the scaling itself: a fused one).
         self.unscale(optimizer)
-        found_inf = sum(v.item() for v in self._scaler._found_inf_per_device(optimizer).values())
+        found_inf = list(self._scaler._found_inf_per_device(optimizer).values())
         self._scaler.step(optimizer)  # skips the update on inf/NaN
         self._unscaled.discard(id(optimizer))
         self._update_pending = True
         if not self._unscaled:  # no other optimizer waits for its step in this iteration
             self._flush_update()
-        return not found_inf
+        return StepOutcome(found_inf)
 
     def _flush_update(self) -> None:
         if self._update_pending:

@@ -7,7 +7,7 @@ A training loop talks to one `Precision` object and never to `torch.amp` or Apex
         loss = criterion(model(x), y)
     precision.backward(loss, optimizer)   # scaled backward where the backend scales
     precision.clip_grad_norm(model.parameters(), 1.0, optimizer)  # optional; unscales first
-    applied = precision.step(optimizer)   # False when the backend skipped an overflowing step
+    applied = precision.step(optimizer)   # false when the backend skipped an overflowing step
 
 The base class is itself a complete backend: full precision (fp32), no scaling, nothing to save.
 Subclasses override only what differs, as the backends in `native` and `apex` do.
@@ -26,12 +26,37 @@ from torch.optim import Optimizer
 
 from raysgd_base import check_number
 
-__all__ = ["Parameters", "Precision"]
+__all__ = ["Parameters", "Precision", "StepOutcome"]
 
 logger = logging.getLogger("raysgd_amp")
 
 #: What `clip_grad_norm` accepts: one tensor or an iterable of tensors (`model.parameters()`).
 Parameters = Union[torch.Tensor, Iterable[torch.Tensor]]
+
+
+class StepOutcome:
+    """What `Precision.step` returns when whether the step was taken is known only on the
+    device (fp16's inf/NaN check): true when the update was applied, false when it was skipped.
+    The device's answer is read (a host synchronisation) only when the truth value is asked, so
+    a loop that does not look at it waits for nothing more than the step itself does.
+
+    Args:
+        found_inf: The tensors whose sum is non-zero when an inf or NaN was found.
+    """
+
+    def __init__(self, found_inf: Sequence[torch.Tensor]) -> None:
+        self._found_inf = list(found_inf)
+        self._applied: Optional[bool] = None
+
+    def __bool__(self) -> bool:
+        if self._applied is None:
+            self._applied = not any(t.item() for t in self._found_inf)
+            self._found_inf = []
+        return self._applied
+
+    def __repr__(self) -> str:
+        state = "unread" if self._applied is None else ("applied" if self._applied else "skipped")
+        return f"StepOutcome({state})"
 
 
 class Precision:
@@ -46,7 +71,8 @@ class Precision:
     - `backward(loss, optimizer)` replaces `loss.backward()`.
     - `unscale(optimizer)` turns scaled gradients into true ones; calling it twice in one step is
       harmless. Call it before reading or clipping gradients.
-    - `step(optimizer)` replaces `optimizer.step()` and returns whether the update was applied.
+    - `step(optimizer)` replaces `optimizer.step()` and returns whether the update was applied
+      (a truth value: a bool, or a `StepOutcome` read from the device only when asked).
     - `state_dict()` holds only strings, numbers and tensors, so `torch.load(weights_only=True)`
       reads a checkpoint holding it. `load_state_dict()` may be called before or after `setup`.
     """
@@ -101,8 +127,9 @@ class Precision:
     def unscale(self, optimizer: Optimizer) -> None:
         """Divide `optimizer`'s gradients by the loss scale; a no-op without scaling."""
 
-    def step(self, optimizer: Optimizer) -> bool:
-        """Apply `optimizer`'s update; returns False if the backend skipped it (inf/NaN grads)."""
+    def step(self, optimizer: Optimizer) -> Union[bool, StepOutcome]:
+        """Apply `optimizer`'s update; returns a truth value, false if the backend skipped it
+        (inf/NaN grads): a bool, or a `StepOutcome` that reads the device only when asked."""
         optimizer.step()
         return True
 

@@ -106,7 +106,7 @@ class PrecisionConformance:
         precision, model, opt = self._prepared()
         before = [p.detach().clone() for p in model.parameters()]
         self._backward(precision, model, opt)
-        assert precision.step(opt) is True, "step must return True when it applied the update"
+        assert precision.step(opt), "step must return a true value when it applied the update"
         changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
         assert changed, "step returned True but no parameter changed"
 
@@ -138,7 +138,7 @@ class PrecisionConformance:
             assert torch.allclose(p.grad.float(), g * coef, rtol=1e-4, atol=1e-7), (
                 "clipped grads differ"
             )
-        assert clipped_prec.step(clipped_opt) is True, "a clipped finite step must be applied"
+        assert clipped_prec.step(clipped_opt), "a clipped finite step must be applied"
 
     def test_state_round_trip(self) -> None:
         precision, model, opt = self._prepared()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import Iterable
 from typing import Any, Callable
 
@@ -59,6 +60,28 @@ def _own_loss(output: Any) -> torch.Tensor | None:
         return last if isinstance(last, torch.Tensor) and last.dim() == 0 else None
     loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
     return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
+
+
+class _BarRate:
+    """The group's samples (or tokens) per second for a progress bar's postfix, from rank 0's
+    own counts: rank 0's count times the workers, over the time since the bar began. A count
+    returned as a tensor is read here (a bar reads every batch's loss anyway)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.count = 0.0
+        self.start = time.perf_counter()
+        self.name = "samples/s"
+
+    def add(self, num_samples: Any, counts_other_than_rows: bool) -> dict[str, str]:
+        """Count one batch; the postfix entry of the rate so far."""
+        if counts_other_than_rows:
+            self.name = "tokens/s"
+        self.count += float(num_samples)
+        elapsed = time.perf_counter() - self.start
+        if elapsed <= 0:
+            return {}
+        return {self.name: f"{self.count * self.world_size / elapsed:.4g}"}
 
 
 def _length(iterator: Any) -> int | None:
@@ -228,15 +251,17 @@ class TrainingOperator(OperatorBase):
         """``loss.backward()`` through the backend (scaled when the backend scales)."""
         self.precision.backward(loss, optimizer)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
-        """Step ``optimizer`` (default: the first) through the backend; False if the step was skipped.
+    def optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """Step ``optimizer`` (default: the first) through the backend; returns a truth value,
+        false if the step was skipped (fp16's overflow check: asking for it waits for the device,
+        not asking costs nothing).
 
         The batch in which a loop steps (or tries to: a skipped step counts) ends its
         accumulation window: a loop that accumulates gradients itself steps through here, or
         calls ``optimizer.step()``, and raysgd follows its windows without being told their size.
         """
         self._components.optimizer_steps += 1
-        return bool(self.precision.step(optimizer if optimizer is not None else self.optimizer))
+        return self.precision.step(optimizer if optimizer is not None else self.optimizer)
 
     def clip_grad_norm(
         self, max_norm: float, optimizer: torch.optim.Optimizer | None = None
@@ -311,6 +336,7 @@ class TrainingOperator(OperatorBase):
         if info.get("num_epochs"):
             epoch_name += f"/{info['num_epochs']}"
         bar = self._progress(iterator, f"{epoch_name}e")
+        rate = _BarRate(self.world_size) if bar is not None else None
         try:
             for batch_idx, batch in enumerate(iterator, start=first):
                 batch_info = {
@@ -325,17 +351,19 @@ class TrainingOperator(OperatorBase):
                 if self.options.scheduler_step_freq == "batch" and stepped:
                     self._step_schedulers()
                 num_samples = metrics.pop(NUM_SAMPLES, 1)
-                if _counts_other_than_rows(num_samples, batch) and isinstance(
-                    iterator, CallBatches
-                ):
+                other_than_rows = _counts_other_than_rows(num_samples, batch)
+                if other_than_rows and isinstance(iterator, CallBatches):
                     iterator.counts_other_than_rows = True
                 meters.update(metrics, n=num_samples)
                 self.global_step += 1
-                if bar is not None:
+                if bar is not None and rate is not None:
+                    postfix: dict[str, Any] = {}
                     if "train_loss" in metrics:
-                        # Reading the loss waits for the device: only with a bar to show it. No
-                        # redraw of its own: `update` redraws at the bar's pace.
-                        bar.set_postfix(loss=float(metrics["train_loss"]), refresh=False)
+                        # Reading the loss waits for the device: only with a bar to show it.
+                        postfix["loss"] = float(metrics["train_loss"])
+                    postfix.update(rate.add(num_samples, other_than_rows))
+                    # No redraw of its own: `update` redraws at the bar's pace.
+                    bar.set_postfix(postfix, refresh=False)
                     bar.update(1)
         finally:
             if bar is not None:
