@@ -117,3 +117,52 @@ def test_one_rule_picks_the_newest_step_every_part_of_which_a_live_worker_holds(
     assert newest_held_step([(1, 10, 3, (0, 2))]) is None
     # A whole state is one part: the newest clean step, ties to the lowest rank.
     assert newest_held_step([(2, 5, 1, (0,)), (1, 5, 1, (0,)), (0, 4, 1, (0,))]) == (5, {0: 1})
+
+
+def test_each_rank_of_a_group_that_kept_its_size_gets_its_ranks_slot() -> None:
+    # Four ranks trained in group 3; old rank 1 was lost. The re-formed group renumbers the
+    # survivors (0, 2, 3 -> 0, 1, 2) and the replacement is rank 3; slots follow rank numbers.
+    def survivor(old: int, step: int = 8, peer: tuple = ()) -> Holding:
+        return Holding(_p(step), rank=(old, 3), peer_slots=peer)
+
+    holdings = [
+        survivor(0, peer=((3, 3, 8),)),
+        survivor(2, peer=((1, 3, 8),)),  # rank 2 keeps its ring predecessor's (rank 1's) slot
+        survivor(3, peer=((2, 3, 8),)),
+        Holding(None),
+    ]
+    plan = plan_from_peers(holdings, rank_sources=(0, 1, 2, 3))
+    moves = {(m.rank, m.holder, m.receiver, m.replica) for m in plan.slot_moves}
+    # New rank 1 (old 2) takes rank 1's slot from its own copy; new rank 2 (old 3) rank 2's
+    # from old 2 (its own slot); the replacement rank 3's from old 3.
+    assert moves == {(1, 1, 1, True), (2, 1, 2, False), (3, 2, 3, False)}
+    assert plan.inexact == ()
+
+
+def test_a_slot_no_live_worker_holds_makes_the_plan_say_it_is_not_exact() -> None:
+    # Rank 1 and its ring successor (rank 2, which kept rank 1's slot) were lost together; a
+    # survivor still at the window before (step 4) has no slot of step 8 to give either.
+    holdings = [
+        Holding(_p(8), rank=(0, 5), peer_slots=((3, 5, 8),)),
+        Holding(_p(4), rank=(3, 5), peer_slots=((2, 5, 4),)),
+        Holding(None),
+        Holding(None),
+    ]
+    plan = plan_from_peers(holdings, rank_sources=(0, 1, 2, 3))
+    assert plan.step == 8 and plan.source == 0
+    assert len(plan.inexact) == 2
+    assert "rank 1 at step 8" in plan.inexact[0] and "rank 2 at step 8" in plan.inexact[1]
+    # Rank 3's slot of step 8 is rank 0's copy: moved, and rank 3's survivor (now rank 1)
+    # receives the state (it was a window behind).
+    assert [(m.rank, m.holder, m.receiver) for m in plan.slot_moves] == [(3, 0, 3)]
+    assert 1 in plan.receivers
+
+
+def test_a_validation_inside_the_interrupted_window_is_named() -> None:
+    progress = Progress(step=4, epoch=1, clean=True, in_batch=False, reached=6, interleaved=True)
+    plan = plan_from_peers(
+        [Holding(progress, rank=(0, 1), peer_slots=((1, 1, 4),)), Holding(None)],
+        rank_sources=(0, 1),
+    )
+    assert plan.steps_redone == 2
+    assert any("validation" in reason for reason in plan.inexact)
