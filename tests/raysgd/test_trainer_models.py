@@ -41,12 +41,18 @@ def test_get_model_is_usable_and_savable_on_the_driver(ray_local):
         t.train(num_steps=2)
         trained = t.apply_all_operators(lambda op: op.model[0].weight.detach().clone())[0]
         model = t.get_model()
-        assert all(p.device.type == "cpu" for p in model.parameters())
-        assert torch.equal(model[0].weight, trained)
-        assert model(torch.ones(3, 1)).shape == (3, 1)
+        # The README's get_model row: the model comes back where it trained (use_gpu="auto" on
+        # a driver with CUDA: its GPU), and as a CPU copy on a driver without CUDA.
+        expected = "cuda" if driver_has_cuda() else "cpu"
+        device = model[0].weight.device
+        assert all(p.device.type == expected for p in model.parameters())
+        assert torch.equal(model[0].weight, trained.to(device))
+        assert model(torch.ones(3, 1, device=device)).shape == (3, 1)
         buffer = io.BytesIO()
         torch.save(model.state_dict(), buffer)
         assert buffer.tell() > 0
+        # to_cpu=True gives CPU copies on either kind of driver.
+        assert all(p.device.type == "cpu" for p in t.get_model(to_cpu=True).parameters())
     finally:
         t.shutdown()
 
