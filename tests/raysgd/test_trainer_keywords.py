@@ -84,3 +84,51 @@ def test_group_options_are_checked_and_normalised() -> None:
         GroupOptions.build(bogus=1)
     with pytest.raises(ValueError, match="backend must be one of"):
         GroupOptions(backend="mpi")
+
+
+def test_num_gpus_per_worker_is_checked_against_use_gpu() -> None:
+    from raysgd._internal.driver.arguments import resolve_gpus_per_worker
+
+    # None: RaySGD's one GPU per worker with use_gpu, none without.
+    assert resolve_gpus_per_worker(None, True) == 1
+    assert resolve_gpus_per_worker(None, False) == 0
+    # A share lets workers share a GPU; more than one must be whole, as Ray's rule is.
+    assert resolve_gpus_per_worker(0.5, True) == 0.5
+    assert resolve_gpus_per_worker(2, True) == 2
+    for bad, error in ((0, ValueError), (-1, ValueError), (1.5, ValueError), ("1", TypeError)):
+        with pytest.raises(error, match="num_gpus_per_worker"):
+            resolve_gpus_per_worker(bad, True)
+    with pytest.raises(ValueError, match="needs use_gpu=True"):
+        resolve_gpus_per_worker(0.5, False)
+
+
+class _GroupBuilt(Exception):
+    """Raised by the stand-in `WorkerGroup`: the options reached it; nothing else starts."""
+
+
+def test_num_gpus_per_worker_fills_the_group_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    from torch import nn
+
+    trainer_module = importlib.import_module("raysgd.trainer")
+    seen: list[GroupOptions] = []
+
+    def capture(num_workers: int, options: GroupOptions) -> None:
+        seen.append(options)
+        raise _GroupBuilt
+
+    # The group is built before Ray is touched: this runs on a machine without Ray or a GPU.
+    monkeypatch.setattr(trainer_module, "WorkerGroup", capture)
+    creators = {
+        "model_creator": lambda config: nn.Linear(1, 1),
+        "data_creator": lambda config: [],
+        "optimizer_creator": lambda model, config: None,
+    }
+    for given, use_gpu, expected in ((0.5, True, 0.5), (None, True, 1), (None, False, 0)):
+        with pytest.raises(_GroupBuilt):
+            TorchTrainer(**creators, num_workers=2, use_gpu=use_gpu, num_gpus_per_worker=given)
+        assert seen[-1].num_gpus_per_worker == expected
+    with pytest.raises(ValueError, match="needs use_gpu=True"):
+        TorchTrainer(**creators, num_workers=2, use_gpu=False, num_gpus_per_worker=0.5)
+    assert len(seen) == 3

@@ -19,6 +19,7 @@ from typing import Any, Optional, Union
 from raysgd._internal.driver.arguments import (
     check_optional_args,
     check_train_args,
+    resolve_gpus_per_worker,
     resolve_operator_cls,
     start_timeout,
 )
@@ -90,6 +91,9 @@ class TorchTrainer:
         num_workers: workers to train on (> 0).
         num_cpus_per_worker: CPUs reserved per worker (> 0); also the worker's torch threads.
         use_gpu: True, False or "auto" (a GPU per worker when this machine has CUDA).
+        num_gpus_per_worker: GPUs each worker reserves (None: one with `use_gpu`). A share
+            below one (0.5) lets workers share a GPU, where NCCL refuses two ranks: give them
+            `backend="gloo"` (enough for ddp; fsdp needs a GPU per worker). Above one, whole.
         backend: "gloo", "nccl" or "auto".
         wrap_ddp: wrap models in DistributedDataParallel (False: strategy "none").
         timeout_s: the longest a collective may wait (None: `NCCL_TIMEOUT_S`, else 1800 s).
@@ -162,6 +166,7 @@ class TorchTrainer:
         num_workers: int = 1,
         num_cpus_per_worker: float = 1,
         use_gpu: Union[bool, str] = "auto",
+        num_gpus_per_worker: Optional[float] = None,
         backend: str = "auto",
         wrap_ddp: bool = True,
         timeout_s: Optional[float] = None,
@@ -250,7 +255,9 @@ class TorchTrainer:
                 timeout_s=slow_s,
                 peer_grace_s=slow_s + DEFAULT_PEER_GRACE_S,
                 num_cpus_per_worker=num_cpus_per_worker,
-                num_gpus_per_worker=1 if self._options.use_gpu else 0,
+                num_gpus_per_worker=resolve_gpus_per_worker(
+                    num_gpus_per_worker, self._options.use_gpu
+                ),
                 spare_imports=self._kind.spare_imports,
                 **start_timeout(),
             ),

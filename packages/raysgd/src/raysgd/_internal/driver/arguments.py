@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
-from raysgd_base import check_int
+from raysgd_base import check_int, check_number
 from raysgd_core import GroupOptions
 from raysgd_fault import check_max_retries
 from raysgd_operator import TrainingOperator
@@ -19,6 +19,7 @@ __all__ = [
     "DEFAULT_START_TIMEOUT_S",
     "check_optional_args",
     "check_train_args",
+    "resolve_gpus_per_worker",
     "resolve_operator_cls",
     "start_timeout",
 ]
@@ -52,6 +53,33 @@ def check_optional_args(*, config: Any, num_cpus_per_worker: Any, initialization
     # Checked again as `GroupOptions.init_hook`; here so that the error names RaySGD's keyword.
     if initialization_hook is not None and not callable(initialization_hook):
         raise TypeError("initialization_hook must be a zero-argument callable")
+
+
+def resolve_gpus_per_worker(num_gpus_per_worker: Any, use_gpu: bool) -> float:
+    """The GPUs each worker reserves: `num_gpus_per_worker` when given, else one with `use_gpu`
+    (already resolved) and none without.
+
+    A share below one lets Ray put several workers on one GPU (each then computes on the GPU Ray
+    assigned it); above one it must be whole, as Ray's own rule for GPUs is.
+
+    Raises:
+        ValueError, TypeError: not a number > 0, a fraction above one, or GPUs asked for while
+            `use_gpu` is False.
+    """
+    if num_gpus_per_worker is None:
+        return 1 if use_gpu else 0
+    check_number("num_gpus_per_worker", num_gpus_per_worker, above=0)
+    if num_gpus_per_worker > 1 and num_gpus_per_worker != int(num_gpus_per_worker):
+        raise ValueError(
+            "num_gpus_per_worker must be at most 1 or a whole number of GPUs, "
+            f"got {num_gpus_per_worker!r}"
+        )
+    if not use_gpu:
+        raise ValueError(
+            f"num_gpus_per_worker={num_gpus_per_worker!r} needs use_gpu=True (use_gpu is False, "
+            "or 'auto' on a machine without CUDA)"
+        )
+    return num_gpus_per_worker
 
 
 def resolve_operator_cls(

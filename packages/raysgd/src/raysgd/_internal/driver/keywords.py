@@ -28,7 +28,9 @@ RENAMED: dict[str, str] = {"initialization_hook": "init_hook"}
 #: Keywords the trainer turns into option values before they are filled (keyword -> what it fills).
 DERIVED: dict[str, str] = {
     "use_gpu": 'TrainingOptions.use_gpu ("auto" resolved on the driver) and '
-    "GroupOptions.num_gpus_per_worker (1 or 0)",
+    "GroupOptions.num_gpus_per_worker (1 or 0 unless num_gpus_per_worker is given)",
+    "num_gpus_per_worker": "GroupOptions.num_gpus_per_worker (None: from use_gpu; checked "
+    "against it by arguments.resolve_gpus_per_worker)",
     "num_cpus_per_worker": "GroupOptions.num_cpus_per_worker and TrainingOptions.num_threads",
     "dataset_options": "TrainingOptions.dataset_options (a dict becomes a DatasetOptions)",
     "num_workers": "the group's size, and TrainingOptions.distributed (more than one worker)",
