@@ -105,7 +105,8 @@ def _host_reads(fn: Any) -> tuple[Any, int]:
 
 
 def test_default_loops_read_no_value_per_batch_and_report_the_same_numbers() -> None:
-    runner = OperatorRunner(_Regression, {})
+    # With every throughput key (rates and MFU come from counts and times, read from nothing).
+    runner = OperatorRunner(_Regression, {}, flops_per_sample=12.0, peak_flops_per_s=1e12)
     reference = OperatorRunner(_Regression, {})
     # One batch, then two, then three (the epoch's 6): the reads must not grow with the batches.
     first, reads_1 = _host_reads(lambda: runner.train_epoch(num_steps=1))

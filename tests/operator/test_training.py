@@ -71,7 +71,15 @@ def test_learns_linear_function(style: str) -> None:
 def test_default_metric_keys_and_values() -> None:
     runner = OperatorRunner(LinearOperator, {BATCH_SIZE: 32})
     train = runner.train_epoch()
-    assert set(train) == {"epoch", "batch_count", "num_samples", "train_loss", "last_train_loss"}
+    assert set(train) == {
+        "epoch",
+        "batch_count",
+        "num_samples",
+        "train_loss",
+        "last_train_loss",
+        "loop_s",
+        "samples_per_s",
+    }
     assert (train["epoch"], train["batch_count"], train["num_samples"]) == (1, 8, 256)
     val = runner.validate()
     assert set(val) == {
@@ -268,7 +276,7 @@ def test_tqdm_bar_on_rank_zero(capsys: pytest.CaptureFixture[str]) -> None:
     runner.validate()
     err = capsys.readouterr().err
     assert "8/8" in err and "3/3" in err and "2/2" in err
-    assert "loss=" in err
+    assert "loss=" in err and "samples/s=" in err
     quiet = OperatorRunner(LinearOperator, {}, use_tqdm=True, world_rank=1)
     quiet.train_epoch()
     assert "batch" not in capsys.readouterr().err

@@ -5,6 +5,7 @@ from typing import Any
 from raysgd_operator.batch import BATCH_SIZE, check_batch_size, split_batch_size
 from raysgd_operator.components import Components, RankInfo
 from raysgd_operator.dataset_options import DatasetOptions
+from raysgd_operator.flops import measure_flops_per_sample, peak_flops_per_s
 from raysgd_operator.metrics import (
     BATCH_COUNT,
     NUM_SAMPLES,
@@ -70,6 +71,8 @@ __all__ = [
     "check_batch_size",
     "get_strategy",
     "load_failure_reason",
+    "measure_flops_per_sample",
+    "peak_flops_per_s",
     "read_dcp_metadata",
     "reduce_worker_results",
     "register_strategy",

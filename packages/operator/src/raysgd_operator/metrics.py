@@ -8,9 +8,11 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from numbers import Number
-from typing import Any
+from typing import Any, Optional
 
 import torch
+
+from raysgd_operator.throughput import THROUGHPUT_KEYS, group_throughput
 
 __all__ = [
     "BATCH_COUNT",
@@ -199,27 +201,41 @@ def _is_number(value: Any) -> bool:
 _PLAIN_MEAN_KEYS = (BATCH_COUNT, "epoch")
 
 
-def reduce_worker_results(results: list[dict[str, Any]]) -> dict[str, Any]:
+def reduce_worker_results(
+    results: list[dict[str, Any]], num_samples: Optional[float] = None
+) -> dict[str, Any]:
     """Combine per-worker metric dicts into one.
 
     ``num_samples`` is summed; ``batch_count`` and ``epoch`` are averaged plainly; every other number
     (``last_*`` included) is averaged weighted by each worker's ``num_samples``, so that a worker that
     saw more samples counts more; a NaN on any worker makes that key NaN. Anything else (the
-    ``profile`` dict, strings) is taken from worker 0.
+    ``profile`` dict, strings) is taken from worker 0. The throughput keys (``loop_s``,
+    ``samples_per_s`` or ``tokens_per_s``, ``flops_per_s``, ``mfu``) are the group's: the longest
+    worker's loop time, and the group's count over it (`raysgd_operator.throughput`).
+
+    `num_samples`, when given, is the group's count instead of the workers' sum (the rows a call
+    that lost a worker trained, those of the lost worker included); the rates are computed from it.
     """
     if not results:
         raise ValueError("reduce_worker_results needs at least one worker result")
     weights = [float(r.get(NUM_SAMPLES, 1)) for r in results]
+    # Rates do not average: the group's count over the group's time.
+    group = group_throughput(results, num_samples)
+    timed = bool(group)
     reduced: dict[str, Any] = {}
     for key, first in results[0].items():
         values = [r[key] for r in results if key in r]
-        if not all(_is_number(v) for v in values):
+        if key in group:
+            reduced[key] = group.pop(key)
+        elif not all(_is_number(v) for v in values):
             reduced[key] = first
         elif key == NUM_SAMPLES:
-            reduced[key] = sum(values)
+            reduced[key] = sum(values) if num_samples is None else num_samples
         elif key in _PLAIN_MEAN_KEYS:
             # Keep an int when every worker agrees (the usual case for ``epoch``).
             reduced[key] = first if all(v == first for v in values) else sum(values) / len(values)
+        elif timed and key in THROUGHPUT_KEYS:
+            continue  # worker 0's rate under the name the group's does not have
         else:
             pairs = [(float(r[key]), w) for r, w in zip(results, weights) if key in r]
             if any(math.isnan(v) for v, _ in pairs):
@@ -230,6 +246,7 @@ def reduce_worker_results(results: list[dict[str, Any]]) -> dict[str, Any]:
                 reduced[key] = sum(v * w for v, w in pairs) / total
             else:
                 reduced[key] = sum(v for v, _ in pairs) / len(pairs)
+    reduced.update(group)  # a key worker 0 did not report (another worker's name for the rate)
     return reduced
 
 

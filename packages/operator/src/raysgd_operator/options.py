@@ -70,6 +70,13 @@ class TrainingOptions:
             is this or a multiple of the slowest recent step, whichever is longer (the trainer's
             `collective_bound` says how; slow phases such as the first step of a call wait
             longer).
+        flops_per_sample: the model's FLOPs in one training step (forward and backward) per unit
+            of ``num_samples`` (per row, or per token when the batches count tokens); the
+            results then report ``flops_per_s`` and ``mfu`` (`raysgd_operator.throughput`;
+            `measure_flops_per_sample` counts them). None: neither.
+        peak_flops_per_s: one device's peak FLOP/s, the denominator of ``mfu``. None: the
+            table of known GPUs (`peak_flops_per_s`) for the worker's device and compute dtype;
+            on a CPU or an unknown GPU, no ``mfu``.
         distributed: the trainer asked for more than one worker. Registered loaders are then split
             over the workers (`add_dist_sampler`) even while only one is left after a loss, so
             that the epoch's remaining rows carry over exactly when the group shrinks and grows.
@@ -95,6 +102,8 @@ class TrainingOptions:
     dataset_options: Optional[DatasetOptions] = None
     snapshot_every: Union[int, str] = "auto"
     peer_timeout_s: float = 10.0
+    flops_per_sample: Optional[float] = None
+    peak_flops_per_s: Optional[float] = None
     distributed: bool = False
     #: The strategy object `strategy` names, resolved once here (see `parallel_strategy`).
     _parallel_strategy: Optional[ParallelStrategy] = field(
@@ -132,6 +141,9 @@ class TrainingOptions:
         if self.snapshot_every != "auto":
             check_int("snapshot_every", self.snapshot_every, minimum=0)
         check_number("peer_timeout_s", self.peer_timeout_s, above=0)
+        for name in ("flops_per_sample", "peak_flops_per_s"):
+            if getattr(self, name) is not None:
+                check_number(name, getattr(self, name), above=0)
         # The strategy validates its own name and arguments (and wrap_ddp=False against it).
         strategy = resolve_strategy(self.strategy, self.strategy_args, wrap_ddp=bool(self.wrap_ddp))
         object.__setattr__(self, "_parallel_strategy", strategy)

@@ -64,6 +64,9 @@ class CallRecord:
         finished: The call returned on this worker.
         recovered: The call went on after a failure (its metrics then cover the steps since it
             began, including those finished before the failure by workers that survived it).
+        loop_s: Seconds the training loop ran for the call's own steps up to `steps` (see
+            `raysgd_operator.throughput`): a record a recovery goes back to holds the time of
+            the steps it kept, so that the call's rate covers those steps once.
 
     A step's `batch_idx` is its place in its call: `steps` before it, 0 for the call's first.
     """
@@ -76,6 +79,7 @@ class CallRecord:
     epoch: Optional[int] = None
     finished: bool = False
     recovered: bool = False
+    loop_s: float = 0.0
 
     def remaining(self) -> Optional[int]:
         """Steps still to take (None: to the end of `epoch`)."""
@@ -83,23 +87,27 @@ class CallRecord:
             return None
         return max(0, self.num_steps - self.steps)
 
-    def after_step(self, rows: Optional[int]) -> CallRecord:
-        """The record once one more step, of `rows` rows (None: unknown), is finished."""
+    def after_step(self, rows: Optional[int], loop_s: float = 0.0) -> CallRecord:
+        """The record once one more step, of `rows` rows (None: unknown), is finished, the
+        call's loop having run `loop_s` seconds for its own steps."""
         total: Any = self.rows
         if self.steps >= 0:  # a step of the call itself (not one redone from before it)
             total = None if rows is None or self.rows is None else self.rows + rows
-        return replace(self, steps=self.steps + 1, rows=total)
+        return replace(self, steps=self.steps + 1, rows=total, loop_s=loop_s)
 
     def same_call(self, other: CallRecord) -> bool:
         """Whether `other` is a record of this same call (at another step)."""
         return (self.call_id, self.start_step) == (other.call_id, other.start_step)
 
-    def resumed_at(self, step: int, rows: Optional[int] = 0) -> CallRecord:
-        """This call going on from a state at `step` (`rows`: the call's rows up to there)."""
+    def resumed_at(self, step: int, rows: Optional[int] = 0, loop_s: float = 0.0) -> CallRecord:
+        """This call going on from a state at `step` (`rows`: the call's rows up to there;
+        `loop_s`: the seconds its loop ran for them)."""
+        own = step >= self.start_step
         return replace(
             self,
             steps=step - self.start_step,
-            rows=rows if step >= self.start_step else 0,
+            rows=rows if own else 0,
             finished=False,
             recovered=True,
+            loop_s=loop_s if own else 0.0,
         )

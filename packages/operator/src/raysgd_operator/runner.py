@@ -21,10 +21,12 @@ from raysgd_operator._internal.tensors import cpu_copy, host_like, on_device, sa
 from raysgd_operator._internal.window import RankSlot, WindowStart
 from raysgd_operator.batch import BATCH_SIZE
 from raysgd_operator.components import Components, RankInfo
-from raysgd_operator.metrics import BATCH_COUNT, AverageMeterCollection
+from raysgd_operator.flops import peak_flops_per_s
+from raysgd_operator.metrics import BATCH_COUNT, NUM_SAMPLES, AverageMeterCollection
 from raysgd_operator.operator import TrainingOperator
 from raysgd_operator.options import TrainingOptions
 from raysgd_operator.progress import CallRecord, Progress
+from raysgd_operator.throughput import worker_throughput
 
 __all__ = ["OperatorRunner", "on_device"]
 
@@ -135,6 +137,12 @@ class OperatorRunner:
         self._call: CallRecord | None = None
         self._finished_at: float | None = None
         self._meters: AverageMeterCollection | None = None
+        # The call's loop time (`throughput`): the seconds it had before this attempt of the
+        # call, and when this attempt's loop began (`time.perf_counter`).
+        self._loop_base = 0.0
+        self._loop_start = time.perf_counter()
+        #: Whether the missing peak FLOP/s of this device was logged (once per worker).
+        self._peak_warned = False
         #: The last `train_epoch` call stopped at a boundary on request (`request_stop`).
         self.yielded = False
         #: Every batch so far reported its rows as its `num_samples` (the default loop's count):
@@ -219,6 +227,9 @@ class OperatorRunner:
             )
             self._meters = AverageMeterCollection()
         self._call = call
+        # The loop's time runs from here, where it starts drawing batches (a loader's first
+        # batch of an epoch is part of it), and adds to the time of the steps the call kept.
+        self._loop_base, self._loop_start = call.loop_s, time.perf_counter()
         meters = self._meters
         remaining = call.remaining()
         meters.recording = self.step >= call.start_step
@@ -255,8 +266,15 @@ class OperatorRunner:
         self.counts_rows = self.counts_rows and not getattr(
             batches, "counts_other_than_rows", False
         )
+        # The device's queued work is the loop's too: waited for once per call, never per step
+        # (reading the metrics usually did already).
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        loop_s = self._loop_time()
         # A call stopped at a step boundary on request goes on later: it is not finished.
-        self._call = call = dataclasses.replace(self._call, finished=not self.yielded)
+        self._call = call = dataclasses.replace(
+            self._call, finished=not self.yielded, loop_s=loop_s
+        )
         if self.at_window_start:
             # What the loop did after its last batch (an "epoch" scheduler's step) belongs to
             # the window start it ended at.
@@ -264,9 +282,42 @@ class OperatorRunner:
         metrics["epoch"] = self.epoch
         if call.recovered and BATCH_COUNT in metrics:
             metrics[BATCH_COUNT] = call.steps  # the call's steps, before and after the recovery
+        metrics.update(
+            worker_throughput(
+                metrics.get(NUM_SAMPLES),
+                loop_s,
+                counts_rows=self.counts_rows,
+                flops_per_sample=self.options.flops_per_sample,
+                peak=self._peak_flops_per_s(),
+            )
+        )
         if profile:
             metrics["profile"] = op.timers.stats()
         return metrics
+
+    def _loop_time(self) -> float:
+        """Seconds the call's loop has run for its own steps (see `CallRecord.loop_s`)."""
+        return self._loop_base + time.perf_counter() - self._loop_start
+
+    def _peak_flops_per_s(self) -> float | None:
+        """This device's peak FLOP/s for ``mfu`` (None: no ``mfu``), read at every call: the
+        float32 matmul precision that chooses between fp32 and tf32 may change in between."""
+        options = self.options
+        if options.flops_per_sample is None:
+            return None
+        if options.peak_flops_per_s is not None:
+            return options.peak_flops_per_s
+        peak = peak_flops_per_s(self.device, self.precision.dtype)
+        if peak is None and self.device.type == "cuda" and not self._peak_warned:
+            self._peak_warned = True
+            if self.components.rank_info.world_rank == 0:
+                logger.warning(
+                    "no mfu: the peak FLOP/s of %s in %s is not known here; give the trainer "
+                    "peak_flops_per_s=",
+                    torch.cuda.get_device_name(self.device),
+                    self.precision.dtype,
+                )
+        return peak
 
     def _on_step(self, rows: int | None) -> None:
         """A training batch is finished (called by the stream)."""
@@ -274,7 +325,11 @@ class OperatorRunner:
         self._trained_to = max(self._trained_to, self.step)
         self._finished_at = time.time()
         if self._call is not None:
-            self._call = self._call.after_step(rows)
+            own = self._call.steps >= 0  # not a step redone from before the call
+            self._call = self._call.after_step(rows, self._loop_time() if own else 0.0)
+            if not own:
+                # The call's own time begins where the steps redone from before it end.
+                self._loop_base, self._loop_start = 0.0, time.perf_counter()
             if self._meters is not None:
                 # The next batch is the call's own once the step count reaches the call's start.
                 self._meters.recording = self.step >= self._call.start_step
@@ -509,7 +564,7 @@ class OperatorRunner:
             return
         # The snapshot's record holds the call's rows up to its step (this runner is new: it has
         # no call of its own to count from).
-        self._call = call.resumed_at(self.step, call.rows)
+        self._call = call.resumed_at(self.step, call.rows, call.loop_s)
         self._meters = meters if meters is not None and self.step >= call.start_step else None
         if self._meters is None:
             self._meters = AverageMeterCollection()
