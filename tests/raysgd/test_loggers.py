@@ -340,6 +340,9 @@ def test_logdir_is_a_tensorboard_logger(run: SimpleNamespace) -> None:
     )
     assert [step for step, _ in scalars["validate/val_loss"]] == [1, 2]
     assert [step for step, _ in scalars["train/profile/mean_fwd_s"]] == [3]
+    assert [v for _, v in scalars["train/samples_per_s"]] == pytest.approx(
+        [r["samples_per_s"] for r in trains]
+    )
     # The worker count through the recovery: 1 survivor after the loss, 2 again after it.
     sizes = [(2, float(e.num_workers_after)) for e in run.events if e.num_workers_after is not None]
     assert scalars["recovery/num_workers"] == sizes and sizes[0] == (2, 1.0)
@@ -360,6 +363,16 @@ def test_csv_files_one_per_kind_with_a_widening_header(run: SimpleNamespace) -> 
         [r["train_loss"] for r in trains]
     )
     assert [r["num_workers"] for r in train] == ["2.0"] * 3
+    # The throughput of every call, the one a lost worker interrupted included: the call's rows
+    # over the loop time of the steps it kept.
+    assert [float(r["samples_per_s"]) for r in train] == pytest.approx(
+        [r["samples_per_s"] for r in trains]
+    )
+    for row in train:
+        assert float(row["samples_per_s"]) == pytest.approx(
+            float(row["num_samples"]) / float(row["loop_s"])
+        )
+        assert float(row["samples_per_s"]) > 0
     # The profile columns came with the third call: the header widened, earlier rows are empty.
     assert [r["profile/mean_fwd_s"] for r in train[:2]] == ["", ""]
     assert float(train[2]["profile/mean_fwd_s"]) > 0

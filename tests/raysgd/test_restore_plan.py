@@ -44,11 +44,13 @@ def test_without_a_clean_worker_there_is_no_source() -> None:
     assert plan.source is None and plan.receivers == (0, 1)
 
 
-def _held(step: int, call_id: int, parts: dict, rows: int = 0) -> Any:
+def _held(step: int, call_id: int, parts: dict, rows: int = 0, loop_s: float = 0.0) -> Any:
     from raysgd._internal.driver.restore_plan import HeldSnapshot
     from raysgd_operator import CallRecord
 
-    call = CallRecord(call_id=call_id, num_steps=None, start_step=4, steps=step - 4, rows=rows)
+    call = CallRecord(
+        call_id=call_id, num_steps=None, start_step=4, steps=step - 4, rows=rows, loop_s=loop_s
+    )
     return HeldSnapshot(step, 2, b"meta", {"epoch": 1}, call, parts)
 
 
@@ -65,19 +67,20 @@ def test_the_newest_snapshot_whose_every_part_survived_is_restored() -> None:
     from raysgd._internal.driver.restore_plan import Holding, plan_from_snapshots
     from raysgd_operator import CallRecord
 
-    call = CallRecord(call_id=2, num_steps=None, start_step=4, steps=3, rows=48)
+    call = CallRecord(call_id=2, num_steps=None, start_step=4, steps=3, rows=48, loop_s=3.0)
     survivor = Progress(step=7, epoch=2, clean=True, in_batch=True, call=call)
     # Rank 0 holds its own part and rank 1's of the snapshots at steps 5 and 6; step 6 lacks
     # rank 1's part (its swap was cut short), so step 5 is the newest complete one.
     held = [
-        _held(5, 2, {0: _meters(1), 1: _meters(1)}, rows=16),
-        _held(6, 2, {0: _meters(2)}, rows=32),
+        _held(5, 2, {0: _meters(1), 1: _meters(1)}, rows=16, loop_s=1.0),
+        _held(6, 2, {0: _meters(2)}, rows=32, loop_s=2.0),
     ]
     plan = plan_from_snapshots([Holding(survivor, tuple(held)), Holding(None)], world_size=2)
     assert plan.found and plan.step == 5 and plan.call is not None
     assert plan.call.call_id == call.call_id and plan.call.start_step == call.start_step
-    # The call's rows are those up to the snapshot: the redone steps are not counted twice.
-    assert plan.call.rows == 16
+    # The call's rows, and its loop time, are those up to the snapshot: the redone steps are
+    # not counted twice.
+    assert plan.call.rows == 16 and plan.call.loop_s == 1.0
     assert plan.steps_redone == 3  # 6 and 7 finished, 8 in flight: all redone from 5
     assert plan.snapshot is not None and plan.snapshot.holders == {0: 0, 1: 0}
     assert [m.summary()["num_samples"] for m in plan.snapshot.meters] == [8, 8]
@@ -91,10 +94,10 @@ def test_a_snapshot_of_the_call_before_brings_no_metrics_into_this_one() -> None
     # metrics must not be counted again in call 2.
     call = CallRecord(call_id=2, num_steps=None, start_step=4, steps=1, rows=16)
     survivor = Progress(step=5, epoch=2, clean=True, in_batch=False, call=call)
-    held = _held(4, 1, {0: _meters(4), 1: _meters(4)}, rows=64)
+    held = _held(4, 1, {0: _meters(4), 1: _meters(4)}, rows=64, loop_s=4.0)
     plan = plan_from_snapshots([Holding(survivor, (held,)), Holding(None)], world_size=2)
     assert plan.step == 4 and plan.call is not None and plan.call.call_id == 2
-    assert plan.call.rows == 0  # nor its rows
+    assert plan.call.rows == 0 and plan.call.loop_s == 0.0  # nor its rows and time
     assert plan.snapshot is not None and plan.snapshot.meters == [None, None]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -156,6 +157,28 @@ def test_reduce_results_false_and_profile(ray_local):
         assert trainer.failures == 0 and trainer.recovery_events == []
     finally:
         trainer.shutdown()
+
+
+def test_train_reports_the_groups_throughput(ray_local):
+    """samples/s is the group's num_samples over its loop time, which lies inside the call; with
+    FLOPs per sample and a peak (none is known for a CPU) the FLOP/s and MFU follow from it."""
+    trainer = creator_trainer(flops_per_sample=6.0, peak_flops_per_s=1e6)
+    try:
+        started = time.perf_counter()
+        result = trainer.train()
+        wall_s = time.perf_counter() - started
+        per_worker = trainer.train(reduce_results=False)
+    finally:
+        trainer.shutdown()
+    assert result["num_samples"] == N_TRAIN
+    assert 0 < result["loop_s"] <= wall_s
+    assert result["samples_per_s"] == pytest.approx(N_TRAIN / result["loop_s"])
+    assert result["flops_per_s"] == pytest.approx(6.0 * result["samples_per_s"])
+    assert result["mfu"] == pytest.approx(result["flops_per_s"] / (2 * 1e6))
+    # Each worker's own: its half of the rows over its own loop time.
+    for worker in per_worker:
+        assert worker["samples_per_s"] == pytest.approx(N_TRAIN / 2 / worker["loop_s"])
+        assert worker["mfu"] == pytest.approx(6.0 * worker["samples_per_s"] / 1e6)
 
 
 class ScoreOperator(LinearOperator):

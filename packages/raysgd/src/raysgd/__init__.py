@@ -13,7 +13,13 @@ load it when first used.
 from raysgd._internal.driver.restore_plan import StateLostError
 from raysgd.compat import PyTorchTrainer
 from raysgd.trainer import TorchTrainer
-from raysgd_operator import BATCH_SIZE, DatasetOptions, TrainingOperator
+from raysgd_operator import (
+    BATCH_SIZE,
+    DatasetOptions,
+    TrainingOperator,
+    measure_flops_per_sample,
+    peak_flops_per_s,
+)
 
 __version__ = "0.1.0"
 __all__ = [
@@ -24,4 +30,6 @@ __all__ = [
     "TorchTrainer",
     "TrainingOperator",
     "__version__",
+    "measure_flops_per_sample",
+    "peak_flops_per_s",
 ]

@@ -62,7 +62,6 @@ from raysgd_core import (
 )
 from raysgd_fault import FailurePolicy, get_policy
 from raysgd_operator import (
-    NUM_SAMPLES,
     DatasetOptions,
     TrainingOptions,
     check_batch_size,
@@ -139,6 +138,12 @@ class TorchTrainer:
             3% of the training time.
         peer_timeout_s: the shortest time a worker waits for a peer in a training step's
             collective before treating it as silent (the bound grows with the step time).
+        flops_per_sample: the model's FLOPs in one training step per unit of `num_samples`
+            (per row, or per token when `train_batch` counts tokens; see
+            `raysgd_operator.measure_flops_per_sample`): `train()` then reports `flops_per_s`
+            and `mfu`.
+        peak_flops_per_s: one device's peak FLOP/s for `mfu` (None: a table of known GPUs by
+            device name and compute dtype; on a CPU, no `mfu` without it).
 
     Raises:
         ValueError, TypeError: a bad argument, before any worker starts (a bad creator or `setup`
@@ -193,6 +198,8 @@ class TorchTrainer:
         state_copy_limit_mb: float = DEFAULT_LIMIT_MB,
         snapshot_every: Union[int, str] = "auto",
         peer_timeout_s: float = 10.0,
+        flops_per_sample: Optional[float] = None,
+        peak_flops_per_s: Optional[float] = None,
         storage_options: Optional[dict[str, Any]] = None,
         checkpoint_every: int = 0,
         keep_checkpoints: Optional[int] = None,
@@ -355,8 +362,10 @@ class TorchTrainer:
         stopped) on every worker; survives lost workers up to `max_retries` times.
 
         Returns the results reduced over batches then workers (`epoch`, `batch_count`, `num_samples`,
-        `train_loss`, `last_train_loss`, custom metrics; `profile` timers with `profile=True`), or
-        the per-worker list with `reduce_results=False`. `checkpoint="auto"` (or a file path) also
+        `train_loss`, `last_train_loss`, custom metrics; `profile` timers with `profile=True`;
+        the throughput: `loop_s`, `samples_per_s` or `tokens_per_s`, and `flops_per_s` and `mfu`
+        with `flops_per_sample`, see `raysgd_operator.throughput`), or the per-worker list with
+        `reduce_results=False`. `checkpoint="auto"` (or a file path) also
         writes the state from before this call to disk, atomically (by a worker on this machine:
         the state does not pass through the driver).
 
@@ -642,11 +651,14 @@ class TorchTrainer:
     def _results(
         self, kind: str, results: list[dict], call_rows: Optional[int], reduce_results: bool
     ) -> Any:
-        reduced = reduce_worker_results(results) if reduce_results or self._loggers else None
-        if reduced is not None and call_rows is not None:
-            # A call that went on after a recovery knows the rows the whole group trained in it,
-            # those of workers lost meanwhile included: that is the call's num_samples.
-            reduced[NUM_SAMPLES] = call_rows
+        # A call that went on after a recovery knows the rows the whole group trained in it,
+        # those of workers lost meanwhile included: that is the call's num_samples, and its
+        # rates are computed from it.
+        reduced = (
+            reduce_worker_results(results, num_samples=call_rows)
+            if reduce_results or self._loggers
+            else None
+        )
         if self._loggers:
             self._loggers.log(kind, reduced, num_workers=self._workers.world_size)
             self._loggers.log("goodput", self.goodput(), num_workers=self._workers.world_size)

@@ -385,9 +385,14 @@ def plan_from_snapshots(holdings: Sequence[Holding], world_size: int) -> Restore
     taken_in = newest.call
     same_call = call is not None and taken_in is not None and taken_in.call_id == call.call_id
     if call is not None:
-        # The call goes on from the snapshot's step: its rows up to there are those the
-        # snapshot's own record counted (none when the snapshot is older than the call).
-        call = replace(call, rows=taken_in.rows if same_call else 0)
+        # The call goes on from the snapshot's step: its rows up to there, and its loop's time
+        # for them, are those the snapshot's own record counted (none when the snapshot is
+        # older than the call).
+        call = replace(
+            call,
+            rows=taken_in.rows if same_call else 0,
+            loop_s=taken_in.loop_s if same_call else 0.0,
+        )
     for old_rank in sorted(parts) if same_call else ():
         share = parts[old_rank]
         if share is None:
