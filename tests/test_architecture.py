@@ -204,3 +204,33 @@ def test_no_import_circle_between_modules() -> None:
         if node not in state:
             visit(node)
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+# Inside the meta package's `_internal`: which folders (and top-level modules) each may import.
+# The driver calls down into the workers' functions; the messages both sides exchange are in
+# `protocol`; storage is shared; the worker side never reaches up into the driver's.
+INTERNAL_ALLOWED = {
+    "driver": {"driver", "protocol", "storage", "worker"},
+    "worker": {"worker", "protocol", "storage"},
+    "storage": {"storage"},
+    "protocol": {"storage"},
+    "legacy": {"legacy", "driver", "protocol", "storage", "worker"},
+}
+
+
+def test_the_meta_packages_internal_folders_import_in_one_direction() -> None:
+    root = PACKAGES / "raysgd" / "src" / "raysgd" / "_internal"
+    wrong = {}
+    for source in root.rglob("*.py"):
+        part = source.relative_to(root).parts[0].removesuffix(".py")
+        if part == "__init__":
+            continue
+        allowed = INTERNAL_ALLOWED[part]
+        for node in ast.walk(ast.parse(source.read_text(), str(source))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "raysgd._internal."
+            ):
+                target = node.module.split(".")[2]
+                if target not in allowed:
+                    wrong.setdefault(str(source.relative_to(root)), []).append(node.module)
+    assert not wrong, wrong

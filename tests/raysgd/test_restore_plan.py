@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from raysgd._internal.driver.restore_plan import Holding, RestorePlan, plan_from_peers
+from raysgd._internal.driver.restore_plan import plan_from_peers
+from raysgd._internal.protocol import Holding, RestorePlan
 from raysgd_operator import Progress
 
 
@@ -45,7 +46,7 @@ def test_without_a_clean_worker_there_is_no_source() -> None:
 
 
 def _held(step: int, call_id: int, parts: dict, rows: int = 0, loop_s: float = 0.0) -> Any:
-    from raysgd._internal.driver.restore_plan import HeldSnapshot
+    from raysgd._internal.protocol import HeldSnapshot
     from raysgd_operator import CallRecord
 
     call = CallRecord(
@@ -64,7 +65,7 @@ def _meters(batches: int) -> Any:
 
 
 def test_the_newest_snapshot_whose_every_part_survived_is_restored() -> None:
-    from raysgd._internal.driver.restore_plan import Holding, plan_from_snapshots
+    from raysgd._internal.driver.restore_plan import plan_from_snapshots
     from raysgd_operator import CallRecord
 
     call = CallRecord(call_id=2, num_steps=None, start_step=4, steps=3, rows=48, loop_s=3.0)
@@ -87,7 +88,7 @@ def test_the_newest_snapshot_whose_every_part_survived_is_restored() -> None:
 
 
 def test_a_snapshot_of_the_call_before_brings_no_metrics_into_this_one() -> None:
-    from raysgd._internal.driver.restore_plan import Holding, plan_from_snapshots
+    from raysgd._internal.driver.restore_plan import plan_from_snapshots
     from raysgd_operator import CallRecord
 
     # Taken at the last step of call 1, which is also the first step of call 2: call 1's
@@ -102,7 +103,7 @@ def test_a_snapshot_of_the_call_before_brings_no_metrics_into_this_one() -> None
 
 
 def test_without_every_part_there_is_nothing_to_restore_from() -> None:
-    from raysgd._internal.driver.restore_plan import Holding, missing_parts, plan_from_snapshots
+    from raysgd._internal.driver.restore_plan import missing_parts, plan_from_snapshots
 
     held = _held(5, 2, {0: None})
     holdings = [Holding(_p(5), (held,)), Holding(None)]

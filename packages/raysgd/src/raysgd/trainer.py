@@ -39,14 +39,15 @@ from raysgd._internal.driver.state_copy import DEFAULT_LIMIT_MB, DriverCopy
 from raysgd._internal.driver.state_kinds import for_options
 from raysgd._internal.driver.training_state import TrainingState
 from raysgd._internal.driver.worker_calls import RunnerRecipe, WorkerCalls
-from raysgd._internal.worker import calls as worker
-from raysgd._internal.worker.boundary_watch import (
+from raysgd._internal.protocol import (
     DRAIN,
     JOIN_WATCH_INTERVAL_S,
     SPARE,
     WATCH_INTERVAL_S,
+    TrainAnswer,
     WatchSpec,
 )
+from raysgd._internal.worker import calls as worker
 from raysgd._internal.worker.collective_bound import slow_bound
 from raysgd.loggers import Logger
 from raysgd_base import check_int, check_number
@@ -404,7 +405,7 @@ class TorchTrainer:
         call_id = self._call_id
         group = self._workers.group
 
-        def attempt() -> list[worker.TrainAnswer]:
+        def attempt() -> list[TrainAnswer]:
             # Recovery re-forms the group in place between attempts. After a failure the same
             # call id makes the workers go on with the call, not start it again.
             return group.execute(

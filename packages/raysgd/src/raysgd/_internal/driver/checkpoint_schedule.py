@@ -30,9 +30,9 @@ import uuid
 from typing import Any, Optional, Union
 
 from raysgd._internal.driver.training_state import TrainingState
+from raysgd._internal.protocol import CheckpointPlan
 from raysgd._internal.storage.format import newest_complete
 from raysgd._internal.storage.location import Storage, as_storage
-from raysgd._internal.worker.periodic_checkpoints import CheckpointPlan
 from raysgd_base import check_int
 
 __all__ = ["Checkpoints", "checkpoint_root"]

@@ -1,6 +1,7 @@
 """Who restores whom after a resize: pure decisions from what every worker holds.
 
-Every worker answers `worker.holding` with a `Holding`: how far it got (`Progress`, None for a new
+The messages (`Holding`, `RestorePlan`, ...) are in `protocol`. Every worker answers
+`worker.holding` with a `Holding`: how far it got (`Progress`, None for a new
 worker) and, with a sharded strategy, the in-memory snapshots it holds parts of. One rule picks
 the state to go on from, whatever the strategy (`newest_held_step`): **the newest step every part
 of which some live worker holds**, the lowest rank holding a part being its holder. Only what a
@@ -29,19 +30,20 @@ names the ranks for which that was not possible, and why.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from raysgd_operator import AverageMeterCollection, CallRecord, Progress
+from raysgd._internal.protocol import (
+    Holding,
+    RestorePlan,
+    SlotMove,
+    SnapshotPlan,
+)
+from raysgd_operator import AverageMeterCollection, Progress
 
 __all__ = [
-    "HeldSnapshot",
-    "Holding",
     "RestoreOutcome",
-    "RestorePlan",
-    "SlotMove",
-    "SnapshotPlan",
     "StateLostError",
     "last_finished",
     "missing_parts",
@@ -55,146 +57,6 @@ __all__ = [
 class StateLostError(RuntimeError):
     """Every worker that held (part of) the training state was lost, and there is nothing to
     restore it from: no copy on the driver and no checkpoint. Not retried."""
-
-
-@dataclass(frozen=True)
-class HeldSnapshot:
-    """One in-memory snapshot of a sharded state, as one worker holds it.
-
-    Attributes:
-        step: The step it was taken at.
-        world_size: The size of the group that took it (one part per rank).
-        metadata: DCP's metadata of the parts.
-        state: The small rest of the state (epoch, position, schedulers, ...).
-        call: The `train()` call in progress when it was taken.
-        parts: The old ranks whose parts it holds (its own and its peer's copy), each with the
-            call's metrics of that rank up to the snapshot.
-    """
-
-    step: int
-    world_size: int
-    metadata: bytes
-    state: dict[str, Any]
-    call: Optional[CallRecord]
-    parts: Mapping[int, Optional[AverageMeterCollection]]
-
-
-@dataclass(frozen=True)
-class Holding:
-    """What one worker holds of the training state (its answer to `worker.holding`).
-
-    Attributes:
-        progress: How far it got; None for a worker without a runner (a replacement).
-        snapshots: With a sharded strategy, the snapshots it holds parts of.
-        rank: Its rank in the group it trained in last, and that group's number (None: a new
-            worker).
-        peer_slots: With a replicated state, the slots of other ranks it keeps copies of (its
-            ring predecessor's; a leaving worker's before a move): (that rank, its group, the
-            step of the window start it describes) each.
-    """
-
-    progress: Optional[Progress]
-    snapshots: tuple[HeldSnapshot, ...] = ()
-    rank: Optional[tuple[int, int]] = None
-    peer_slots: tuple[tuple[int, int, int], ...] = ()
-
-
-@dataclass(frozen=True)
-class SnapshotPlan:
-    """The snapshot a sharded state is rebuilt from.
-
-    Attributes:
-        metadata: DCP's metadata.
-        state: The small rest of the state.
-        holders: Every part (old rank) -> the rank of the re-formed group that holds it and
-            sends it to the workers that need it and lack it.
-        meters: New rank -> its share of the interrupted call's metrics up to the snapshot
-            (new rank r takes those of old ranks r, r + n, ...).
-    """
-
-    metadata: bytes
-    state: dict[str, Any]
-    holders: dict[int, int]
-    meters: list[Optional[AverageMeterCollection]]
-
-
-@dataclass(frozen=True)
-class SlotMove:
-    """One rank slot sent at a restore (ranks of the re-formed group).
-
-    Attributes:
-        rank: The rank of the group before whose slot it is.
-        holder: The rank that sends it.
-        receiver: The rank that takes it.
-        replica: Whether the holder sends a copy it keeps of another rank's slot (else its own).
-    """
-
-    rank: int
-    holder: int
-    receiver: int
-    replica: bool
-
-
-@dataclass(frozen=True)
-class RestorePlan:
-    """What the planners decided (and, when they found nothing, the trainer's fallback).
-
-    Attributes:
-        step: The finished step training goes on from.
-        steps_redone: Steps started (by a worker that survived) that are lost: the one in
-            flight, plus any since the state restored. 0 when nothing was lost.
-        call: The `train()` call to go on with (None: the next call starts afresh).
-        source: From peers: the rank (in the re-formed group) whose state every worker takes.
-        receivers: From peers: the ranks that receive it.
-        snapshot: From snapshots: what every worker is rebuilt from.
-        fallback: Neither found a state: what every worker loads instead (a checkpoint
-            location, or the serialised state in the object store), chosen by the trainer.
-        description: Where the state comes from, in words ("rank 1 at step 30", ...).
-        finished_at: When the surviving workers last finished a step (`time.time()`; None when
-            none did): the loss was detected that long after the group's last progress.
-        rank_sources: For each rank of the re-formed group, the rank of the group before whose
-            slot (`OperatorRunner.rank_slot`: per-rank state, generators) it takes: a kept worker
-            its own, a replacement a lost worker's; None for a worker that starts its own
-            afresh. Empty: every rank takes its own number's.
-        slot_moves: From peers: how the ranks of the re-formed group that take another rank's
-            place get its slot.
-        inexact: Why the group does not go on exactly as it would have without the failure,
-            in words (empty: it does, bit for bit where the group kept its size).
-    """
-
-    step: int
-    steps_redone: int
-    call: Optional[CallRecord]
-    source: Optional[int] = None
-    receivers: tuple[int, ...] = ()
-    snapshot: Optional[SnapshotPlan] = None
-    fallback: Any = None
-    description: str = ""
-    finished_at: Optional[float] = None
-    rank_sources: tuple[Optional[int], ...] = ()
-    slot_moves: tuple[SlotMove, ...] = ()
-    inexact: tuple[str, ...] = ()
-
-    def rank_source(self, rank: int) -> Optional[int]:
-        """Whose per-rank state rank `rank` takes (see `rank_sources`)."""
-        return self.rank_sources[rank] if rank < len(self.rank_sources) else rank
-
-    @property
-    def found(self) -> bool:
-        """Whether the workers themselves hold a state to go on from."""
-        return self.source is not None or self.snapshot is not None
-
-    def falling_back(self, fallback: Any, step: int, description: str, redone: int) -> RestorePlan:
-        """This plan with the trainer's `fallback` (taken at `step`): the interrupted call starts
-        again from there."""
-        return replace(
-            self,
-            step=step,
-            steps_redone=redone,
-            call=None,
-            fallback=fallback,
-            description=description,
-        )
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,12 @@ from typing import Any, Optional
 import ray
 
 from raysgd._internal.driver.restore_plan import (
-    Holding,
-    RestorePlan,
     missing_parts,
     plan_from_peers,
     plan_from_snapshots,
 )
 from raysgd._internal.driver.worker_calls import WorkerCalls
+from raysgd._internal.protocol import Holding, RestorePlan
 from raysgd._internal.storage.atomic_files import write_file
 from raysgd._internal.storage.format import (
     GATHERED_FORMAT,

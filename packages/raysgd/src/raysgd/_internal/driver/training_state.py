@@ -27,14 +27,11 @@ from typing import Any, Optional, Union
 import ray
 import torch
 
-from raysgd._internal.driver.restore_plan import (
-    RestoreOutcome,
-    RestorePlan,
-    StateLostError,
-)
+from raysgd._internal.driver.restore_plan import RestoreOutcome, StateLostError
 from raysgd._internal.driver.state_copy import DriverCopy
 from raysgd._internal.driver.state_kinds import StateKind
 from raysgd._internal.driver.worker_calls import WorkerCalls
+from raysgd._internal.protocol import LoadSource, RestorePlan
 from raysgd._internal.storage.format import (
     GATHERED_FORMAT,
     WHOLE,
@@ -47,7 +44,6 @@ from raysgd._internal.storage.format import (
 )
 from raysgd._internal.storage.location import Storage, as_storage
 from raysgd._internal.worker import calls as worker
-from raysgd._internal.worker.state import LoadSource
 from raysgd_core import RecoveryReport, WorkerError
 
 __all__ = ["TrainingState", "rank_sources"]

@@ -19,8 +19,8 @@ from typing import Any, Optional
 import ray
 
 from raysgd._internal.driver.datasets import DatasetSplitter
+from raysgd._internal.protocol import RunnerArgs
 from raysgd._internal.worker import calls as worker
-from raysgd._internal.worker.runner import RunnerArgs
 from raysgd_core import WorkerGroup
 from raysgd_operator import BATCH_SIZE, TrainingOptions, split_batch_size
 

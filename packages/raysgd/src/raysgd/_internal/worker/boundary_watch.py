@@ -18,50 +18,20 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from raysgd._internal.protocol import DRAIN, SPARE, WatchSpec
 from raysgd._internal.worker.slot import this_worker
 from raysgd_core import draining_nodes, get_context
 from raysgd_operator import OperatorRunner
 
-__all__ = [
-    "DRAIN",
-    "JOIN_WATCH_INTERVAL_S",
-    "SPARE",
-    "WATCH_INTERVAL_S",
-    "BoundaryWatch",
-    "WatchSpec",
-    "watch_for",
-]
+__all__ = ["BoundaryWatch", "watch_for"]
 
-#: How often, in seconds of training, the workers look inside a call.
-WATCH_INTERVAL_S = 1.0
-#: How often while a spare may join: the group trains slower until it has.
-JOIN_WATCH_INTERVAL_S = 0.25
-#: Why the workers stopped: a node of theirs is draining (the driver moves them off it).
-DRAIN = "drain"
-#: Why the workers stopped: a spare is up (the driver lets it join).
-SPARE = "spare"
+
+#: The answer's code for each reason to stop (what rank 0 broadcasts).
 _REASONS = {1: DRAIN, 2: SPARE}
-
-
-@dataclass(frozen=True)
-class WatchSpec:
-    """What a `train()` call watches.
-
-    Attributes:
-        nodes: The nodes of its workers: a drain of one of them stops the call.
-        interval_s: How often to look, in seconds of training.
-        joining: For each spare that may join the group, the refs that are all done once it is
-            up: one such spare stops the call.
-    """
-
-    nodes: frozenset[str]
-    interval_s: float = WATCH_INTERVAL_S
-    joining: tuple[tuple[Any, ...], ...] = ()
 
 
 def _any_up(joining: Sequence[Sequence[Any]]) -> bool:

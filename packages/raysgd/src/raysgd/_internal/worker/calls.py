@@ -14,24 +14,31 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
-from raysgd._internal.driver.restore_plan import Holding, RestorePlan
+from raysgd._internal.protocol import (
+    CheckpointPlan,
+    Holding,
+    LoadAnswer,
+    LoadSource,
+    RestorePlan,
+    RunnerArgs,
+    TrainAnswer,
+    WatchSpec,
+)
 from raysgd._internal.storage.format import state_to_bytes, write_state
 from raysgd._internal.storage.location import Storage
-from raysgd._internal.worker.boundary_watch import WatchSpec, watch_for
+from raysgd._internal.worker.boundary_watch import watch_for
 from raysgd._internal.worker.collective_bound import bound_for
-from raysgd._internal.worker.periodic_checkpoints import CheckpointPlan, periodic_for, uploads
+from raysgd._internal.worker.periodic_checkpoints import periodic_for, uploads
 from raysgd._internal.worker.rank_replicas import replicas_for
 from raysgd._internal.worker.runner import (
-    RunnerArgs,
     build_runner,
     current_runner,
 )
 from raysgd._internal.worker.slot import this_worker
 from raysgd._internal.worker.state import (
     RANK_SLOTS,
-    LoadSource,
     WorkerState,
     gather_rank_slots,
     keep,
@@ -42,8 +49,6 @@ from raysgd_core import get_context
 from raysgd_operator import OperatorRunner, TrainingOptions
 
 __all__ = [
-    "LoadAnswer",
-    "TrainAnswer",
     "adopt_parts",
     "apply_fn",
     "apply_operator",
@@ -71,40 +76,6 @@ __all__ = [
     "validate",
     "write_probe",
 ]
-
-
-class TrainAnswer(NamedTuple):
-    """What one worker's part of a `train()` call returns.
-
-    Attributes:
-        metrics: This worker's metrics of the call.
-        step: Finished steps since training began.
-        rows: Rows the whole group trained in the call when it went on after a recovery, the
-            split is known and the batches counted their rows as `num_samples`, else None.
-        stopped_for: Why the call stopped early at a step boundary, None when it did not: a node
-            of the group is draining (`boundary_watch.DRAIN`: the driver moves its workers off
-            it) or a spare is up (`SPARE`: the driver lets it join).
-    """
-
-    metrics: dict
-    step: int
-    rows: Optional[int]
-    stopped_for: Optional[str]
-    #: Epochs finished (the one in progress not counted).
-    epochs: int = 0
-    #: The mean duration of the recent steps, in seconds.
-    step_s: float = 0.0
-    #: Seconds the loop waited at checkpoint steps in this call (`checkpoint_every`).
-    blocked_s: float = 0.0
-
-
-class LoadAnswer(NamedTuple):
-    """What one worker's part of a load returns: its step and finished epochs after the load, or
-    why it refused the state (a file that is not a checkpoint: nothing was changed)."""
-
-    step: int
-    epochs: int
-    refused: Optional[str] = None
 
 
 def state_class(sharded: bool) -> type[WorkerState]:

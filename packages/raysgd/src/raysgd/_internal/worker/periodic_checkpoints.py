@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from raysgd._internal.protocol import CheckpointPlan
 from raysgd._internal.storage.atomic_files import SCRATCH_PREFIX
 from raysgd._internal.storage.format import checkpoint_name, prune, write_manifest
 from raysgd._internal.storage.location import Storage
@@ -40,7 +41,7 @@ from raysgd._internal.worker.slot import this_worker
 from raysgd._internal.worker.state import WorkerState
 from raysgd_core import get_context
 
-__all__ = ["CheckpointPlan", "PeriodicCheckpoints", "periodic_for", "uploads"]
+__all__ = ["PeriodicCheckpoints", "periodic_for", "uploads"]
 
 logger = logging.getLogger("raysgd")
 
@@ -48,19 +49,6 @@ logger = logging.getLogger("raysgd")
 PARTS_TIMEOUT_S = 300.0
 #: The marker a worker leaves when its part of a checkpoint failed (never a part: a scratch name).
 _FAILED = SCRATCH_PREFIX + "failed-"
-
-
-@dataclass(frozen=True)
-class CheckpointPlan:
-    """What a `train()` attempt checkpoints: every `every` steps into a new folder under `root`,
-    keeping the newest `keep` complete ones (None: all). `token` is unique to the attempt: every
-    worker derives the same folder name from it, and an attempt redone after a failure never
-    writes into the folder of an interrupted one."""
-
-    root: Storage
-    every: int
-    keep: Optional[int] = None
-    token: str = ""
 
 
 @dataclass(frozen=True)

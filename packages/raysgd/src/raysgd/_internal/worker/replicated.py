@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from raysgd._internal.driver.restore_plan import Holding, RestorePlan, SlotMove
+from raysgd._internal.protocol import Holding, RestorePlan, RunnerArgs, SlotMove
 from raysgd._internal.storage.format import WHOLE, WHOLE_FILE, write_state
 from raysgd._internal.storage.location import Storage
 from raysgd._internal.worker.part_exchange import exchange
@@ -27,7 +27,6 @@ from raysgd._internal.worker.rank_replicas import (
     replicas_for,
 )
 from raysgd._internal.worker.runner import (
-    RunnerArgs,
     build_runner,
     my_dataset_splits,
 )

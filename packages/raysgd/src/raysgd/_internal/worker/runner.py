@@ -9,27 +9,16 @@ group's size (`driver.worker_calls.RunnerRecipe`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 
+from raysgd._internal.protocol import RunnerArgs
 from raysgd._internal.worker.slot import this_worker
 from raysgd_core import get_context
-from raysgd_operator import OperatorRunner, TrainingOptions
+from raysgd_operator import OperatorRunner
 
-__all__ = ["RunnerArgs", "build_runner", "current_runner", "my_dataset_splits"]
-
-
-class RunnerArgs(NamedTuple):
-    """What a worker's runner is built from, for a group of one size."""
-
-    #: The operator class (in the object store as a top-level argument: resolved on the worker).
-    operator_cls: Any
-    #: Each worker's config (its share of the global batch).
-    config: dict[str, Any]
-    options: TrainingOptions
-    #: Every rank's split of the datasets (`{name: DataIterator}` in rank order; empty without).
-    dataset_splits: Sequence[Mapping[str, Any]]
+__all__ = ["build_runner", "current_runner", "my_dataset_splits"]
 
 
 def current_runner() -> OperatorRunner:

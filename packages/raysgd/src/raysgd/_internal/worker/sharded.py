@@ -21,12 +21,17 @@ from typing import TYPE_CHECKING, Any, Optional
 import ray
 import torch
 
-from raysgd._internal.driver.restore_plan import HeldSnapshot, Holding, RestorePlan, SnapshotPlan
+from raysgd._internal.protocol import (
+    HeldSnapshot,
+    Holding,
+    RestorePlan,
+    RunnerArgs,
+    SnapshotPlan,
+)
 from raysgd._internal.storage.format import METADATA_FILE, SHARDED, STATE_FILE, write_state
 from raysgd._internal.storage.location import Storage
 from raysgd._internal.worker.part_exchange import exchange
 from raysgd._internal.worker.runner import (
-    RunnerArgs,
     build_runner,
     my_dataset_splits,
 )

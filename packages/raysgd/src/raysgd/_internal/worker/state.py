@@ -21,15 +21,13 @@ import os
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional
 
 import ray
 
-from raysgd._internal.driver.restore_plan import Holding, RestorePlan
+from raysgd._internal.protocol import Holding, LoadSource, RestorePlan, RunnerArgs
 from raysgd._internal.storage.format import METADATA_FILE, state_from_bytes, state_to_bytes
 from raysgd._internal.storage.location import Storage
-from raysgd._internal.worker.runner import RunnerArgs
 from raysgd._internal.worker.slot import this_worker
 from raysgd._internal.worker.transfer import flatten
 from raysgd_core import get_context, scratch_dir
@@ -38,7 +36,6 @@ from raysgd_operator import OperatorRunner
 __all__ = [
     "RANK_SLOTS",
     "HostCopy",
-    "LoadSource",
     "WorkerState",
     "apply_rank_slot",
     "gather_rank_slots",
@@ -55,25 +52,6 @@ RANK_SLOTS = "rank_slots"
 #: Where states written before the generators were kept per rank held the operator's per-rank
 #: states alone.
 _RANK_STATES = "rank_states"
-
-
-@dataclass(frozen=True)
-class LoadSource:
-    """What every worker loads, and where its bytes are.
-
-    Attributes:
-        whole: A whole state: its bytes (or an ObjectRef of them), or the checkpoint file to
-            read (a `Storage` the worker can reach).
-        metadata: A sharded folder's DCP metadata.
-        state: A sharded folder's small rest of the state.
-        files: A sharded folder's parts: the folder (a `Storage` the worker can reach), or
-            ``{file name: ObjectRef of {file name: data}}`` shipped through the object store.
-    """
-
-    whole: Any = None
-    metadata: Optional[bytes] = None
-    state: Optional[dict[str, Any]] = None
-    files: Any = None
 
 
 class HostCopy(abc.ABC):
