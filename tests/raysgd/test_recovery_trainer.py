@@ -446,6 +446,29 @@ def test_every_worker_lost_at_once_restores_a_checkpoint_or_says_what_was_lost(
         _assert_same_run(stats, _weights(trainer), tmp_path, interrupted=())
     finally:
         trainer.shutdown()
+    # The workers' own checkpoints (checkpoint_every=16, written while the driver only waited
+    # on the call) count too: the call goes on from the newest complete one, step 32.
+    periodic = tmp_path / "periodic"
+    periodic.mkdir()
+    trainer = _make(
+        AllExitOnceOperator,
+        periodic,
+        state_copy_limit_mb=0,
+        checkpoint_dir=str(periodic / "checkpoints"),
+        checkpoint_every=16,
+    )
+    try:
+        stats = [trainer.train(max_retries=2), trainer.train()]
+        resize = next(e for e in trainer.recovery_events if e.kind == "resize")
+        assert resize.source is not None and "s000000032" in resize.source, resize.source
+        # The call's first 32 steps are in the checkpoint (their losses died with the workers):
+        # it reports the 32 steps it trained after it, and the run ends as the clean one did.
+        assert [s["num_samples"] for s in stats] == [NUM_SAMPLES // 2, NUM_SAMPLES]
+        _, clean_weights = _clean_run(periodic)
+        for name, value in _weights(trainer).items():
+            torch.testing.assert_close(value, clean_weights[name])
+    finally:
+        trainer.shutdown()
 
 
 @pytest.mark.timeout(150)

@@ -319,6 +319,7 @@ class TorchTrainer:
                 kind=self._kind,
                 copy=DriverCopy(int(state_copy_limit_mb * 2**20)),
                 storage_options=storage_options,
+                checkpoint_root=checkpoint_location,
             )
             self._recovery = Recovery(
                 group=group, num_workers=self._num_workers, state=self._state, policy=policy

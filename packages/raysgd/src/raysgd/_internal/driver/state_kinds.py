@@ -238,10 +238,13 @@ class Sharded(StateKind):
         group.execute(worker.adopt_parts, step, moves)
 
     def fallback_warning(self, what: str, redone: int, holdings: Sequence[Holding]) -> str:
-        return (
-            f"the in-memory parts of worker(s) {missing_parts(holdings)} were lost together "
-            f"with their replicas: restoring the last {what} (work since then is redone)"
+        missing = missing_parts(holdings)
+        lost = (
+            f"the in-memory parts of worker(s) {missing} were lost together with their replicas"
+            if missing
+            else "every worker that held an in-memory snapshot was lost"
         )
+        return f"{lost}: restoring the last {what} (work since then is redone)"
 
 
 def for_options(options: TrainingOptions) -> StateKind:

@@ -36,6 +36,7 @@ from raysgd._internal.storage.format import (
     GATHERED_FORMAT,
     WHOLE,
     WHOLE_FILE,
+    newest_complete,
     read_file,
     read_manifest,
     read_sharded,
@@ -63,6 +64,8 @@ class TrainingState:
             the kind keeps none, nor with ``use_local``, where losing every worker loses the
             driver).
         storage_options: fsspec options of the URLs given to `save`, `load` and checkpoints.
+        checkpoint_root: `checkpoint_dir`, whose newest complete checkpoint (the workers' periodic
+            ones included) a restore falls back on too.
 
     Attributes:
         step: The step the workers finished last, as far as the driver knows.
@@ -77,8 +80,10 @@ class TrainingState:
         kind: StateKind,
         copy: DriverCopy,
         storage_options: Optional[dict[str, Any]] = None,
+        checkpoint_root: Optional[Storage] = None,
     ) -> None:
         self._workers = workers
+        self._checkpoint_root = checkpoint_root
         self._kind = kind
         self._copy = copy
         self._copy_wanted = copy.enabled and kind.keeps_driver_copy and not workers.use_local
@@ -165,6 +170,14 @@ class TrainingState:
             location, step = self.last_checkpoint
             if location.parent().exists(location.name):
                 options.append((step, f"checkpoint {location.url} at step {step}", location))
+        newest = newest_complete(self._checkpoint_root) if self._checkpoint_root else None
+        if newest is not None:
+            # The workers' own (`checkpoint_every`), written while the driver only waited.
+            location = newest.location
+            if newest.kind == WHOLE:
+                location = location.join(WHOLE_FILE)
+            what = f"checkpoint {newest.location.url} at step {newest.step}"
+            options.append((newest.step, what, location))
         if not options:
             limit_mb = self._copy.limit_bytes / 2**20
             raise StateLostError(
