@@ -34,7 +34,7 @@ def rng_state() -> dict[str, Any]:
         "torch": generator_state(torch.default_generator),
         "python": random.getstate(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # (cheap: no CUDA call; False without CUDA)
         state["cuda"] = [t.numpy().tobytes() for t in torch.cuda.get_rng_state_all()]
     try:
         import numpy as np

@@ -69,16 +69,19 @@ def _arrays(tree: Any, into_arrays: bool) -> Any:
     return tree
 
 
-def encode_slot(slot: Any) -> bytes:
-    """A rank slot (`OperatorRunner.rank_slot`) as bytes, to send to a peer. Its tensors travel
-    as NumPy arrays: pickling a tensor serialises its storage with `torch.save`, many times
-    slower, and this runs at every window start."""
-    return pickle.dumps(_arrays(slot, True), protocol=pickle.HIGHEST_PROTOCOL)
+def encode_slot(slot: dict[str, Any]) -> bytes:
+    """A rank slot (`OperatorRunner.rank_slot`) as bytes, to send to a peer. The tensors of the
+    operator's per-rank state travel as NumPy arrays: pickling a tensor serialises its storage
+    with `torch.save`, many times slower, and this runs at every window start. The generators
+    are bytes and numbers already (walking Python's 625 of them would cost more than the rest)."""
+    plain = {**slot, "state": _arrays(slot.get("state"), True)}
+    return pickle.dumps(plain, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def decode_slot(data: bytes) -> Any:
+def decode_slot(data: bytes) -> dict[str, Any]:
     """The slot `encode_slot` encoded (only ever bytes a peer of this run sent)."""
-    return _arrays(pickle.loads(data), False)
+    slot = pickle.loads(data)
+    return {**slot, "state": _arrays(slot.get("state"), False)}
 
 
 class PeerSlot:
