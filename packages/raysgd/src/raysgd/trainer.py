@@ -105,7 +105,10 @@ class TorchTrainer:
         scheduler_step_freq: "batch", "epoch" or "manual" (`update_scheduler`).
         use_local: rank 0 runs in this process.
         serialize_data_creation: `data_creator` runs on one worker at a time.
-        accumulate_grad_batches: batches whose gradients are summed before each step.
+        accumulate_grad_batches: batches whose gradients are summed before each optimizer step
+            (a window): `num_steps`, `batch_count`, `checkpoint_every` and `global_step` count
+            batches (micro-batches), "batch" schedulers step once per optimizer step, and a
+            recovery, a load or a resume goes back to the start of the window it falls in.
         clip_grad_norm: clip the total gradient norm to this value before each step.
         failure_policy: "default", "elastic", "never", a registered name or a
             `raysgd_fault.FailurePolicy`: what to do after a lost worker.
@@ -115,7 +118,8 @@ class TorchTrainer:
         storage_options: fsspec options (endpoint, credentials) for `checkpoint_dir` and for the
             URLs given to `save` and `load`; else each client reads the environment. Never
             logged or stored.
-        checkpoint_every: write a checkpoint every this many steps inside `train()` calls, in the
+        checkpoint_every: write a checkpoint every this many steps (batches) inside `train()`
+            calls, at the first end of an accumulation window at or after each, in the
             background (the loop waits only for the copy to host memory), each into a new folder
             of `checkpoint_dir` with its manifest written last (0: never).
         keep_checkpoints: how many complete checkpoints of `checkpoint_every` to keep (None: all);
@@ -371,7 +375,9 @@ class TorchTrainer:
         writes the state from before this call to disk, atomically (by a worker on this machine:
         the state does not pass through the driver).
 
-        After a lost worker the call goes on from the last step the group finished; its results
+        `num_steps` counts batches (micro-batches with `accumulate_grad_batches`). After a lost
+        worker the call goes on from the start of the accumulation window the group was in (the
+        last step it finished, without accumulation), every batch of that window done again; its results
         then count every step of the call once, and `num_samples` every row once, also those of
         workers lost in it (whose loss values are lost with them: the averages cover the rest).
         A `train_batch` whose `num_samples` counts something else than rows (tokens, say) gets
