@@ -13,6 +13,13 @@ from raysgd._internal.worker.snapshot_schedule import (
 from raysgd_operator import TrainingOptions
 
 
+def _agree(workers: list[SnapshotSchedule]) -> None:
+    """What the workers' all-reduce does at a snapshot: each takes the largest of each."""
+    wanted, every = max(w.wanted() for w in workers), max(w.every for w in workers)
+    for schedule in workers:
+        schedule.agree(wanted, every)
+
+
 def _run(
     schedule: SnapshotSchedule, steps: int, step_s: float, wait_s: float, slow_s: float
 ) -> list[int]:
@@ -25,7 +32,7 @@ def _run(
         if not running:
             schedule.finished()
         if schedule.due(step):
-            schedule.agree(schedule.wanted())  # one worker: it agrees with itself
+            _agree([schedule])  # one worker: it agrees with itself
             schedule.taken(step, wait_s)
             taken.append(step)
     return taken
@@ -76,9 +83,8 @@ def test_workers_that_measure_differently_snapshot_at_the_same_steps_also_after_
             due = [schedule.due(step) for schedule in workers]
             assert due[0] == due[1], f"the workers disagree at step {step}"
             if due[0]:
-                largest = max(schedule.wanted() for schedule in workers)  # the all-reduce
+                _agree(workers)
                 for schedule, (_, wait_s, _) in zip(workers, costs):
-                    schedule.agree(largest)
                     schedule.taken(step, wait_s)
                 taken.append(step)
 
@@ -87,15 +93,26 @@ def test_workers_that_measure_differently_snapshot_at_the_same_steps_also_after_
     # A re-formed group: a survivor and a new worker; the trainer's snapshot after the restore
     # (at step 250) is where they agree again.
     workers = [workers[0], SnapshotSchedule("auto")]
-    largest = max(schedule.wanted() for schedule in workers)
+    _agree(workers)
     for schedule in workers:
-        schedule.agree(largest)
         schedule.taken(250, 0.01)
     assert workers[0].every == workers[1].every
     interval = workers[0].every
     taken.clear()
     run(251, 400)
     assert taken[0] == 250 + interval and len(taken) > 2
+
+
+def test_a_replacement_joining_during_the_ramp_snapshots_with_the_survivors() -> None:
+    # Nothing measured yet (every snapshot's thread outlasted the steps after it): the survivor
+    # ramped up to 8, the replacement starts at the first interval. They must agree all the same.
+    survivor = SnapshotSchedule("auto")
+    for _ in range(2):
+        _agree([survivor])
+    assert survivor.wanted() == 0 and survivor.every == 4 * FIRST_INTERVAL
+    workers = [survivor, SnapshotSchedule("auto")]
+    _agree(workers)
+    assert [w.every for w in workers] == [8 * FIRST_INTERVAL] * 2
 
 
 def test_snapshot_every_accepts_auto_and_counts_only() -> None:

@@ -19,8 +19,9 @@ step for long.
 
 Every worker must take its snapshot at the same step (the snapshot is a collective), but each
 measures its own cost and steps. So no worker changes its interval alone: at every snapshot the
-workers agree on the largest interval any of them wants (`wanted`, `agree`). A re-formed group
-(a replacement knows nothing yet) agrees again at the snapshot the trainer takes after the restore.
+workers agree on the largest interval any of them wants (`wanted`, `agree`), and while none
+wants one yet, on the ramp's largest interval: a re-formed group (a replacement knows nothing yet
+and starts the ramp again) agrees again at the snapshot the trainer takes after the restore.
 """
 
 from __future__ import annotations
@@ -94,8 +95,9 @@ class SnapshotSchedule:
             return 0
         return min(MAX_INTERVAL, max(1, math.ceil(self.cost_s / (BUDGET * self.step_s))))
 
-    def agree(self, largest_wanted: int) -> None:
-        """Every worker's `wanted`, the largest of them, taken at the same snapshot: the
-        interval from this snapshot on, the same on every worker (the costliest worker's)."""
+    def agree(self, largest_wanted: int, largest_every: int) -> None:
+        """Every worker's `wanted` and `every`, the largest of each, taken at the same snapshot:
+        the interval from this snapshot on, the same on every worker (the costliest worker's,
+        or the ramp's next, doubled from the furthest any worker got)."""
         if self.auto:
-            self.every = largest_wanted or min(RAMP_LIMIT, 2 * self.every)
+            self.every = largest_wanted or min(RAMP_LIMIT, 2 * largest_every)

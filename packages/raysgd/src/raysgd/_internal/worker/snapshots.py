@@ -157,11 +157,11 @@ class Snapshots:
         runner, rank = self.runner, dist.get_rank()
         started = time.perf_counter()
         if self.schedule.auto:
-            # Each worker measured its own cost; the next snapshot must fall on the same step
-            # on all of them.
-            wanted = torch.tensor([self.schedule.wanted()], dtype=torch.int64)
+            # Each worker measured its own cost, and a replacement starts the ramp again; the
+            # next snapshot must fall on the same step on all of them.
+            wanted = torch.tensor([self.schedule.wanted(), self.schedule.every], dtype=torch.int64)
             dist.all_reduce(wanted, op=dist.ReduceOp.MAX, group=group)
-            self.schedule.agree(int(wanted.item()))
+            self.schedule.agree(int(wanted[0]), int(wanted[1]))
         tensors, state = runner.sharded_parts()
         # Every worker keeps every rank's per-rank state (small): whichever survives has the
         # lost ones' for their replacements.
