@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import ray
 import torch
+from tests._support.markers import mark
+from tests._support.markers import read as read_marker
 from tests._support.rows import record_rows, rows_by_epoch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -56,9 +58,9 @@ class FreezeOnceOperator(TrainingOperator):
     def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
         x, y, ids = batch
         if self.world_rank == 1 and batch_info["global_step"] == FREEZE_AT_STEP:
-            marker = os.path.join(self.config["marker_dir"], "frozen")
-            if not os.path.exists(marker):
-                Path(marker).write_text(str(os.getpid()))
+            if not os.path.exists(os.path.join(self.config["marker_dir"], "frozen")):
+                # Written whole before it appears: the test reads this pid as soon as it does.
+                mark(self.config["marker_dir"], "frozen", str(os.getpid()))
                 time.sleep(60)  # stopped by the test meanwhile
         metrics = super().train_batch((x, y), batch_info)
         record_rows(self.config["marker_dir"], batch_info["epoch_idx"] + 1, ids)
@@ -79,12 +81,7 @@ def _stop_when_frozen(marker_dir: Path, with_raylet: bool, stopped: list[int]) -
     """Stop rank 1's process (and its node's raylet, its parent) once it reaches the marker."""
 
     def stop() -> None:
-        marker = marker_dir / "frozen"
-        deadline = time.monotonic() + 60
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        time.sleep(0.1)  # let the marker's content land
-        worker = int(marker.read_text())
+        worker = int(read_marker(marker_dir, "frozen"))
         for pid in [worker] + ([_parent(worker)] if with_raylet else []):
             stopped.append(pid)
             os.kill(pid, signal.SIGSTOP)
