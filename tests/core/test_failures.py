@@ -9,6 +9,7 @@ import time
 
 import pytest
 import ray
+from tests._support.markers import entering, wait_for_peers
 
 from raysgd_core import (
     ResourcesUnavailableError,
@@ -29,33 +30,30 @@ def _rank_and_pid() -> tuple[int, int]:
     return get_context().world_rank, os.getpid()
 
 
-def _all_reduce_sum() -> float:
+def _all_reduce_sum(folder: str = "") -> float:
+    """The sum of rank + 1 over the group; with `folder`, marks `entering` there first."""
     import torch
     import torch.distributed as dist
 
     t = torch.tensor([float(get_context().world_rank + 1)])
+    if folder:
+        entering(folder)
     dist.all_reduce(t)
     return t.item()
 
 
-def _rank1_raises_others_all_reduce() -> float:
-    import torch.distributed as dist
-
+def _rank1_raises_others_all_reduce(folder: str) -> float:
     if get_context().world_rank == 1:
-        time.sleep(0.5)  # the others are inside the all_reduce by now
+        wait_for_peers(folder)  # the others are inside the all_reduce
         raise BadValueError("bad value on rank 1")
-    import torch
-
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    return t.item()
+    return _all_reduce_sum(folder)
 
 
-def _rank_exits_others_all_reduce(victim: int) -> float:
+def _rank_exits_others_all_reduce(victim: int, folder: str) -> float:
     if get_context().world_rank == victim:
-        time.sleep(0.5)
+        wait_for_peers(folder)
         os._exit(1)
-    return _all_reduce_sum()
+    return _all_reduce_sum(folder)
 
 
 def test_too_few_resources_fails_fast_and_leaves_nothing(ray_local, wait_no_leftovers):
@@ -68,10 +66,10 @@ def test_too_few_resources_fails_fast_and_leaves_nothing(ray_local, wait_no_left
     assert wait_no_leftovers() == ([], [])
 
 
-def test_exception_carries_traceback_rank_and_cause(ray_local):
+def test_exception_carries_traceback_rank_and_cause(ray_local, tmp_path):
     with WorkerGroup(3) as group:
         with pytest.raises(WorkerError) as info:
-            group.execute(_rank1_raises_others_all_reduce)
+            group.execute(_rank1_raises_others_all_reduce, str(tmp_path))
         error = info.value
         assert error.rank == 1
         assert "bad value on rank 1" in str(error)
@@ -138,7 +136,9 @@ def _imported_tabnanny() -> bool:
     return "tabnanny" in sys.modules
 
 
-def test_a_spare_replaces_a_lost_worker_and_another_spare_starts(ray_local, wait_no_leftovers):
+def test_a_spare_replaces_a_lost_worker_and_another_spare_starts(
+    ray_local, wait_no_leftovers, tmp_path
+):
     # A module no worker imports by itself; a missing one is only logged by the spare.
     imports = ("tabnanny", "no_such_module_for_raysgd")
     group = WorkerGroup(2, spare_workers=1, spare_imports=imports).start()
@@ -148,7 +148,7 @@ def test_a_spare_replaces_a_lost_worker_and_another_spare_starts(ray_local, wait
         assert ray.available_resources().get("CPU", 0.0) == 1.0
         assert spare.pid not in {w.pid for w in group.workers}
         with pytest.raises(WorkerDiedError):
-            group.execute(_rank_exits_others_all_reduce, 1)
+            group.execute(_rank_exits_others_all_reduce, 1, str(tmp_path))
         report = group.recover(2, timeout_s=60)
         assert report.path == "keep-healthy" and report.started == [1]
         # The spare became rank 1: no process was started after the loss.
@@ -163,20 +163,20 @@ def test_a_spare_replaces_a_lost_worker_and_another_spare_starts(ray_local, wait
     assert wait_no_leftovers() == ([], [])
 
 
-def _rank_terminated_others_all_reduce(victim: int) -> float:
+def _rank_terminated_others_all_reduce(victim: int, folder: str) -> float:
     if get_context().world_rank == victim:
-        time.sleep(0.5)
+        wait_for_peers(folder)
         # What a node shutting down does to its workers: Ray's handler turns SIGTERM into a
         # SystemExit raised inside the running call.
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(30)
-    return _all_reduce_sum()
+    return _all_reduce_sum(folder)
 
 
-def test_exit_inside_collective_gives_worker_died_error(ray_local):
+def test_exit_inside_collective_gives_worker_died_error(ray_local, tmp_path):
     with WorkerGroup(3) as group:
         with pytest.raises(WorkerDiedError) as info:
-            group.execute(_rank_exits_others_all_reduce, 2)
+            group.execute(_rank_exits_others_all_reduce, 2, str(tmp_path / "exit"))
         assert info.value.ranks == [2]
         # Shrink: recover to what is left without starting anybody.
         report = group.recover(2, timeout_s=30)
@@ -184,7 +184,7 @@ def test_exit_inside_collective_gives_worker_died_error(ray_local):
         assert group.execute(_all_reduce_sum) == [3.0, 3.0]
         # A worker terminated mid-call is lost too, not a user error (SystemExit ends the actor).
         with pytest.raises(WorkerDiedError) as info:
-            group.execute(_rank_terminated_others_all_reduce, 1)
+            group.execute(_rank_terminated_others_all_reduce, 1, str(tmp_path / "term"))
         assert info.value.ranks == [1]
 
 
