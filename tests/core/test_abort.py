@@ -12,23 +12,26 @@ import datetime
 import multiprocessing
 import os
 import signal
-import time
+from multiprocessing.synchronize import Barrier
 
 import pytest
+from tests._support.markers import entering, mark, wait_for, wait_for_peers
 
 from raysgd_core import WorkerDiedError, WorkerError, WorkerGroup, get_context
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
-# More workers than the shared cluster's CPUs would hold at one each.
-_SIX = dict(num_cpus_per_worker=0.5)
+# More workers than the shared cluster's CPUs would hold at one each. Six processes importing
+# torch at once on two loaded cores have taken more than the default 30 s to come up.
+_SIX = dict(num_cpus_per_worker=0.5, start_timeout_s=120)
 
 
 class StepError(ValueError):
     """A user error raised by one rank (shipped by value)."""
 
 
-def _hold_group_then_all_reduce(bound_s: float = 0.0) -> float:
+def _hold_group_then_all_reduce(bound_s: float = 0.0, folder: str = "") -> float:
+    """An all_reduce of ones; with `folder`, marks `entering` there first."""
     import torch
     import torch.distributed as dist
 
@@ -38,43 +41,50 @@ def _hold_group_then_all_reduce(bound_s: float = 0.0) -> float:
     if bound_s:
         set_collective_timeout(bound_s)
     t = torch.ones(1)
+    if folder:
+        entering(folder)
     dist.all_reduce(t)
     return t.item()
 
 
-def _rank_raises(victim: int) -> float:
+def _rank_raises(victim: int, folder: str) -> float:
     if get_context().world_rank == victim:
-        time.sleep(1.0)  # the others are inside the all_reduce by now
+        wait_for_peers(folder)  # the others are inside the all_reduce
         raise StepError("rank failed outside any collective")
-    return _hold_group_then_all_reduce()
+    return _hold_group_then_all_reduce(folder=folder)
 
 
-def _rank_exits(victim: int) -> float:
+def _rank_exits(victim: int, folder: str) -> float:
     if get_context().world_rank == victim:
-        time.sleep(1.0)
+        wait_for_peers(folder)
         os._exit(1)
-    return _hold_group_then_all_reduce()
+    return _hold_group_then_all_reduce(folder=folder)
 
 
-def _rank_exits_before_a_subgroup(victim: int) -> None:
+def _rank_exits_before_a_subgroup(victim: int, folder: str) -> None:
     import torch.distributed as dist
 
     get_context().store["held"] = dist.group.WORLD
     if get_context().world_rank == victim:
-        time.sleep(1.0)
+        wait_for_peers(folder)  # the others are waiting for its address
         os._exit(1)
+    entering(folder)
     # Every rank makes the subgroup (torch asks it); its members wait for each other's address.
     dist.new_group(ranks=[0, victim], timeout=datetime.timedelta(seconds=60))
 
 
-def _rank_stops_others_staggered(victim: int, bound_s: float) -> float:
-    rank = get_context().world_rank
-    if rank == victim:
+def _rank_stops_others_staggered(victim: int, bound_s: float, step_s: float, folder: str) -> float:
+    ctx = get_context()
+    if ctx.world_rank == victim:
         os.kill(os.getpid(), signal.SIGSTOP)  # silent: alive, connections open, never answers
-    # The ranks enter the collective one after another, so their bounds run out at different
-    # times: the last ones would still be waiting when the first one gives up.
-    time.sleep(1.5 * rank)
-    return _hold_group_then_all_reduce(bound_s)
+    # The ranks' bounds run out one after another, `step_s` apart: the last ones would still be
+    # waiting when the first one gives up. They all enter the collective together (each waits
+    # for the others' marks) rather than staggered by sleeps, so that every rank is surely
+    # inside it when the first bound runs out however slow the machine.
+    waiting = [r for r in range(ctx.world_size) if r != victim]
+    mark(folder, f"ready-{ctx.world_rank}")
+    wait_for(folder, [f"ready-{r}" for r in waiting])
+    return _hold_group_then_all_reduce(bound_s + step_s * ctx.world_rank)
 
 
 def _pids(group: WorkerGroup) -> list[int]:
@@ -82,14 +92,16 @@ def _pids(group: WorkerGroup) -> list[int]:
 
 
 def test_a_user_error_kills_none_and_a_crash_releases_ranks_that_were_not_its_neighbours(
-    ray_local,
+    ray_local, tmp_path
 ):
-    # A short grace: a rank still blocked after it would be killed as stuck.
-    with WorkerGroup(6, peer_grace_s=3, **_SIX) as group:
+    # A grace far shorter than the collectives' and the subgroup's timeouts: a rank still
+    # blocked after it would be killed as stuck. 10 s rather than a few: six ranks on two loaded
+    # cores, and Ray reporting the crash, can take seconds (a user error caps it at 5 s anyway).
+    with WorkerGroup(6, peer_grace_s=10, **_SIX) as group:
         pids = _pids(group)
         # A user error on rank 3: every waiting rank is let go, none is lost.
         with pytest.raises(WorkerError) as info:
-            group.execute(_rank_raises, 3)
+            group.execute(_rank_raises, 3, str(tmp_path / "raises"))
         assert info.value.rank == 3 and isinstance(info.value.__cause__, StepError)
         assert info.value.lost_ranks == []
         report = group.recover(6, timeout_s=60)
@@ -99,7 +111,7 @@ def test_a_user_error_kills_none_and_a_crash_releases_ranks_that_were_not_its_ne
 
         # Rank 3 crashes: ranks 0 and 5, nobody's neighbour of it, are let go too.
         with pytest.raises(WorkerDiedError) as died:
-            group.execute(_rank_exits, 3)
+            group.execute(_rank_exits, 3, str(tmp_path / "exits"))
         assert died.value.ranks == [3] and died.value.silent == []
         report = group.recover(5, timeout_s=60)
         # Every survivor kept: none was still blocked when the grace ran out.
@@ -110,22 +122,22 @@ def test_a_user_error_kills_none_and_a_crash_releases_ranks_that_were_not_its_ne
         # Rank 3 crashes before it joins a subgroup the others are making: rank 0 waits for its
         # address in the rendezvous store, not in a collective. The abort lets it out too.
         with pytest.raises(WorkerDiedError) as died:
-            group.execute(_rank_exits_before_a_subgroup, 3)
+            group.execute(_rank_exits_before_a_subgroup, 3, str(tmp_path / "subgroup"))
         assert died.value.ranks == [3]
         report = group.recover(4, timeout_s=60)
         assert report.kept == {0: 0, 1: 1, 2: 2, 4: 3} and report.lost == [3]
 
 
-def test_a_silent_rank_costs_one_bound_and_only_it_is_lost(ray_local):
+def test_a_silent_rank_costs_one_bound_and_only_it_is_lost(ray_local, tmp_path):
     # The first rank to wait out its bound names the silent one; the others are let go at once
     # rather than each waiting out a bound of its own (the last would be killed as silent too).
-    # The bound (8 s) outlasts the stagger (7.5 s), so every rank is in the collective when the
-    # first bound runs out; without the abort, rank 5's own bound would end at 15.5 s, past the
-    # 5 s the others are given once a peer timed out.
+    # Rank r's bound is 4 + 1.5 r s, from a common start: rank 0's runs out first, when every
+    # rank is in the collective; without the abort, ranks 4 and 5 would wait 6 s and 7.5 s
+    # longer, past the 5 s the others are given once a peer timed out.
     with WorkerGroup(6, peer_grace_s=100, **_SIX) as group:
         pids = _pids(group)
         with pytest.raises(WorkerDiedError) as info:
-            group.execute(_rank_stops_others_staggered, 2, 8.0)
+            group.execute(_rank_stops_others_staggered, 2, 4.0, 1.5, str(tmp_path))
         assert info.value.ranks == [2] and info.value.silent == [2]
         report = group.recover(5, timeout_s=60)
         assert report.kept == {0: 0, 1: 1, 3: 2, 4: 3, 5: 4}
@@ -133,7 +145,9 @@ def test_a_silent_rank_costs_one_bound_and_only_it_is_lost(ray_local):
 
 
 # ---------------------------------------------------------------------- gloo's connections
-def _form_and_abort(rank: int, world: int, port: int, out: multiprocessing.Queue) -> None:
+def _form_and_abort(
+    rank: int, world: int, port: int, out: multiprocessing.Queue, done: Barrier
+) -> None:
     import torch.distributed as dist
 
     from raysgd_core._internal.abort import GroupConnections, listening_endpoints
@@ -155,7 +169,9 @@ def _form_and_abort(rank: int, world: int, port: int, out: multiprocessing.Queue
     except RuntimeError:
         released = True
     out.put((rank, len(connections.peers), found, released))
-    time.sleep(1)
+    # Exit only once every rank has tried its collective after the abort: a peer's exit closes
+    # its connections, which would release the others' collectives without their abort.
+    done.wait(60)
 
 
 def _free_port() -> int:
@@ -171,8 +187,10 @@ def test_gloo_connections_are_found_one_per_peer():
     # ranks with one end on a listener. If torch's gloo changes that, this fails first.
     world, port = 3, _free_port()
     ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_form_and_abort, args=(r, world, port, out)) for r in range(world)]
+    out, done = ctx.Queue(), ctx.Barrier(world)
+    procs = [
+        ctx.Process(target=_form_and_abort, args=(r, world, port, out, done)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     found = sorted(out.get(timeout=60) for _ in range(world))
