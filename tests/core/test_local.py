@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch.distributed as dist
+from tests._support.markers import entering, wait_for_peers
 
 from raysgd_core import WorkerDiedError, WorkerError, WorkerGroup, get_context
 
@@ -22,29 +22,30 @@ def _all_reduce_info() -> tuple[int, int, float]:
     return ctx.world_rank, os.getpid(), t.item()
 
 
-def _remote_exits_while_rank0_reduces() -> float:
+def _all_reduce_ones(folder: str) -> float:
     import torch
 
+    t = torch.ones(1)
+    entering(folder)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _remote_exits_while_rank0_reduces(folder: str) -> float:
     if get_context().world_rank == 2:
-        time.sleep(0.5)
+        wait_for_peers(folder)  # rank 0 (and 1) are inside the all_reduce
         os._exit(1)
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    return t.item()
+    return _all_reduce_ones(folder)
 
 
-def _rank0_raises() -> float:
-    import torch
-
+def _rank0_raises(folder: str) -> float:
     if get_context().world_rank == 0:
-        time.sleep(0.5)
+        wait_for_peers(folder)  # the remote ranks are inside the all_reduce
         raise KeyError("local failure")
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    return t.item()
+    return _all_reduce_ones(folder)
 
 
-def test_local_rank0_and_remote_death(ray_local):
+def test_local_rank0_and_remote_death(ray_local, tmp_path):
     group = WorkerGroup(3, use_local=True).start()
     try:
         results = group.execute(_all_reduce_info)
@@ -58,7 +59,7 @@ def test_local_rank0_and_remote_death(ray_local):
 
         # A remote rank dies while rank 0 (this thread) is inside an all_reduce.
         with pytest.raises(WorkerDiedError) as info:
-            group.execute(_remote_exits_while_rank0_reduces)
+            group.execute(_remote_exits_while_rank0_reduces, str(tmp_path / "exits"))
         assert info.value.ranks == [2]
         report = group.recover(3, timeout_s=60)
         assert report.kept == {0: 0, 1: 1} and report.started == [2]
@@ -67,7 +68,7 @@ def test_local_rank0_and_remote_death(ray_local):
 
         # Rank 0 raising while the remote ranks are in a collective unblocks them.
         with pytest.raises(WorkerError) as err:
-            group.execute(_rank0_raises)
+            group.execute(_rank0_raises, str(tmp_path / "raises"))
         assert err.value.rank == 0 and isinstance(err.value.__cause__, KeyError)
         group.recover(3, timeout_s=60)
         assert [t for _, _, t in group.execute(_all_reduce_info)] == [6.0] * 3
