@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from tests._support.markers import mark, wait_for
 from tests._support.rows import record_rows, rows_by_epoch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -40,7 +41,8 @@ class BurstOperator(TrainingOperator):
     - ``kills``: ``(rank, global_step, name)``: that rank exits at that step;
     - ``die_in_setup``: a replacement set up after the marker ``arm-setup-death`` exists exits;
     - ``slow_setup``: a replacement set up after ``arm-slow-setup`` exists writes ``restoring``
-      and takes two seconds (the test kills another worker meanwhile).
+      and waits until the test has killed another worker (``source-killed``), then takes two
+      seconds more.
     """
 
     def setup(self, config: dict[str, Any]) -> None:
@@ -48,6 +50,9 @@ class BurstOperator(TrainingOperator):
         if (marks / "arm-setup-death").exists() and _first(marks / "setup-died"):
             os._exit(1)
         if (marks / "arm-slow-setup").exists() and _first(marks / "restoring"):
+            # The kill lands inside this set-up however slow the machine; the set-up then goes
+            # on for as long as it used to after a kill, while the group learns of the loss.
+            wait_for(marks, ["source-killed"])
             time.sleep(2.0)
         torch.manual_seed(0)
         gen = torch.Generator().manual_seed(1)
@@ -176,7 +181,7 @@ def test_a_replacement_and_the_state_source_lost_while_restoring(tmp_path: Path)
         (tmp_path / "arm-slow-setup").touch()
         _when(
             lambda: (tmp_path / "restoring").exists(),
-            lambda: _kill(trainer.worker_group.workers[0].pid),
+            lambda: (_kill(trainer.worker_group.workers[0].pid), mark(tmp_path, "source-killed")),
         )
         survivors = {w.pid for w in trainer.worker_group.workers[1:]}
         assert trainer.train()["num_samples"] == ROWS
