@@ -101,12 +101,14 @@ class BlockOnceOperator(LinearOperator):
 
 
 class SlowAloneExitOnceOperator(ExitOnceOperator):
-    """As `ExitOnceOperator`, with steps of half a second while one worker trains alone: the rest
-    of the first epoch then lasts 12 s, long past its replacement's start."""
+    """As `ExitOnceOperator`, with steps of a second while one worker trains alone: the rest of
+    the first epoch then lasts 24 s, more than twice its replacement's start on a loaded machine
+    (5 s here, 10 s loaded; a spare coming up is nothing an operator can wait for). The alone
+    steps end as soon as it joins, so the test is hardly slower for it."""
 
     def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
         if self.world_size == 1:
-            time.sleep(0.5)
+            time.sleep(1.0)
         return super().train_batch(batch, batch_info)
 
 
