@@ -59,7 +59,6 @@ class Preemption:
         recovery: The recovery loop, whose resize moves the workers.
         state: The training state, handed over before workers leave (`TrainingState.hand_over`).
         checkpoints: Where a checkpoint goes when rank 0 cannot move (`Checkpoints.at_notice`).
-        local_checkpoint: Writes a checkpoint now (None when the trainer has no checkpoint_dir).
     """
 
     def __init__(

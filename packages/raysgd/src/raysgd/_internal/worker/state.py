@@ -69,7 +69,7 @@ class WorkerState(abc.ABC):
         runner: The worker's runner, whose models, optimizers and position are the state.
     """
 
-    #: The checkpoint kind `save` writes into a folder (`checkpoint.WHOLE` or `SHARDED`).
+    #: The checkpoint kind `save` writes into a folder (`storage.format.WHOLE` or `SHARDED`).
     kind: ClassVar[str]
 
     def __init__(self, runner: OperatorRunner) -> None:
