@@ -117,17 +117,30 @@ def _assert_equal(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor
         assert difference <= TOLERANCE, f"{name} differs by {difference}"
 
 
-def _clean_run(strategy: str, k: int, saved: Path, **config: Any) -> dict[str, torch.Tensor]:
-    """The uninterrupted job: a call that ends inside a window, a save there, the rest."""
-    trainer = _trainer(strategy, k, config=config)
-    try:
-        trainer.train(num_steps=6)
-        trainer.save(saved)
-        for _ in range(2):
-            assert trainer.train()["num_samples"] == ROWS - (6 * GLOBAL_BATCH if _ == 0 else 0)
-        return _weights(trainer)
-    finally:
-        trainer.shutdown()
+#: (strategy, k, config) -> the uninterrupted job's weights and its save: the tests that fault the
+#: same job share one run of it.
+_CLEAN: dict[tuple[str, int, str], tuple[dict[str, torch.Tensor], Path]] = {}
+
+
+def _clean_run(
+    strategy: str, k: int, folder: Path, **config: Any
+) -> tuple[dict[str, torch.Tensor], Path]:
+    """The uninterrupted job: a call that ends inside a window, a save there (into `folder`,
+    unless an earlier test ran the same job), the rest. Its final weights and the save."""
+    key = (strategy, k, repr(sorted(config.items())))
+    if key not in _CLEAN:
+        saved = folder / ("state" if strategy == "fsdp" else "state.pt")
+        trainer = _trainer(strategy, k, config=config)
+        try:
+            trainer.train(num_steps=6)
+            trainer.save(saved)
+            for epoch in range(2):
+                result = trainer.train()
+                assert result["num_samples"] == ROWS - (6 * GLOBAL_BATCH if epoch == 0 else 0)
+            _CLEAN[key] = (_weights(trainer), saved)
+        finally:
+            trainer.shutdown()
+    return _CLEAN[key]
 
 
 # (strategy, k, the kills: rank and global step). With k=4 the kills fall on every position of a
@@ -145,8 +158,7 @@ CASES = [
 def test_a_job_loaded_inside_a_window_and_losing_workers_ends_with_the_clean_weights(
     strategy: str, k: int, kills: list, tmp_path: Path
 ) -> None:
-    saved = tmp_path / ("state" if strategy == "fsdp" else "state.pt")
-    expected = _clean_run(strategy, k, saved)
+    expected, saved = _clean_run(strategy, k, tmp_path)
 
     markers = tmp_path / "markers"
     markers.mkdir()
@@ -195,7 +207,7 @@ def test_a_killed_driver_resumed_and_a_smaller_group_keep_the_result(tmp_path: P
     # The driver dies (SIGKILL) with checkpoint_every=6 and k=4: its checkpoints are taken at the
     # first window end at or after every 6 steps, with every rank's generators and per-rank
     # state; resume=True goes on from the newest, as the uninterrupted job would have.
-    expected = _clean_run("ddp", 4, tmp_path / "unused.pt")
+    expected, _ = _clean_run("ddp", 4, tmp_path)
     script = tmp_path / "driver.py"
     script.write_text(DRIVER.format(repo=str(REPO)))
     folder = tmp_path / "checkpoints"
@@ -227,7 +239,7 @@ def test_a_killed_driver_resumed_and_a_smaller_group_keep_the_result(tmp_path: P
     # can bound), so this job draws nothing and carries nothing. Each step then averages the
     # gradients of the same rows, summed over 3 ranks instead of 4 in float32: the weights agree
     # within 1e-5, and every row is trained once per epoch.
-    plain = _clean_run("ddp", 4, tmp_path / "plain.pt", plain=True)
+    plain, _ = _clean_run("ddp", 4, tmp_path, plain=True)
     markers = tmp_path / "markers"
     markers.mkdir()
     config = {"kills": [(1, 6)], "markers": str(markers), "plain": True}
