@@ -46,7 +46,8 @@ TOLERANCE = 1e-6
 class ExactOperator(TrainingOperator):
     """An MLP with dropout whose inputs are shifted by Python's and NumPy's generators and by a
     state each rank carries; `config["kills"]` lists ``(rank, global_step)`` at which that rank's
-    worker exits at the start of its batch, once each (a marker file in `config["markers"]`)."""
+    worker exits at the start of its batch, `config["exits_after_step"]` those at which it exits
+    just after its optimizer stepped, once each (a marker file in `config["markers"]`)."""
 
     def setup(self, config: dict[str, Any]) -> None:
         torch.manual_seed(0)
@@ -67,16 +68,24 @@ class ExactOperator(TrainingOperator):
         random.seed(2000 + self.world_rank)
         np.random.seed(3000 + self.world_rank)
         self.carried = torch.zeros(8)
+        if config.get("exits_after_step"):
+            optimizer.register_step_post_hook(self._after_step)
 
-    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
-        for rank, step in self.config.get("kills", ()):
+    def _exit_once(self, kills: Any, name: str) -> None:
+        for rank, step in kills:
             if (rank, step) == (self.world_rank, self.global_step):
-                marker = os.path.join(self.config["markers"], f"{rank}-{step}")
+                marker = os.path.join(self.config["markers"], f"{name}{rank}-{step}")
                 try:
                     os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
                 except FileExistsError:
                     continue
                 os._exit(1)
+
+    def _after_step(self, *args: Any) -> None:
+        self._exit_once(self.config["exits_after_step"], "after-step-")
+
+    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        self._exit_once(self.config.get("kills", ()), "")
         if self.config.get("plain"):
             return super().train_batch(batch, batch_info)
         x, y = batch
@@ -239,11 +248,16 @@ def test_a_killed_driver_resumed_and_a_smaller_group_keep_the_result(tmp_path: P
     # can bound), so this job draws nothing and carries nothing. Each step then averages the
     # gradients of the same rows, summed over 3 ranks instead of 4 in float32: the weights agree
     # within 1e-5, and every row is trained once per epoch.
+    # Rank 1 dies just after the optimizer step that ends the window at a checkpoint's step (8):
+    # its ring successor fails in the slot exchange before the checkpoint, rank 0 after starting
+    # it. All must still agree where the next checkpoint falls (taking one takes every worker),
+    # or the one that takes it alone waits for the others: a second, spurious loss.
     plain, _ = _clean_run("ddp", 4, tmp_path, plain=True)
     markers = tmp_path / "markers"
     markers.mkdir()
-    config = {"kills": [(1, 6)], "markers": str(markers), "plain": True}
-    smaller = _trainer("ddp", 4, config=config)
+    config = {"exits_after_step": [(1, 7)], "markers": str(markers), "plain": True}
+    every = {"checkpoint_dir": str(tmp_path / "periodic"), "checkpoint_every": 8}
+    smaller = _trainer("ddp", 4, config=config, **every)
     try:
         counts = [smaller.train()["num_samples"] for _ in range(2)]
         assert counts == [ROWS, ROWS] and smaller.failures == 1

@@ -69,7 +69,7 @@ class PeriodicCheckpoints:
         #: Seconds the training loop waited at checkpoint steps (staging, a previous upload).
         self.blocked_s = 0.0
         self.last: Optional[Written] = None
-        # The step of the last checkpoint taken (or where the runner was when this began).
+        # The step of the last checkpoint taken, or the window start the call began at (`arm`).
         self._taken_at = state.runner.step
         self.error: Optional[str] = None
         #: The writer: one thread for all of this worker's checkpoints, fed through `_jobs` (a
@@ -85,8 +85,16 @@ class PeriodicCheckpoints:
         state.runner.add_step_hook(self._on_step)
 
     def arm(self, plan: Optional[CheckpointPlan]) -> None:
-        """Checkpoint as `plan` says from the next step boundary on (None: not at all)."""
+        """Checkpoint as `plan` says from the next step boundary on (None: not at all).
+
+        Every worker arms at the start of each attempt of a call, at the same window start: the
+        checkpoints fall due from there on, on every worker alike. A worker's own record of
+        the last one it took is not kept across a recovery: a worker that failed before its
+        checkpoint step (its ring peer died, say) and one that got past it would otherwise
+        disagree on the next one, and writing a checkpoint takes every worker (its per-rank
+        slots are gathered), so the one that takes it alone would wait for the others."""
         self.plan = plan
+        self._taken_at = self.state.runner.window_step
         if plan is not None:
             # The root's filesystem, built here on the training thread if not yet, is shared by
             # every folder joined to it: threads it starts (fsspec's event loop) are never the
