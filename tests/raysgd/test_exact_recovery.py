@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from raysgd import TorchTrainer, TrainingOperator
+from raysgd._internal.storage.format import newest_complete
 from raysgd.utils import BATCH_SIZE
 from raysgd_fault import DefaultPolicy
 
@@ -248,16 +249,11 @@ def test_a_killed_driver_resumed_and_a_smaller_group_keep_the_result(tmp_path: P
     # can bound), so this job draws nothing and carries nothing. Each step then averages the
     # gradients of the same rows, summed over 3 ranks instead of 4 in float32: the weights agree
     # within 1e-5, and every row is trained once per epoch.
-    # Rank 1 dies just after the optimizer step that ends the window at a checkpoint's step (8):
-    # its ring successor fails in the slot exchange before the checkpoint, rank 0 after starting
-    # it. All must still agree where the next checkpoint falls (taking one takes every worker),
-    # or the one that takes it alone waits for the others: a second, spurious loss.
     plain, _ = _clean_run("ddp", 4, tmp_path, plain=True)
     markers = tmp_path / "markers"
     markers.mkdir()
-    config = {"exits_after_step": [(1, 7)], "markers": str(markers), "plain": True}
-    every = {"checkpoint_dir": str(tmp_path / "periodic"), "checkpoint_every": 8}
-    smaller = _trainer("ddp", 4, config=config, **every)
+    config = {"kills": [(1, 6)], "markers": str(markers), "plain": True}
+    smaller = _trainer("ddp", 4, config=config)
     try:
         counts = [smaller.train()["num_samples"] for _ in range(2)]
         assert counts == [ROWS, ROWS] and smaller.failures == 1
@@ -269,3 +265,37 @@ def test_a_killed_driver_resumed_and_a_smaller_group_keep_the_result(tmp_path: P
     for name, value in plain.items():
         difference = float((got[name] - value).abs().max())
         assert difference <= 1e-5, f"{name} differs by {difference}"
+
+
+def test_a_worker_lost_just_after_a_windows_step_is_one_loss_and_said_to_be_inexact(
+    tmp_path: Path,
+) -> None:
+    # Rank 1 dies just after the optimizer step that ends a window at a checkpoint's step (8),
+    # before its slot of the new window start reached its ring peer: the replacement cannot
+    # have its generators, and the resize says so. Its ring successor fails in that exchange
+    # before the checkpoint, rank 0 after starting it; the group keeps its size and the
+    # survivors their runners. They must still agree where the next checkpoint falls (taking
+    # one takes every worker), or the one that takes it alone waits for the others until they
+    # declare it silent: a second, spurious loss.
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    trainer = _trainer(
+        "ddp",
+        4,
+        config={"exits_after_step": [(1, 7)], "markers": str(markers), "plain": True},
+        checkpoint_dir=str(tmp_path / "periodic"),
+        checkpoint_every=8,
+        spare_workers=1,
+        failure_policy=DefaultPolicy(replace_in_background=False),
+    )
+    try:
+        assert trainer.train()["num_samples"] == ROWS
+        assert trainer.failures == 1 and trainer.num_workers == WORKERS
+        (resize,) = [e for e in trainer.recovery_events if e.kind == "resize"]
+        assert any("rank 1 at step 8" in reason for reason in resize.inexact), resize.inexact
+        # The checkpoints went on after the loss: the newest complete one is at the epoch's end.
+        trainer.shutdown()
+        newest = newest_complete(tmp_path / "periodic")
+        assert newest is not None and newest.manifest.step == 16
+    finally:
+        trainer.shutdown()
