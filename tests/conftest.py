@@ -47,10 +47,37 @@ def _start_local() -> None:
     _mode["kind"] = "local"
 
 
+#: The modules that take longest (minutes each on 2 cores), longest first. `hatch run test` hands
+#: whole modules to its two test processes in collection order (`--dist loadfile`): started
+#: first, these end while the short ones fill the other process, instead of one process running
+#: a long module alone at the end.
+LONGEST_FIRST = (
+    "tests/examples/test_examples.py",
+    "tests/raysgd/test_recovery_trainer.py",
+    "tests/raysgd/test_exact_recovery.py",
+    "tests/raysgd/test_preemption.py",
+    "tests/packaging/test_install_smoke.py",
+    "tests/raysgd/test_fsdp.py",
+    "tests/raysgd/test_datasets.py",
+    "tests/raysgd/test_failure_bursts.py",
+    "tests/raysgd/test_checkpoint_storage.py",
+    "tests/tune/test_distributed.py",
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Multi-node tests last: each one stops the shared cluster, which the next `ray_local` test
-    then starts again (seconds each time); together at the end they cost that restart once."""
-    items.sort(key=lambda item: "ray_multinode" in getattr(item, "fixturenames", ()))
+    """The longest modules first (`LONGEST_FIRST`), the others in their order; multi-node tests
+    last: each one stops the shared cluster, which the next `ray_local` test then starts again
+    (seconds each time); together at the end they cost that restart once."""
+    root = Path(__file__).resolve().parent.parent
+    rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
+
+    def key(item: pytest.Item) -> tuple[bool, int]:
+        module = item.path.resolve().relative_to(root).as_posix()
+        multinode = "ray_multinode" in getattr(item, "fixturenames", ())
+        return multinode, rank.get(module, len(LONGEST_FIRST))
+
+    items.sort(key=key)
 
 
 @pytest.fixture
