@@ -160,3 +160,30 @@ def test_a_state_saved_inside_a_window_is_its_start_and_loading_it_redoes_the_wi
     assert first["batch_count"] == 6 and loaded.step == 12
     _train(loaded, [None, None])
     _equal(clean, loaded)
+
+
+def test_a_worker_a_window_ahead_of_the_source_goes_back_with_it_counting_each_batch_once() -> None:
+    # The window's last all-reduce ended on this worker (it stepped to 8) but failed on its peer
+    # (back at 4): the group goes on from the peer's state, place, call and this rank's slot of
+    # step 4 (a ring peer's copy; the peer's own here, drawn from the same seeds). The window's
+    # batches this worker recorded are recorded again, so it forgets them.
+    clean = _runner()
+    expected = clean.train_epoch(call_id=0)
+    # One after the other: the runners of one process share the global generators, which each
+    # seeds when it is built.
+    ahead = _runner(fail_at=[8])
+    with pytest.raises(Interrupted):
+        ahead.train_epoch(call_id=0)
+    ahead.progress()
+    behind = _runner(fail_at=[7])
+    with pytest.raises(Interrupted):
+        behind.train_epoch(call_id=0)
+    behind.progress()
+    assert (ahead.step, behind.step) == (8, 4)
+    ahead.load_state_dict(behind.state_dict())
+    ahead.adopt(behind.position_state(), behind.call)
+    ahead.load_rank_slot(behind.rank_slot())
+    result = ahead.train_epoch(call_id=0)
+    _equal(clean, ahead)
+    assert result["num_samples"] == expected["num_samples"] == 72
+    assert result["batch_count"] == expected["batch_count"] == 18

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+from tests._support.markers import mark, wait_for
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -48,7 +49,10 @@ class ExactOperator(TrainingOperator):
     """An MLP with dropout whose inputs are shifted by Python's and NumPy's generators and by a
     state each rank carries; `config["kills"]` lists ``(rank, global_step)`` at which that rank's
     worker exits at the start of its batch, `config["exits_after_step"]` those at which it exits
-    just after its optimizer stepped, once each (a marker file in `config["markers"]`)."""
+    just after its optimizer stepped, once each (a marker file in `config["markers"]`).
+    `config["split_window"]` is ``(lost, ahead, global_step)``: at that step's optimizer step,
+    rank `ahead` steps, rank `lost` exits once it did, and the others wait in a collective
+    first (as on ranks that a gradient all-reduce failed while it ended on `ahead`)."""
 
     def setup(self, config: dict[str, Any]) -> None:
         torch.manual_seed(0)
@@ -71,19 +75,43 @@ class ExactOperator(TrainingOperator):
         self.carried = torch.zeros(8)
         if config.get("exits_after_step"):
             optimizer.register_step_post_hook(self._after_step)
+        if config.get("split_window"):
+            optimizer.register_step_pre_hook(self._split_window)
+            optimizer.register_step_post_hook(self._split_window_stepped)
+
+    def _first(self, name: str) -> bool:
+        """Whether this is the first time marker `name` is asked for (it exists from now on)."""
+        try:
+            os.close(os.open(os.path.join(self.config["markers"], name), os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return False
+        return True
 
     def _exit_once(self, kills: Any, name: str) -> None:
         for rank, step in kills:
             if (rank, step) == (self.world_rank, self.global_step):
-                marker = os.path.join(self.config["markers"], f"{name}{rank}-{step}")
-                try:
-                    os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-                except FileExistsError:
-                    continue
-                os._exit(1)
+                if self._first(f"{name}{rank}-{step}"):
+                    os._exit(1)
 
     def _after_step(self, *args: Any) -> None:
         self._exit_once(self.config["exits_after_step"], "after-step-")
+
+    def _split_window(self, *args: Any) -> None:
+        lost, ahead, step = self.config["split_window"]
+        rank = self.world_rank
+        if self.global_step != step or rank == ahead or not self._first(f"split-{rank}"):
+            return
+        if rank == lost:
+            wait_for(self.config["markers"], ["ahead-stepped"])
+            os._exit(1)
+        # Never ends: `ahead` went on to the next window, `lost` dies; the group's abort
+        # releases this rank with an error, before its optimizer stepped.
+        torch.distributed.all_reduce(torch.zeros(1))
+
+    def _split_window_stepped(self, *args: Any) -> None:
+        _, ahead, step = self.config["split_window"]
+        if (self.world_rank, self.global_step) == (ahead, step):
+            mark(self.config["markers"], "ahead-stepped")
 
     def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
         self._exit_once(self.config.get("kills", ()), "")
@@ -192,6 +220,36 @@ def test_a_job_loaded_inside_a_window_and_losing_workers_ends_with_the_clean_wei
         if strategy == "ddp":
             # A window is done again at most: its batches, the one in flight included.
             assert all(0 < e.steps_redone <= k for e in resizes), [e.steps_redone for e in resizes]
+        _assert_equal(_weights(trainer), expected)
+    finally:
+        trainer.shutdown()
+
+
+def test_survivors_a_window_apart_redo_that_window_and_end_with_the_clean_weights(
+    tmp_path: Path,
+) -> None:
+    # Window 8-11's last all-reduce ends on rank 3, which steps to 12, and fails on ranks 0 and 2
+    # when rank 1 dies. Rank 3 holds step 12's model, but the slots of 0, 1 and 2 of step 12
+    # exist nowhere; step 8's model and every rank's slot of step 8 do: the group goes back to
+    # step 8 (rank 3 too) and redoes the window.
+    expected, saved = _clean_run("ddp", 4, tmp_path)
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    trainer = _trainer(
+        "ddp",
+        4,
+        config={"split_window": (1, 3, 11), "markers": str(markers)},
+        spare_workers=1,
+        failure_policy=DefaultPolicy(replace_in_background=False),
+    )
+    try:
+        trainer.load(saved)
+        for epoch in range(2):
+            result = trainer.train()
+            assert result["num_samples"] == ROWS - (6 * GLOBAL_BATCH if epoch == 0 else 0)
+        assert trainer.failures == 1
+        (resize,) = [e for e in trainer.recovery_events if e.kind == "resize"]
+        assert resize.inexact == () and resize.steps_redone == 4, resize
         _assert_equal(_weights(trainer), expected)
     finally:
         trainer.shutdown()

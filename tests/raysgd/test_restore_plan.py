@@ -162,6 +162,27 @@ def test_a_slot_no_live_worker_holds_makes_the_plan_say_it_is_not_exact() -> Non
     assert 1 in plan.receivers
 
 
+def test_survivors_a_window_apart_go_back_to_the_window_every_slot_is_held_of() -> None:
+    # The last batch's gradient all-reduce of window 4-7 ended on rank 3 but failed on ranks 0
+    # and 2 when rank 1 died: rank 3 stepped to 8 (and waits for rank 2's slot of step 8), the
+    # others went back to 4. Step 8's model is held, but not ranks 0, 1 and 2's slots of it;
+    # step 4's model and every slot of step 4 are: the group redoes the window from there.
+    def at(step: int, old: int, predecessor: int, in_batch: bool) -> Holding:
+        progress = Progress(
+            step=step, epoch=0, clean=True, in_batch=in_batch, reached=8 if in_batch else step
+        )
+        return Holding(progress, rank=(old, 5), peer_slots=((predecessor, 5, 4),))
+
+    holdings = [at(4, 0, 3, True), Holding(None), at(4, 2, 1, True), at(8, 3, 2, False)]
+    plan = plan_from_peers(holdings, rank_sources=(0, 1, 2, 3))
+    assert (plan.step, plan.source, plan.steps_redone) == (4, 0, 4)
+    assert plan.receivers == (1, 3) and plan.inexact == ()
+    moves = {(m.rank, m.holder, m.receiver, m.replica) for m in plan.slot_moves}
+    # The replacement takes rank 1's slot from rank 2's copy; rank 3, a window ahead, its own
+    # slot of step 4 from rank 0's copy.
+    assert moves == {(1, 2, 1, True), (3, 0, 3, True)}
+
+
 def test_a_validation_inside_the_interrupted_window_is_named() -> None:
     progress = Progress(step=4, epoch=1, clean=True, in_batch=False, reached=6, interleaved=True)
     plan = plan_from_peers(

@@ -168,6 +168,9 @@ class OperatorRunner:
         #: Validation calls since the window start (see `progress`).
         self._validations_in_window = 0
         self._window = self._mark_window_start()
+        #: The start of the window before the one in progress: a worker that finished a window
+        #: its peers did not (a collective that ended here but failed on them) goes back to it.
+        self._window_before: WindowStart | None = None
 
     @property
     def device(self) -> torch.device:
@@ -337,7 +340,7 @@ class OperatorRunner:
         # precision backend to step (a skipped step ends its window too).
         window = self._window
         if self.journal.dirty or self.components.optimizer_steps != window.optimizer_steps:
-            self._window = self._mark_window_start()
+            self._window_before, self._window = window, self._mark_window_start()
         for hook in self._step_hooks:
             hook()
 
@@ -540,7 +543,15 @@ class OperatorRunner:
     def adopt(self, position: Mapping[str, Any], call: CallRecord | None) -> None:
         """Go on from the recovery source's `position_state` and call: the next `train_epoch` with
         the same call id continues that call. Metrics this worker recorded in the call are kept
-        (a survivor's); a worker new to the call starts its metrics empty."""
+        (a survivor's: up to `position`'s step, when it had finished the window before it); a
+        worker new to the call starts its metrics empty."""
+        before, self._window_before = self._window_before, None
+        if before is not None and before.step == int(position["step"]) and before.meters:
+            # This worker finished the window the source goes on from (its state, loaded already,
+            # may have set the step back): that window's batches are recorded again.
+            meters, mark = before.meters
+            if meters is self._meters:
+                meters.rewind(mark)
         # This worker's own generator state for the loader's seed (its peers' differ).
         self._set_position(position, pass_seed=self._train.pass_seed)
         self._trained_to = int(position.get("trained_to", self.step))

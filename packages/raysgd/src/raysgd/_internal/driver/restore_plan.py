@@ -9,10 +9,13 @@ worker offers differs:
 
 - `plan_from_peers` (every worker holds the whole state: ``ddp``, ``none``): a worker whose state
   is clean (a worker torn between two optimizer steps never is) holds the one part of its step.
-  The rule's holder is the source; every worker without a runner, behind the source or torn
-  receives the source's state. What differs from rank to rank (the generators, the per-rank
-  state: a rank's *slot*) is each survivor's own, and a replacement gets the lost rank's from the
-  ring peer that holds a replica of it (`worker.rank_replicas`).
+  The rule's holder is the source; every worker without a runner, behind or ahead of the source
+  or torn receives the source's state. What differs from rank to rank (the generators, the
+  per-rank state: a rank's *slot*) is each survivor's own, and a replacement gets the lost rank's
+  from the ring peer that holds a replica of it (`worker.rank_replicas`). The survivors may stand
+  a window apart (a collective that ends on some ranks before a peer's loss fails it on the
+  others: those ranks stepped, the others went back): when only the older window start has every
+  rank's slot, the group goes back to it, redoing a window rather than going on inexactly.
 - `plan_from_snapshots` (each worker holds its part and a peer's copy: ``fsdp``): a worker holds
   the parts of each snapshot it keeps; every worker is rebuilt from the snapshot the rule picks.
 
@@ -124,16 +127,25 @@ def plan_from_peers(
     """The restore of a group whose rank r reported `holdings[r]`, when every worker holds the
     whole state: a clean worker holds the one part of its step. `rank_sources`: whose slot each
     rank takes (see `RestorePlan`; empty: its own)."""
-    plan = replace(
-        _whole_from_peers([holding.progress for holding in holdings]),
-        rank_sources=tuple(rank_sources),
-    )
-    if plan.source is None:
-        return plan
-    moves, inexact = _slot_moves(holdings, rank_sources, plan.step)
-    return replace(
-        plan, slot_moves=moves, inexact=inexact + _interleaved([h.progress for h in holdings])
-    )
+    progress = [holding.progress for holding in holdings]
+    held = {p.step for p in progress if p is not None and p.clean}
+    chosen: Optional[RestorePlan] = None
+    # The newest step whose every slot is held; else the newest step, said to be inexact.
+    for step in sorted(held, reverse=True):
+        moves, inexact = _slot_moves(holdings, rank_sources, step)
+        plan = replace(
+            _whole_from_peers(progress, step),
+            rank_sources=tuple(rank_sources),
+            slot_moves=moves,
+            inexact=inexact + _interleaved(progress),
+        )
+        if chosen is None or not inexact:
+            chosen = plan
+        if not inexact:
+            break
+    if chosen is None:  # no clean worker: nothing to go on from
+        return replace(_whole_from_peers(progress, None), rank_sources=tuple(rank_sources))
+    return chosen
 
 
 def _slot_moves(
@@ -188,10 +200,13 @@ def _interleaved(progress: Sequence[Optional[Progress]]) -> tuple[str, ...]:
     return ()
 
 
-def _whole_from_peers(progress: Sequence[Optional[Progress]]) -> RestorePlan:
-    """The source and receivers of a whole state (see `plan_from_peers`)."""
+def _whole_from_peers(progress: Sequence[Optional[Progress]], step: Optional[int]) -> RestorePlan:
+    """The source and receivers of a whole state as of `step` (see `plan_from_peers`; None: no
+    clean worker holds a step)."""
     found = newest_held_step(
-        (rank, p.step, 1, (0,)) for rank, p in enumerate(progress) if p is not None and p.clean
+        (rank, p.step, 1, (0,))
+        for rank, p in enumerate(progress)
+        if p is not None and p.clean and p.step == step
     )
     if found is None:
         return RestorePlan(
