@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from raysgd_examples.bench.chaos import KINDS, plan_faults, rows_report
+from raysgd_examples.bench._chaos_faults import KINDS, plan_faults
+from raysgd_examples.bench._chaos_report import rows_report
 
 
 def test_the_schedule_is_seeded_takes_every_kind_and_kills_the_driver_once_mid_run() -> None:

@@ -10,8 +10,8 @@ to a file of its own, and where it is (pid, rank, node) whenever that changes.
 
 It runs on a `ray.cluster_utils.Cluster` (a head without CPUs and `--nodes` nodes of 3 CPUs:
 room for the workers, the spare and a node's workers moving elsewhere). The driver is a process
-of its own (``--driver``, not for direct use), so that it can be killed and started again with
-``resume=True``; this process owns the cluster and injects the faults, each at its time once
+of its own (`_chaos_job`, which also holds the job), so that it can be killed and started again
+with ``resume=True``; this process owns the cluster and injects the faults, each at its time once
 the group is whole again (all ranks training, every node back):
 
 - ``sigkill``: a random worker SIGKILLed at a random moment (a forward, a backward, an
@@ -52,396 +52,31 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import os
 import random
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
-import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from raysgd_examples.bench import _chaos_job, _common, _drain
+from raysgd_examples.bench._chaos_faults import KINDS, Fault, plan_faults
+from raysgd_examples.bench._chaos_job import JOB, read_json, write_json
+from raysgd_examples.bench._chaos_report import print_report, report
 
-from raysgd import TrainingOperator
-from raysgd.utils import BATCH_SIZE
-from raysgd_examples.bench import _common, _drain
+__all__ = ["Chaos", "main"]
 
-__all__ = ["ChaosOperator", "main", "plan_faults", "rows_report"]
-
-_MODULE = "raysgd_examples.bench.chaos"
-
-#: The job. Steps per epoch (rows / global batch) are a multiple of the window (k), so that an
-#: epoch ends at a window's end; the global batch divides by 8, 7 and 6 workers.
-JOB: dict[str, Any] = {
-    "features": 32,
-    "hidden": 256,
-    "outputs": 8,
-    "global_batch": 168,
-    "steps_per_epoch": 128,
-    "k": 4,
-    "checkpoint_every": 14,
-    "lr": 0.02,
-    "dropout": 0.2,
-}
-#: The faults, in the order a short run takes them (`plan_faults`).
-KINDS = (
-    "sigkill",
-    "driver",
-    "drain",
-    "exit:after_step",
-    "sigstop",
-    "remove",
-    "burst",
-    "sigkill:checkpoint",
-    "exit:forward",
-    "exit:backward",
-    "exit:step",
-)
-#: How the faults beyond one of each are drawn.
-_EXTRA_WEIGHTS = {
-    "sigkill": 5,
-    "exit:forward": 1,
-    "exit:backward": 1,
-    "exit:step": 1,
-    "exit:after_step": 1,
-    "burst": 1,
-    "sigstop": 1,
-    "drain": 1,
-    "remove": 1,
-    "sigkill:checkpoint": 1,
-}
-_MAX_RETRIES = 10**6
 _DRAIN_DEADLINE_S = 30
 _READD_AFTER_S = 15.0
 _STOPPED_KILL_S = 180.0
 _HANG_S = 300.0
 _CPUS_PER_NODE = 3
-
-
-# --------------------------------------------------------------------------- on the workers
-
-
-class ChaosOperator(TrainingOperator):
-    """The job (see the module docstring); `config["chaos"]` holds its sizes and its folder."""
-
-    def setup(self, config: dict[str, Any]) -> None:
-        job = config["chaos"]
-        torch.set_num_threads(1)
-        torch.manual_seed(0)  # one model for every rank
-        f, h, p = job["features"], job["hidden"], job["dropout"]
-        model = nn.Sequential(
-            nn.Linear(f, h), nn.ReLU(), nn.Dropout(p),
-            nn.Linear(h, h), nn.ReLU(), nn.Dropout(p),
-            nn.Linear(h, job["outputs"]),
-        )  # fmt: skip
-        optimizer = torch.optim.SGD(model.parameters(), lr=job["lr"], momentum=0.9)
-        rows = job["global_batch"] * job["steps_per_epoch"]
-        gen = torch.Generator().manual_seed(1)
-        x = torch.randn(rows, f, generator=gen)
-        y = torch.tanh(x @ torch.randn(f, job["outputs"], generator=gen))
-        self.register(models=model, optimizers=optimizer, criterion=nn.MSELoss())
-        self.register_data(
-            train_loader=DataLoader(
-                TensorDataset(x, y, torch.arange(rows)), batch_size=config[BATCH_SIZE], shuffle=True
-            )
-        )
-        # Each rank's own random streams, as a script that seeds by rank has.
-        torch.manual_seed(1000 + self.world_rank)
-        random.seed(2000 + self.world_rank)
-        np.random.seed(3000 + self.world_rank)
-        self.carried = torch.zeros(f)
-        folder = Path(job["dir"])
-        self._k = int(job["k"])
-        self._rows = os.open(
-            folder / "rows" / f"rows-{os.getpid()}.txt", os.O_WRONLY | os.O_CREAT | os.O_APPEND
-        )
-        self._workers = folder / "workers"
-        self._node = _node_id()
-        self._stamped: Optional[tuple[int, int]] = None
-        self._exit = _PhaseExit(folder, model[0], model[3], optimizer)
-
-    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
-        x, y, ids = batch
-        rank, world = self.world_rank, self.world_size
-        if self._stamped != (rank, world):
-            self._stamp(rank, world)
-        step = batch_info["global_step"]
-        # The batch's rows, as it starts: of a batch started more than once, the last counts.
-        line = (
-            f"{batch_info['epoch_idx']} {batch_info['epoch_batch_idx']} {step} {rank} {world} "
-            f"{time.time():.6f} {','.join(str(int(i)) for i in ids)}\n"
-        )
-        os.write(self._rows, line.encode())
-        self._exit.arm(rank, world, will_step=(step + 1) % self._k == 0)
-        noise = random.random() + float(np.random.rand())
-        x = x + 1e-2 * self.carried + 1e-3 * noise
-        self.carried = 0.9 * self.carried + x.mean(dim=0)
-        return super().train_batch((x, y), batch_info)
-
-    def rank_state_dict(self) -> Any:
-        return {"carried": self.carried}
-
-    def load_rank_state_dict(self, state: Any) -> None:
-        self.carried = torch.zeros_like(self.carried) if state is None else state["carried"]
-
-    def _stamp(self, rank: int, world: int) -> None:
-        stamp = {"pid": os.getpid(), "rank": rank, "world": world, "node": self._node}
-        stamp["raysgd"] = str(Path(sys.modules["raysgd"].__file__).parent)
-        _write_json(self._workers / f"{os.getpid()}.json", {**stamp, "t": time.time()})
-        self._stamped = (rank, world)
-
-
-class _PhaseExit:
-    """Exits this process in a phase of a batch when ``plan.json`` of the run's folder names
-    its rank (once per plan: the first process to get there leaves a marker)."""
-
-    def __init__(self, folder: Path, first: nn.Module, middle: nn.Module, optimizer: Any) -> None:
-        self._plan_path = folder / "plan.json"
-        self._folder = folder
-        self._armed: Optional[dict[str, Any]] = None
-        # Bound methods, not closures: the model travels to the driver (`get_model`) with them.
-        first.register_forward_pre_hook(self._forward)
-        middle.register_full_backward_pre_hook(self._backward)
-        optimizer.register_step_pre_hook(self._step)
-        optimizer.register_step_post_hook(self._after_step)
-
-    def _forward(self, *args: Any) -> None:
-        self._fire("forward")
-
-    def _backward(self, *args: Any) -> None:
-        self._fire("backward")
-
-    def _step(self, *args: Any) -> None:
-        self._fire("step")
-
-    def _after_step(self, *args: Any) -> None:
-        self._fire("after_step")
-
-    def arm(self, rank: int, world: int, *, will_step: bool) -> None:
-        self._armed = None
-        if not self._plan_path.exists():
-            return
-        try:
-            plan = json.loads(self._plan_path.read_text())
-        except (OSError, ValueError):
-            return
-        if (plan["rank"], plan["world"]) != (rank, world):
-            return
-        if plan["phase"] in ("step", "after_step") and not will_step:
-            return
-        if not (self._folder / f"exit-{plan['id']}").exists():
-            self._armed = plan
-
-    def _fire(self, phase: str) -> None:
-        plan = self._armed
-        if plan is None or plan["phase"] != phase:
-            return None
-        self._armed = None
-        try:
-            marker = self._folder / f"exit-{plan['id']}"
-            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return None
-        os._exit(1)
-
-
-def _node_id() -> str:
-    import ray
-
-    return ray.get_runtime_context().get_node_id()
-
-
-def _write_json(path: Path, payload: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, path)
-
-
-def _read_json(path: Path) -> Optional[Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-# --------------------------------------------------------------------------- the driver
-
-
-def _make_trainer(spec: dict[str, Any]) -> Any:
-    from raysgd import TorchTrainer
-    from raysgd_fault import DefaultPolicy
-
-    job = spec["job"]
-    return TorchTrainer(
-        training_operator_cls=ChaosOperator,
-        config={BATCH_SIZE: job["global_batch"], "chaos": {**job, "dir": spec["dir"]}},
-        num_workers=spec["workers"],
-        num_cpus_per_worker=1,
-        use_gpu=False,
-        backend="gloo",
-        accumulate_grad_batches=job["k"],
-        spare_workers=spec["spares"],
-        failure_policy=DefaultPolicy(replace_in_background=False),
-        checkpoint_dir=spec["checkpoint_dir"],
-        checkpoint_every=job["checkpoint_every"],
-        keep_checkpoints=3,
-        resume=spec["resume"],
-        peer_timeout_s=spec["peer_timeout_s"],
-    )
-
-
-def _event(e: Any) -> dict[str, Any]:
-    return {
-        "kind": e.kind,
-        "t": e.timestamp,
-        "before": e.num_workers_before,
-        "after": e.num_workers_after,
-        "steps_redone": e.steps_redone,
-        "inexact": list(e.inexact),
-        "preempted": e.preempted,
-        "source": e.source,
-        "duration_s": round(e.duration_s, 3),
-        "message": e.message[:400],
-    }
-
-
-class _Status:
-    """The driver's state in a JSON file, written every second from a thread (a killed driver
-    leaves its counts up to its last second)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = Path(path)
-        self.fields: dict[str, Any] = {"pid": os.getpid(), "phase": "starting"}
-        self.trainer: Any = None
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def write(self, **fields: Any) -> None:
-        with self._lock:
-            self._write(fields)
-
-    def _write(self, fields: dict[str, Any]) -> None:
-        self.fields.update(fields)
-        snapshot = dict(self.fields)
-        trainer = self.trainer
-        if trainer is not None:
-            try:
-                events = trainer.recovery_events
-                snapshot.update(
-                    failures=trainer.failures,
-                    moves=sum(1 for e in events if e.kind == "preemption"),
-                    epoch=trainer.epoch,
-                    goodput=trainer.goodput(),
-                    events=[_event(e) for e in events],
-                )
-            except Exception as exc:  # a snapshot taken mid-change: the next one will do
-                snapshot["snapshot_error"] = repr(exc)
-        snapshot["t"] = time.time()
-        _write_json(self.path, snapshot)
-
-    def start(self, trainer: Any) -> None:
-        self.trainer = trainer
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while not self._stop.wait(1.0):
-            self.write()
-
-
-def _driver(spec_path: str) -> None:
-    """The driver process: train until the deadline (or `epochs`), then save the weights."""
-    import ray
-
-    import raysgd
-
-    spec = json.loads(Path(spec_path).read_text())
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True
-    )
-    ray.init(address=spec["address"], log_to_driver=True)
-    status = _Status(spec["status"])
-    status.write(phase="constructing", raysgd=str(Path(raysgd.__file__).parent))
-    trainer = _make_trainer(spec)
-    resumed = trainer.apply_all_operators(lambda op: op.global_step)[0]
-    status.write(phase="training", resumed_step=resumed, resumed_epoch=trainer.epoch)
-    status.start(trainer)
-    started = time.time()
-    # A driver resumed inside an epoch finishes it whatever the time: the run ends at an epoch's
-    # end, where the reference stops too.
-    mid_epoch = resumed != trainer.epoch * spec["job"]["steps_per_epoch"]
-    while True:
-        if spec["epochs"] is not None:
-            if trainer.epoch >= spec["epochs"]:
-                break
-        elif not mid_epoch:
-            deadline = _read_json(Path(spec["deadline"]))
-            if deadline is not None and time.time() >= deadline:
-                break
-        trainer.train(max_retries=_MAX_RETRIES)
-        mid_epoch = False
-        status.write(epochs_done=trainer.epoch)
-    ended = time.time()
-    status.stop()
-    weights = {k: v.detach().cpu().clone() for k, v in trainer.get_model().state_dict().items()}
-    torch.save(weights, spec["weights"])
-    status.write(phase="done", loop_s=ended - started, loop_start=started, loop_end=ended)
-    trainer.shutdown()
-
-
-# --------------------------------------------------------------------------- the schedule
-
-
-@dataclass
-class Fault:
-    """One fault of the schedule: when (seconds from the start) and what; what happened to it."""
-
-    at_s: float
-    kind: str
-    injected_s: Optional[float] = None
-    detail: dict[str, Any] = field(default_factory=dict)
-
-
-def plan_faults(
-    count: int, duration_s: float, seed: int, kinds_allowed: tuple[str, ...] = KINDS
-) -> list[Fault]:
-    """`count` faults of `kinds_allowed` over the run: one of each kind first (in `KINDS` order
-    when fewer), the rest drawn by `_EXTRA_WEIGHTS`; the driver's kill (once at most) in the
-    middle, the others shuffled, each at a random moment of its own slot of the run (from 3% to
-    93% of it)."""
-    rng = random.Random(seed)
-    kinds = [k for k in KINDS if k in kinds_allowed][:count]
-    extra = [k for k in _EXTRA_WEIGHTS if k in kinds_allowed] or kinds
-    weights = [_EXTRA_WEIGHTS.get(k, 1) for k in extra]
-    if count > len(kinds):
-        kinds += rng.choices(extra, weights, k=count - len(kinds))
-    others = [k for k in kinds if k != "driver"]
-    rng.shuffle(others)
-    if "driver" in kinds:
-        others.insert(len(others) // 2, "driver")
-    start, span = 0.03 * duration_s, 0.9 * duration_s
-    slot = span / max(1, len(others))
-    return [
-        Fault(round(start + i * slot + rng.uniform(0.15, 0.85) * slot, 1), kind)
-        for i, kind in enumerate(others)
-    ]
-
-
-# --------------------------------------------------------------------------- the orchestrator
 
 
 class ProductProblem(RuntimeError):
@@ -477,7 +112,7 @@ class Chaos:
     def _stamps(self) -> list[dict[str, Any]]:
         found = []
         for path in (self.folder / "workers").glob("*.json"):
-            stamp = _read_json(path)
+            stamp = read_json(path)
             if stamp is not None:
                 found.append(stamp)
         return found
@@ -495,7 +130,7 @@ class Chaos:
         return newest
 
     def status(self) -> dict[str, Any]:
-        return _read_json(self.folder / f"status-{len(self.drivers)}.json") or {}
+        return read_json(self.folder / f"status-{len(self.drivers)}.json") or {}
 
     def healthy(self) -> bool:
         if self.killed_driver or self.proc is None or self.proc.poll() is not None:
@@ -536,7 +171,7 @@ class Chaos:
         spec_path.write_text(json.dumps(spec, indent=1))
         with open(self.folder / f"driver-{index}.log", "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", _MODULE, "--driver", str(spec_path)],
+                [sys.executable, "-m", _chaos_job.__name__, str(spec_path)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=_common.child_env(),
@@ -566,7 +201,7 @@ class Chaos:
         self.wait_training(600)
         self.start = time.time()
         self.deadline = self.start + self.args.minutes * 60
-        _write_json(self.folder / "deadline.json", self.deadline)
+        write_json(self.folder / "deadline.json", self.deadline)
         self.say(f"training; deadline in {self.args.minutes * 60:.0f} s; {len(schedule)} faults")
         queue = list(schedule)
         last_progress, progress_checked = time.time(), 0.0
@@ -722,7 +357,7 @@ class Chaos:
     def _phase_exit(self, fault: Fault, rank: int) -> None:
         phase = fault.kind.split(":", 1)[1]
         plan_id = len(self.faults)
-        _write_json(
+        write_json(
             self.folder / "plan.json",
             {"id": plan_id, "rank": rank, "world": self.workers, "phase": phase},
         )
@@ -760,245 +395,6 @@ class Chaos:
         self.say("sigkill:checkpoint: none caught in progress")
 
 
-# --------------------------------------------------------------------------- the analysis
-
-
-def rows_report(folder: Path, rows: int, epochs: int) -> dict[str, Any]:
-    """Rows lost and trained twice per epoch, from the rows files: of every batch (epoch and
-    place in it) the last attempt counts: its newest record gives the group size, and each rank
-    of that size gives its newest record of the batch."""
-    records: dict[tuple[int, int], list[tuple[float, int, int, list[int]]]] = defaultdict(list)
-    steps: dict[int, int] = {}
-    for path in folder.glob("rows-*.txt"):
-        for line in path.read_text().splitlines():
-            parts = line.split(" ")
-            if len(parts) != 7:
-                continue  # a line cut by a kill
-            epoch, place, step, rank, world = (int(v) for v in parts[:5])
-            ids = [int(v) for v in parts[6].split(",") if v]
-            records[(epoch, place)].append((float(parts[5]), rank, world, ids))
-            steps[epoch] = max(steps.get(epoch, 0), step)
-    per_epoch: dict[int, dict[str, int]] = {}
-    by_epoch: dict[int, list[list[tuple[float, int, int, list[int]]]]] = defaultdict(list)
-    for (epoch, _place), attempts in records.items():
-        by_epoch[epoch].append(attempts)
-    for epoch in range(epochs):
-        effective: list[int] = []
-        recorded = 0
-        gaps = 0
-        for attempts in by_epoch.get(epoch, []):
-            attempts.sort(key=lambda r: r[0], reverse=True)
-            world = attempts[0][2]
-            last: dict[int, list[int]] = {}
-            for _, rank, size, ids in attempts:
-                recorded += len(ids)
-                if size == world and rank not in last:
-                    last[rank] = ids
-            gaps += world - len(last)
-            for ids in last.values():
-                effective += ids
-        counts = Counter(effective)
-        per_epoch[epoch] = {
-            "lost": sum(1 for row in range(rows) if row not in counts),
-            "duplicated": sum(c - 1 for c in counts.values() if c > 1),
-            "trained_again": recorded - len(effective),
-            "missing_ranks": gaps,
-        }
-    return {
-        "per_epoch": per_epoch,
-        "lost": sum(e["lost"] for e in per_epoch.values()),
-        "duplicated": sum(e["duplicated"] for e in per_epoch.values()),
-        "trained_again": sum(e["trained_again"] for e in per_epoch.values()),
-        "last_global_step": max(steps.values(), default=0),
-    }
-
-
-def _max_step_before(folder: Path, until: float) -> int:
-    """The newest global step a worker started before `until` (the driver's kill)."""
-    newest = 0
-    for path in folder.glob("rows-*.txt"):
-        for line in path.read_text().splitlines():
-            parts = line.split(" ")
-            if len(parts) == 7 and float(parts[5]) <= until:
-                newest = max(newest, int(parts[2]))
-    return newest
-
-
-def _fault_before(faults: list[Fault], at_s: float) -> Optional[str]:
-    """The last fault injected before `at_s` (seconds from the start), e.g. ``"sigkill at 12.3 s"``."""
-    before = [f for f in faults if f.injected_s is not None and f.injected_s <= at_s]
-    if not before:
-        return None
-    fault = max(before, key=lambda f: f.injected_s)
-    return f"{fault.kind} at {fault.injected_s} s"
-
-
-def _weights_difference(a: Path, b: Path) -> dict[str, float]:
-    got, ref = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
-    return {name: float((got[name] - value).abs().max()) for name, value in ref.items()}
-
-
-def report(chaos: Chaos, ref: dict[str, Any], schedule: list[Fault]) -> dict[str, Any]:
-    folder = chaos.folder
-    chaos_statuses = [_read_json(folder / f"status-{d['index']}.json") or {} for d in chaos.drivers]
-    final = chaos_statuses[-1]
-    epochs = int(final.get("epochs_done", final.get("epoch", 0)))
-    rows = JOB["global_batch"] * JOB["steps_per_epoch"]
-    injected = [f for f in chaos.faults if "not_injected" not in f.detail]
-    failures = sum(int(s.get("failures", 0)) for s in chaos_statuses)
-    moves = sum(int(s.get("moves", 0)) for s in chaos_statuses)
-    restarts = sum(1 for d in chaos.drivers if d["resume"])
-    events = [e for s in chaos_statuses for e in s.get("events", [])]
-    resizes = [e for e in events if e["kind"] == "resize"]
-    inexact = [
-        {
-            "t": round(e["t"] - chaos.start, 1),
-            "after_fault": _fault_before(chaos.faults, e["t"] - chaos.start),
-            "reasons": e["inexact"],
-            "message": e["message"],
-        }
-        for e in resizes
-        if e["inexact"]
-    ]
-    resized = [
-        {
-            "t": round(e["t"] - chaos.start, 1),
-            "after_fault": _fault_before(chaos.faults, e["t"] - chaos.start),
-            "sizes": [e["before"], e["after"]],
-            "message": e["message"],
-        }
-        for e in resizes
-        if e["before"] != e["after"] or e["after"] != chaos.workers
-    ]
-    silent = [e for e in events if e["kind"] == "failure" and "stopped answering" in e["message"]]
-    stops = sum(1 for f in chaos.faults if f.kind == "sigstop" and "not_injected" not in f.detail)
-    resume_redone = []
-    for fault in chaos.faults:
-        if fault.kind == "driver" and fault.injected_s is not None:
-            killed_at = chaos.start + fault.injected_s
-            reached = _max_step_before(folder / "rows", killed_at)
-            resumed = [s.get("resumed_step") for s in chaos_statuses[1:]]
-            if resumed and resumed[0] is not None:
-                resume_redone.append(max(0, reached + 1 - int(resumed[0])))
-    goodputs = [s.get("goodput") or {} for s in chaos_statuses]
-    wall = sum(g.get("wall_s", 0.0) for g in goodputs)
-    productive = sum(g.get("productive_s", 0.0) for g in goodputs)
-    lost_s: dict[str, float] = defaultdict(float)
-    for g in goodputs:
-        for key, value in (g.get("lost_s") or {}).items():
-            lost_s[key] += value
-    rows_out = rows_report(folder / "rows", rows, epochs)
-    difference = _weights_difference(folder / "weights.pt", Path(ref["weights"]))
-    chaos_s = final.get("loop_end", chaos.chaos_end) - chaos.start
-    result = {
-        "seed": chaos.args.seed,
-        "workers": chaos.workers,
-        "minutes": chaos.args.minutes,
-        "duration_s": round(chaos_s, 1),
-        "epochs": epochs,
-        "steps": epochs * JOB["steps_per_epoch"],
-        "job": {**JOB, "checkpoint_every": chaos.args.checkpoint_every},
-        "faults_planned": len(schedule),
-        "faults_injected": len(injected),
-        "faults_by_kind": dict(Counter(f.kind for f in injected)),
-        "faults_survived": failures + moves + restarts,
-        "failures": failures,
-        "moves": moves,
-        "driver_restarts": restarts,
-        "rows": rows_out,
-        "steps_redone": {
-            "events": sum(int(e["steps_redone"] or 0) for e in resizes),
-            "resume": sum(resume_redone),
-            "from_rows": round(rows_out["trained_again"] / JOB["global_batch"], 2),
-        },
-        "goodput": {
-            "trainer": round(productive / wall, 4) if wall else None,
-            "trainer_wall_s": round(wall, 1),
-            "lost_s": {k: round(v, 1) for k, v in lost_s.items() if v},
-            "reference_s": round(ref["loop_s"], 1),
-            "chaos_s": round(chaos_s, 1),
-            "wall": round(ref["loop_s"] / chaos_s, 4) if chaos_s else None,
-        },
-        "inexact": inexact,
-        "max_weight_difference": max(difference.values()),
-        "weight_difference": difference,
-        "resizes": len(resizes),
-        "other_sizes": resized,
-        "silent_found": len(silent),
-        "sigstop_outcomes": chaos.stop_outcomes,
-        "faults": [asdict(f) for f in chaos.faults],
-        "problems": list(chaos.problems),
-        "folder": str(folder),
-    }
-    if rows_out["lost"]:
-        result["problems"].append(f"{rows_out['lost']} rows lost")
-    if rows_out["duplicated"]:
-        result["problems"].append(f"{rows_out['duplicated']} rows trained twice in an epoch")
-    # A group that goes on smaller is not exact by nature (its rows are split anew over fewer
-    # ranks, each rank's random draws go with other rows) and raysgd documents it so rather
-    # than flagging it: listed with the inexact recoveries, not as a problem.
-    for item in resized:
-        before, after = item["sizes"]
-        if after < min(before, chaos.workers) and not any(
-            abs(item["t"] - i["t"]) < 0.01 for i in inexact
-        ):
-            inexact.append(
-                {
-                    "t": item["t"],
-                    "after_fault": item["after_fault"],
-                    "reasons": [f"went on at {after} workers (no room for {before})"],
-                    "message": item["message"],
-                }
-            )
-    inexact.sort(key=lambda i: i["t"])
-    if len(silent) > stops:
-        result["problems"].append(
-            f"{len(silent)} workers were found silent (their peers' bound ran out) and killed, "
-            f"{stops} of them stopped by this benchmark"
-        )
-    if result["max_weight_difference"] > 1e-5 and not inexact:
-        result["problems"].append(
-            f"the weights differ by {result['max_weight_difference']:.3g} with no inexact recovery"
-        )
-    return result
-
-
-def _print(result: dict[str, Any]) -> None:
-    g, s, r = result["goodput"], result["steps_redone"], result["rows"]
-    print(
-        f"\nchaos: {result['workers']} workers, {result['duration_s']:.0f} s, seed {result['seed']}"
-    )
-    job = result["job"]
-    print(
-        f"  epochs {result['epochs']} ({result['steps']} steps, k={job['k']}, a checkpoint "
-        f"every {job['checkpoint_every']} steps)"
-    )
-    kinds = ", ".join(f"{k} {v}" for k, v in sorted(result["faults_by_kind"].items()))
-    print(f"  faults injected {result['faults_injected']} of {result['faults_planned']}: {kinds}")
-    print(
-        f"  faults survived {result['faults_survived']} (failures {result['failures']}, "
-        f"moves {result['moves']}, driver restarts {result['driver_restarts']})"
-    )
-    print(
-        f"  rows lost {r['lost']}, trained twice {r['duplicated']} "
-        f"(over {len(r['per_epoch'])} epochs; {r['trained_again']} row-batches redone)"
-    )
-    print(
-        f"  steps redone: {s['events']} by the resize events, {s['resume']} by the resume; "
-        f"{s['from_rows']} from the rows"
-    )
-    print(
-        f"  goodput: trainer {g['trainer']} (lost s: {g['lost_s']}); "
-        f"wall {g['wall']} (reference {g['reference_s']} s / chaos {g['chaos_s']} s)"
-    )
-    print(f"  inexact recoveries: {len(result['inexact'])} of {result['resizes']} resizes")
-    for item in result["inexact"]:
-        print(f"    at {item['t']} s, after {item['after_fault']}: {'; '.join(item['reasons'])}")
-    print(f"  max |w - w_ref|: {result['max_weight_difference']:.3g}")
-    for problem in result["problems"]:
-        print(f"  PROBLEM: {problem.splitlines()[0]}")
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -1023,16 +419,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="a ~2-minute smoke")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--out", default="bench_results", help="folder for chaos.json")
-    parser.add_argument("--driver", default=None, help=argparse.SUPPRESS)
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     """Run the chaos soak; print the report; write ``<out>/chaos.json``."""
     args = _parser().parse_args(argv)
-    if args.driver:
-        _driver(args.driver)
-        return {}
     if args.minutes is None:
         args.minutes = 1.5 if args.quick else 10.0
     if args.faults is None:
@@ -1071,7 +463,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         (folder / "orchestrator.log").write_text("\n".join(chaos.log) + "\n")
     result["schedule"] = [asdict(f) for f in schedule]
     if "epochs" in result:
-        _print(result)
+        print_report(result)
     else:
         print(f"\nchaos run stopped by a problem (seed {args.seed}); see {folder}")
         for problem in result["problems"]:
