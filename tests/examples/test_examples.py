@@ -47,8 +47,11 @@ def tune_outputs(request: pytest.FixtureRequest) -> Iterator[dict[str, Future[st
     module = request.module.__name__
     selected = [item.name for item in request.session.items if item.module.__name__ == module]
     wanted = [n for n in TUNE_EXAMPLES if any(i.startswith(f"test_{n}_") for i in selected)]
+    # They run beside this module's tests and the other test process (three Ray clusters on two
+    # cores): a Tune example then takes up to three times as long as alone (a PBT smoke took
+    # over 180 s in a full run), so the bound that stops a hung one is longer.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        yield {name: pool.submit(run_example, name, "--smoke") for name in wanted}
+        yield {name: pool.submit(run_example, name, "--smoke", timeout_s=360) for name in wanted}
 
 
 def run_example(name: str, *args: str, address: str | None = None, timeout_s: float = 180) -> str:
