@@ -52,9 +52,14 @@ class ExactOperator(TrainingOperator):
     just after its optimizer stepped, once each (a marker file in `config["markers"]`).
     `config["split_window"]` is ``(lost, ahead, global_step)``: at that step's optimizer step,
     rank `ahead` steps, rank `lost` exits once it did, and the others wait in a collective
-    first (as on ranks that a gradient all-reduce failed while it ended on `ahead`)."""
+    first (as on ranks that a gradient all-reduce failed while it ended on `ahead`). A worker
+    set up once the marker ``arm-setup-death`` exists exits in its set-up, once."""
 
     def setup(self, config: dict[str, Any]) -> None:
+        markers = config.get("markers")
+        if markers and os.path.exists(os.path.join(markers, "arm-setup-death")):
+            if self._first("setup-died"):
+                os._exit(1)
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 4))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -225,31 +230,36 @@ def test_a_job_loaded_inside_a_window_and_losing_workers_ends_with_the_clean_wei
         trainer.shutdown()
 
 
-def test_survivors_a_window_apart_redo_that_window_and_end_with_the_clean_weights(
+def test_a_loss_inside_a_resize_and_survivors_a_window_apart_keep_the_clean_weights(
     tmp_path: Path,
 ) -> None:
-    # Window 8-11's last all-reduce ends on rank 3, which steps to 12, and fails on ranks 0 and 2
-    # when rank 1 dies. Rank 3 holds step 12's model, but the slots of 0, 1 and 2 of step 12
-    # exist nowhere; step 8's model and every rank's slot of step 8 do: the group goes back to
-    # step 8 (rank 3 too) and redoes the window.
+    # Window 8-11: rank 1 dies at step 9 and the worker that takes its place dies while it sets
+    # up, inside that resize; the next one takes the place. Window 16-19: its last all-reduce
+    # ends on rank 3, which steps to 20, and fails on ranks 0 and 2 when rank 1 dies. Rank 3
+    # holds step 20's model, but the slots of ranks 0, 1 and 2 of step 20 exist nowhere; step
+    # 16's model and every rank's slot of step 16 do: the group goes back to 16 (rank 3 too)
+    # and redoes the window. Three losses, every one exact.
     expected, saved = _clean_run("ddp", 4, tmp_path)
     markers = tmp_path / "markers"
     markers.mkdir()
     trainer = _trainer(
         "ddp",
         4,
-        config={"split_window": (1, 3, 11), "markers": str(markers)},
+        config={"kills": [(1, 9)], "split_window": (1, 3, 19), "markers": str(markers)},
         spare_workers=1,
         failure_policy=DefaultPolicy(replace_in_background=False),
     )
     try:
         trainer.load(saved)
+        mark(markers, "arm-setup-death")
         for epoch in range(2):
             result = trainer.train()
             assert result["num_samples"] == ROWS - (6 * GLOBAL_BATCH if epoch == 0 else 0)
-        assert trainer.failures == 1
-        (resize,) = [e for e in trainer.recovery_events if e.kind == "resize"]
-        assert resize.inexact == () and resize.steps_redone == 4, resize
+        assert (markers / "setup-died").exists() and trainer.failures == 3
+        resizes = [e for e in trainer.recovery_events if e.kind == "resize"]
+        assert resizes and all(e.num_workers_after == WORKERS for e in resizes)
+        assert all(e.inexact == () for e in resizes), [e.inexact for e in resizes]
+        assert resizes[-1].steps_redone == 4, resizes[-1]
         _assert_equal(_weights(trainer), expected)
     finally:
         trainer.shutdown()

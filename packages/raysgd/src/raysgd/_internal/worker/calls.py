@@ -106,7 +106,9 @@ def create_runner(
     """
     runner = build_runner(RunnerArgs(operator_cls, dict(config), options, dataset_splits))
     state = keep(state_class(options.sharded)(runner))
-    if get_context().world_rank != 0 or copy_limit_bytes <= 0:
+    ctx = get_context()
+    this_worker().slot_of = (ctx.world_rank, ctx.generation)
+    if ctx.world_rank != 0 or copy_limit_bytes <= 0:
         return None
     return state.copy_for_driver(copy_limit_bytes)
 
@@ -117,6 +119,7 @@ def drop_runner(graceful: bool) -> None:
     slot = this_worker()
     state, runner = slot.state, slot.runner
     slot.state = slot.runner = None
+    slot.slot_of = None
     if graceful:
         if state is not None:
             state.close()

@@ -60,11 +60,12 @@ class ReplicatedState(WorkerState):
 
     def holding(self) -> Holding:
         progress = self.runner.progress()
-        info = self.runner.components.rank_info
-        replicas = this_worker().replicas
+        slot = this_worker()
+        replicas = slot.replicas
         return Holding(
             progress,
-            rank=(info.world_rank, info.group),
+            # The rank whose slot it holds (its rank until a restore that failed midway).
+            rank=slot.slot_of,
             peer_slots=replicas.held() if replicas is not None else (),
         )
 
@@ -101,6 +102,7 @@ class ReplicatedState(WorkerState):
             # have it run fewer steps than the new workers, and the group would wait in a
             # collective).
             runner.adopt(runner.position_state(), None)
+            this_worker().slot_of = (rank, ctx.generation)
             return state
         assert plan.source is not None
         live = runner.state_dict(live=True) if rank == plan.source else None
@@ -115,6 +117,7 @@ class ReplicatedState(WorkerState):
         # its own (a survivor's, also when it received the source's state, which carries the
         # source's generators); a new worker with none starts its per-rank state afresh.
         runner.load_rank_slot(slot if slot is not None else own)
+        this_worker().slot_of = (rank, ctx.generation)
         return state
 
     def save(self, folder: Storage) -> Optional[dict[str, Any]]:

@@ -38,6 +38,10 @@ class WorkerSlot:
         bound: The step hook that bounds how long a collective waits for a silent peer.
         replicas: The step hook that keeps the ring predecessor's rank slot (a replicated
             state).
+        slot_of: The rank, and the group's number, whose rank slot the runner holds: set when
+            the runner is built with its group and when a restore ends. A restore that fails
+            midway has re-bound the runner to its new rank already, but not moved the slots:
+            the runner still holds its old rank's, and says so.
     """
 
     runner: Optional[OperatorRunner] = None
@@ -46,6 +50,7 @@ class WorkerSlot:
     watch: Optional[BoundaryWatch] = None
     bound: Optional[CollectiveBound] = None
     replicas: Optional[RankReplicas] = None
+    slot_of: Optional[tuple[int, int]] = None
 
 
 def this_worker() -> WorkerSlot:
