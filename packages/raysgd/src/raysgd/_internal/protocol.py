@@ -152,7 +152,8 @@ class Holding:
     Attributes:
         progress: How far it got; None for a worker without a runner (a replacement).
         snapshots: With a sharded strategy, the snapshots it holds parts of.
-        rank: Its rank in the group it trained in last, and that group's number (None: a new
+        rank: The rank whose slot its runner holds, and that rank's group's number: its rank in
+            the group it trained in last, also after a restore that failed midway (None: a new
             worker).
         peer_slots: With a replicated state, the slots of other ranks it keeps copies of (its
             ring predecessor's; a leaving worker's before a move): (that rank, its group, the
