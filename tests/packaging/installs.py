@@ -215,6 +215,12 @@ class Installs:
     def smoke_env(self, venv: Path) -> dict[str, str]:
         """The environment variables of a smoke run in `venv`: as a user's shell with it active."""
         env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
+        # uv installs no bytecode, so the first process to import torch and Ray in a new
+        # environment compiles them (seconds of CPU). Each smoke starts several (its driver,
+        # Ray's own, the workers): with bytecode writes allowed they compile once per
+        # environment, not once per process, and Ray's start stays within its own timeouts on
+        # a loaded machine.
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
         env.update(
             VIRTUAL_ENV=str(venv),
             PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
