@@ -11,6 +11,7 @@ from raysgd_operator import (
     BATCH_SIZE,
     AverageMeter,
     AverageMeterCollection,
+    BatchSplit,
     TimerCollection,
     reduce_worker_results,
     split_batch_size,
@@ -140,3 +141,18 @@ def test_uneven_batch_is_reported_once(
     split_batch_size({BATCH_SIZE: 21}, 2)
     said = [str(w.message) for w in recwarn] + [r.getMessage() for r in caplog.records]
     assert len([text for text in said if "does not divide" in text]) == 1, said
+
+
+def test_a_batch_split_gives_each_worker_its_share_and_says_what_is_trained() -> None:
+    split = BatchSplit.of({BATCH_SIZE: 22, "lr": 1}, 4)
+    assert (split.asked, split.share, split.global_size, split.uneven) == (22, 5, 20, True)
+    assert split.worker_config({BATCH_SIZE: 22, "lr": 1}) == {BATCH_SIZE: 5, "lr": 1}
+    with pytest.warns(UserWarning, match="using 5 per worker, a global batch of 20"):
+        split.warn_if_uneven()
+    even = BatchSplit.of({BATCH_SIZE: 24}, 4)
+    assert (even.share, even.global_size, even.uneven) == (6, 24, False)
+    absent = BatchSplit.of({"lr": 1}, 4)
+    assert (absent.share, absent.global_size, absent.uneven) == (None, None, False)
+    assert absent.worker_config({"lr": 1}) == {"lr": 1}
+    with pytest.raises(ValueError, match="smaller than num_workers"):
+        BatchSplit.of({BATCH_SIZE: 3}, 4)

@@ -124,6 +124,26 @@ def test_batch_size_is_split_and_rounded(ray_local):
         trainer.shutdown()
 
 
+def test_the_split_of_each_group_size_is_made_and_warned_about_once(
+    recwarn: pytest.WarningsRecorder,
+) -> None:
+    # A start, every resize to that size and TorchTrainer.config read one split per size.
+    from raysgd._internal.driver.datasets import DatasetSplitter
+    from raysgd._internal.driver.worker_calls import RunnerRecipe
+    from raysgd_operator import TrainingOptions
+
+    recipe = RunnerRecipe(None, TrainingOptions(), {BATCH_SIZE: 16, "lr": 1}, DatasetSplitter({}))
+    assert recipe.args(4).config == {BATCH_SIZE: 4, "lr": 1}
+    assert recipe.args(3).config == {BATCH_SIZE: 5, "lr": 1}
+    assert recipe.config_for(3) == {BATCH_SIZE: 15, "lr": 1}
+    assert recipe.args(3).config[BATCH_SIZE] == 5 and recipe.config_for(4)[BATCH_SIZE] == 16
+    said = [str(w.message) for w in recwarn if "does not divide" in str(w.message)]
+    assert said == [
+        "config[BATCH_SIZE]=16 does not divide over 3 workers; using 5 per worker, "
+        "a global batch of 15"
+    ]
+
+
 def test_num_steps_continue_and_wrap(ray_local):
     # 2 workers x 128 samples / 16 per batch = 8 batches per worker per epoch.
     trainer = creator_trainer()

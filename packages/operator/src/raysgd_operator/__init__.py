@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from raysgd_operator.batch import BATCH_SIZE, check_batch_size, split_batch_size
+from raysgd_operator.batch import BATCH_SIZE, BatchSplit, check_batch_size, split_batch_size
 from raysgd_operator.components import Components, RankInfo
 from raysgd_operator.dataset_options import DatasetOptions
 from raysgd_operator.flops import measure_flops_per_sample, peak_flops_per_s
@@ -56,6 +56,7 @@ __all__ = [
     "SHARDED_STATE_IMPORTS",
     "AverageMeter",
     "AverageMeterCollection",
+    "BatchSplit",
     "CallRecord",
     "Components",
     "DatasetOptions",

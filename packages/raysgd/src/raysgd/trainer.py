@@ -63,9 +63,9 @@ from raysgd_core import (
 )
 from raysgd_fault import FailurePolicy, get_policy
 from raysgd_operator import (
+    BatchSplit,
     DatasetOptions,
     TrainingOptions,
-    check_batch_size,
     reduce_worker_results,
 )
 
@@ -230,8 +230,10 @@ class TorchTrainer:
             keep_checkpoints=keep_checkpoints,
             resume=resume,
         )
-        # A global batch too small to give every worker a sample fails here, not on the workers.
-        check_batch_size(config or {}, self._num_workers)
+        # A global batch too small to give every worker a sample fails here, not on the workers;
+        # one that does not divide is said here, once. Resizes split it again for their size.
+        batch_split = BatchSplit.of(config or {}, self._num_workers)
+        batch_split.warn_if_uneven()
         # The options of the workers and of their group, each validated once here and shipped
         # whole. Keywords named like a field fill it (`driver.keywords` says where the rest go).
         training_fields, group_fields = route_keywords(keywords)
@@ -315,6 +317,7 @@ class TorchTrainer:
                 options=self._options,
                 user_config=dict(config or {}),
                 datasets=DatasetSplitter(given_datasets),
+                splits={self._num_workers: batch_split},
             )
             # The parts, built top-down: each gets what it calls, nothing calls back up.
             self._workers = WorkerCalls(group, recipe)

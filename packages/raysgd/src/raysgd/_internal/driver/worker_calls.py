@@ -12,8 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import ray
@@ -22,7 +21,7 @@ from raysgd._internal.driver.datasets import DatasetSplitter
 from raysgd._internal.protocol import RunnerArgs
 from raysgd._internal.worker import calls as worker
 from raysgd_core import WorkerGroup
-from raysgd_operator import BATCH_SIZE, TrainingOptions, split_batch_size
+from raysgd_operator import BATCH_SIZE, BatchSplit, TrainingOptions
 
 __all__ = ["RunnerRecipe", "WorkerCalls"]
 
@@ -46,10 +45,21 @@ class RunnerRecipe:
     options: TrainingOptions
     user_config: dict[str, Any]
     datasets: DatasetSplitter
+    #: The batch split of each group size met so far: computed (and warned about, when it does
+    #: not divide) once per size, whether a start, a resize or `TorchTrainer.config` asks.
+    splits: dict[int, BatchSplit] = field(default_factory=dict)
+
+    def split(self, size: int) -> BatchSplit:
+        """`config[BATCH_SIZE]` over a group of `size`."""
+        if size not in self.splits:
+            split = BatchSplit.of(self.user_config, size)
+            split.warn_if_uneven(stacklevel=2)
+            self.splits[size] = split
+        return self.splits[size]
 
     def args(self, size: int) -> RunnerArgs:
         """The runners' arguments for a group of `size`."""
-        worker_config, _ = split_batch_size(self.user_config, size)
+        worker_config = self.split(size).worker_config(self.user_config)
         return RunnerArgs(self.operator_ref, worker_config, self.options, self.datasets.split(size))
 
     def config_for(self, size: int) -> dict[str, Any]:
@@ -57,9 +67,7 @@ class RunnerRecipe:
         is the global batch that group trains with, a multiple of `size`."""
         config = dict(self.user_config)
         if size > 0 and BATCH_SIZE in config:
-            with warnings.catch_warnings():  # the start of that group warned already
-                warnings.simplefilter("ignore")
-                _, config[BATCH_SIZE] = split_batch_size(self.user_config, size)
+            config[BATCH_SIZE] = self.split(size).global_size
         return config
 
 
