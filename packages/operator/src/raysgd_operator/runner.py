@@ -16,7 +16,7 @@ from raysgd_operator._internal.loaders import planned_sampler
 from raysgd_operator._internal.precision import get_precision
 from raysgd_operator._internal.rng import rng_state, set_rng_state
 from raysgd_operator._internal.step_journal import StepJournal
-from raysgd_operator._internal.stream import BatchStream, CallBatches
+from raysgd_operator._internal.stream import BatchStream, CallBatches, missing_loader_error
 from raysgd_operator._internal.tensors import cpu_copy, host_like, on_device, same_device_copy
 from raysgd_operator._internal.window import RankSlot, WindowStart
 from raysgd_operator.batch import BATCH_SIZE
@@ -42,15 +42,6 @@ def _dcp() -> Any:
 logger = logging.getLogger(__name__)
 
 
-def _missing_loader_error(kind: str) -> ValueError:
-    call = "train()" if kind == "train" else "validate()"
-    return ValueError(
-        f"{call} needs a {kind} loader: call self.register_data({kind}_loader=...) in setup() "
-        "(or return (train_loader, validation_loader) from data_creator), or give the trainer "
-        f'datasets={{"{kind}": ...}}'
-    )
-
-
 class _MissingLoader:
     """Stands in for the batches when no loader was registered: only iterating it is an error,
     so that a custom loop that brings its own data still works."""
@@ -59,7 +50,7 @@ class _MissingLoader:
         self.kind = kind
 
     def __iter__(self) -> Any:
-        raise _missing_loader_error(self.kind)
+        raise missing_loader_error(self.kind)
 
 
 class OperatorRunner:
@@ -152,17 +143,10 @@ class OperatorRunner:
         # Without a loader of its kind a stream is at position 0 with no epoch in progress, so that
         # the state and position of a runner that only validates (or whose own loop brings its
         # data) can be read; only drawing batches from it says what is missing.
-        self._train = BatchStream(
-            lambda: self.components.loader("train"),
-            self._on_train_pass,
-            self._on_step,
-            missing=lambda: _missing_loader_error("train"),
-        )
-        self._val = BatchStream(
-            lambda: self.components.loader("validation"),
-            lambda resuming: None,
-            missing=lambda: _missing_loader_error("validation"),
-        )
+        # The training stream tells this runner where its passes are (`pass_started`,
+        # `step_finished`); validation passes count nothing.
+        self._train = BatchStream(self.components, "train", listener=self)
+        self._val = BatchStream(self.components, "validation")
         self.operator = operator_cls(config, components=self.components)
         self.journal = StepJournal(self.components.optimizers, self.components.models)
         #: Validation calls since the window start (see `progress`).
@@ -185,7 +169,7 @@ class OperatorRunner:
     def _loader(self, kind: str) -> Any:
         loader = self.components.loader(kind)
         if loader is None:
-            raise _missing_loader_error(kind)
+            raise missing_loader_error(kind)
         return loader
 
     def _has_loader(self, kind: str) -> bool:
@@ -199,7 +183,8 @@ class OperatorRunner:
             "__use_fp16__": self.options.use_fp16,
         }
 
-    def _on_train_pass(self, resuming: bool) -> int:
+    def pass_started(self, resuming: bool) -> int:
+        """A training pass begins (called by the training stream): a new one is a new epoch."""
         if not resuming:
             self.epoch += 1
         return self.epoch
@@ -322,8 +307,8 @@ class OperatorRunner:
                 )
         return peak
 
-    def _on_step(self, rows: int | None) -> None:
-        """A training batch is finished (called by the stream)."""
+    def step_finished(self, rows: int | None) -> None:
+        """A training batch is finished (called by the training stream)."""
         self.step += 1
         self._trained_to = max(self._trained_to, self.step)
         self._finished_at = time.time()

@@ -17,7 +17,7 @@ processes get the seeds they had.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Callable, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch.utils.data import DataLoader
@@ -27,7 +27,36 @@ from raysgd_operator._internal.epoch_plan import EpochSampler
 from raysgd_operator._internal.loaders import planned_sampler
 from raysgd_operator._internal.rng import generator_state, set_generator_state
 
-__all__ = ["BatchStream", "CallBatches"]
+__all__ = ["BatchStream", "CallBatches", "LoaderSource", "PassListener", "missing_loader_error"]
+
+
+class LoaderSource(Protocol):
+    """Where a stream finds its loader: asked each time, since a resize or a load may replace it."""
+
+    def loader(self, kind: str) -> Any:
+        """The batches of `kind` ("train" or "validation"); None when there are none."""
+
+
+class PassListener(Protocol):
+    """Told by a stream where its passes are (the runner, for the training stream)."""
+
+    def pass_started(self, resuming: bool) -> int | None:
+        """A pass over the loader begins (`resuming`: it goes on with an epoch already begun);
+        returns the epoch to give the sampler's ``set_epoch``, or None."""
+
+    def step_finished(self, rows: int | None) -> None:
+        """The loop finished a batch; `rows` is what the whole group read in that step, when
+        the loader is planned or can tell from the batch (a dataset shard), else None."""
+
+
+def missing_loader_error(kind: str) -> ValueError:
+    """The error of drawing batches of `kind` without a loader of that kind."""
+    call = "train()" if kind == "train" else "validate()"
+    return ValueError(
+        f"{call} needs a {kind} loader: call self.register_data({kind}_loader=...) in setup() "
+        "(or return (train_loader, validation_loader) from data_creator), or give the trainer "
+        f'datasets={{"{kind}": ...}}'
+    )
 
 
 def _group_rows(loader: Any, batch: Any) -> int | None:
@@ -109,28 +138,20 @@ class CallBatches:
 class BatchStream:
     """Keeps the loader iterator alive between calls.
 
-    ``get_loader()`` gives the loader, or None while none is registered (an operator that only
-    validates, or whose own loop brings its data): the stream then stays at position 0 with no
-    pass in progress, and only drawing from it (`begin_call`) raises, the error ``missing()``
-    gives. ``on_new_pass(resuming)`` is called whenever a new pass over the loader starts; it
-    returns the epoch number to give the sampler's ``set_epoch`` (or None). ``on_step(rows)`` is
-    called each time the loop finishes a batch, with the rows the whole group read in that step
-    when the loader is planned or can tell from the batch (a dataset shard's `group_rows`), else
-    None. ``resume`` (batches to skip) or ``resume_rows`` (the epoch's first unread row, for a
-    planned loader) are set after a state load so that the next pass goes on from the same place,
-    with `epoch_steps` and `pass_seed` as they were there.
+    The loader is ``source.loader(kind)``, or None while none is registered (an operator that
+    only validates, or whose own loop brings its data): the stream then stays at position 0 with
+    no pass in progress, and only drawing from it (`begin_call`) raises (`missing_loader_error`).
+    The `listener`, when given, is told when a pass starts (and gives the epoch for the
+    sampler's ``set_epoch``) and when the loop finishes a batch (see `PassListener`).
+    ``resume`` (batches to skip) or ``resume_rows`` (the epoch's first unread row, for a planned
+    loader) are set after a state load so that the next pass goes on from the same place, with
+    `epoch_steps` and `pass_seed` as they were there.
     """
 
     def __init__(
-        self,
-        get_loader: Callable[[], Any],
-        on_new_pass: Callable[[bool], int | None],
-        on_step: Callable[[int | None], None] | None = None,
-        *,
-        missing: Callable[[], Exception] = lambda: ValueError("no loader to draw batches from"),
+        self, source: LoaderSource, kind: str, listener: Optional[PassListener] = None
     ) -> None:
-        self._get_loader, self._on_new_pass = get_loader, on_new_pass
-        self._on_step, self._missing = on_step, missing
+        self._source, self.kind, self._listener = source, kind, listener
         self.iterator: Iterator[Any] | None = None
         #: Batches finished in the current pass (since `rows_start` for a planned loader).
         self.position = 0
@@ -158,12 +179,15 @@ class BatchStream:
         # A batch drawn ahead to learn whether a pass of unknown length had ended (_END: none).
         self._peeked: Any = _END
 
+    def _loader(self) -> Any:
+        return self._source.loader(self.kind)
+
     def _planned(self) -> EpochSampler | None:
-        loader = self._get_loader()
+        loader = self._loader()
         return None if loader is None else planned_sampler(loader)
 
     def _exhausted(self) -> bool:
-        length = _known_len(self._get_loader())
+        length = _known_len(self._loader())
         return length is not None and self.position >= length
 
     def consumed(self) -> int:
@@ -218,13 +242,13 @@ class BatchStream:
     ) -> CallBatches:
         """Batches for one call: ``num_steps`` of them (wrapping into new passes), else the rest
         of the pass, or with `until_epoch`, of every pass up to the end of that epoch."""
-        if self._get_loader() is None:
-            raise self._missing()
+        if self._loader() is None:
+            raise missing_loader_error(self.kind)
         if num_steps is not None:
             check_int("num_steps", num_steps, minimum=0)
         if self.iterator is not None and self._exhausted():
             self.iterator = None
-        if self.iterator is not None and _known_len(self._get_loader()) is None:
+        if self.iterator is not None and _known_len(self._loader()) is None:
             # Of unknown length (an iterable data set, a streamed shard), a pass that the last call
             # drew to its very end has not said so yet: look one batch ahead, so that this call
             # starts the next epoch rather than returning an empty one.
@@ -234,7 +258,7 @@ class BatchStream:
             self._new_pass()
         length = num_steps
         if length is None:
-            total = _known_len(self._get_loader())
+            total = _known_len(self._loader())
             length = None if total is None else max(total - self.position, 0)
         if until_epoch is not None and (self.epoch_of_pass or 0) < until_epoch:
             length = None  # several passes: not known ahead
@@ -257,12 +281,12 @@ class BatchStream:
             self.iterator, self._peeked = None, _END
 
     def _new_pass(self) -> None:
-        loader = self._get_loader()
+        loader = self._loader()
         sampler = self._planned()
         resuming = self.resume is not None or self.resume_rows is not None
         skip, self.resume = self.resume or 0, None
         start, self.resume_rows = self.resume_rows or 0, None
-        epoch = self._on_new_pass(resuming)
+        epoch = None if self._listener is None else self._listener.pass_started(resuming)
         self.epoch_of_pass = epoch
         target = sampler if sampler is not None else getattr(loader, "sampler", None)
         if epoch is not None and hasattr(target, "set_epoch"):
@@ -321,8 +345,8 @@ class BatchStream:
         self.in_flight = False
         if sampler is not None:
             self.rows += rows
-        if self._on_step is not None:
-            self._on_step(rows)
+        if self._listener is not None:
+            self._listener.step_finished(rows)
 
     def _draw(self, num_steps: int | None, until_epoch: int | None = None) -> Iterator[Any]:
         drawn = 0
@@ -334,7 +358,7 @@ class BatchStream:
                 drawn += 1
                 yielded = True
                 self.in_flight = True
-                self._flight_rows = _group_rows(self._get_loader(), batch)
+                self._flight_rows = _group_rows(self._loader(), batch)
                 if self._current is not None:
                     self._current.epoch_batch_idx = self.epoch_steps
                 yield batch
