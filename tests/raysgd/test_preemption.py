@@ -10,6 +10,7 @@ that dies before the move finished is an ordinary recovery, reported as a preemp
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -45,10 +46,16 @@ class SlowLinearOperator(TrainingOperator):
     (``drained`` in `marker_dir`): `ray drain-node` is a process of its own and can take longer
     than the rest of this short epoch on a busy machine. With `dropout` its inputs are dropped
     at that rate, each rank drawing from a generator seeded by its rank: a move must hand a
-    leaving rank's generator to the worker that takes its place.
+    leaving rank's generator to the worker that takes its place. A worker set up while
+    ``arm-setup-death`` is in `marker_dir` exits in its set-up (once: the marker is taken).
     """
 
     def setup(self, config: dict[str, Any]) -> None:
+        arm = Path(config["marker_dir"], "arm-setup-death")
+        if arm.exists():
+            # Armed by the test: the next worker set up exits in its set-up, once.
+            arm.rename(arm.with_name("setup-died"))
+            os._exit(1)
         torch.manual_seed(0)
         model = nn.Linear(3, 1)
         gen = torch.Generator().manual_seed(1)
@@ -273,6 +280,50 @@ def test_a_drained_node_is_left_before_its_deadline_losing_nothing(
         trainer.shutdown()
 
 
+@pytest.mark.timeout(240)
+def test_a_worker_lost_while_it_takes_a_draining_workers_place_is_one_loss_and_changes_nothing(
+    ray_multinode: Any, tmp_path: Path
+) -> None:
+    # The same job and notice as above; the worker that starts on the free node to take rank
+    # 1's place dies while it sets up: a loss inside the move. Another takes the place, the
+    # drained node is still left, and the run ends with the weights of the run without either.
+    nodes = _cluster(ray_multinode, 3)
+    moved_dir = tmp_path / "moved"
+    moved_dir.mkdir()
+    job = {"dropout": 0.2, "accumulate_grad_batches": 2}
+    expected = _reference_weights(tmp_path / "reference", **job)[1]
+
+    trainer = _trainer(moved_dir, hold_step=7, **job)
+    try:
+        victim = _on(nodes, trainer.apply_all_workers(_node_id)[1])
+        (moved_dir / "arm-setup-death").touch()
+        gone = threading.Event()
+        reclaim, _ = _reclaim_at_step(
+            ray_multinode, moved_dir, 5, victim, DEADLINE_S, remove_after_s=DEADLINE_S,
+            remove_now=gone,
+        )  # fmt: skip
+        first = trainer.train()
+        second = trainer.train()
+        assert (moved_dir / "setup-died").exists()
+        assert trainer.failures == 1 and trainer.num_workers == 2
+        # The move hands rank 1's state over at a window's end and fails with its new worker;
+        # the recovery that follows starts another from that state: nothing done again.
+        moves = [e for e in trainer.recovery_events if e.kind == "preemption"]
+        assert moves and moves[0].nodes == (victim.node_id,), trainer.recovery_events
+        (resize,) = [e for e in trainer.recovery_events if e.kind == "resize"]
+        assert (resize.steps_redone, resize.inexact, resize.num_workers_after) == (0, (), 2)
+        gone.set()
+        reclaim.join(timeout=60)
+        assert victim.node_id not in trainer.apply_all_workers(_node_id)
+        rows = rows_by_epoch(moved_dir)
+        assert sorted(rows[1]) == sorted(rows[2]) == list(range(ROWS))
+        assert (first["num_samples"], second["num_samples"]) == (ROWS, ROWS)
+        for got, want in zip(_weights(trainer), expected):
+            torch.testing.assert_close(got, want)
+    finally:
+        trainer.shutdown()
+
+
 def _full_loss(operator: Any) -> float:
     """The loss over the whole data set with this worker's model (gathered under fsdp)."""
     x, y, _ = operator.train_loader.dataset.tensors
@@ -386,6 +437,11 @@ class SlowDataOperator(SlowLinearOperator):
     """`SlowLinearOperator` fed by `datasets=`: no loader of its own."""
 
     def setup(self, config: dict[str, Any]) -> None:
+        arm = Path(config["marker_dir"], "arm-setup-death")
+        if arm.exists():
+            # Armed by the test: the next worker set up exits in its set-up, once.
+            arm.rename(arm.with_name("setup-died"))
+            os._exit(1)
         torch.manual_seed(0)
         model = nn.Linear(3, 1)
         self.register(
