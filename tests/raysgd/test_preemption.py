@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -236,45 +237,75 @@ def _reference_weights(folder: Path, **job: Any) -> list[list[torch.Tensor]]:
     return _REFERENCE[key]
 
 
+@dataclass
+class _Notice:
+    """A two-epoch job on three nodes of one CPU whose rank 1's node gets a notice at step 5."""
+
+    trainer: TorchTrainer
+    victim: Any  # the drained node
+    folder: Path  # the job's marker folder
+    expected: list[torch.Tensor]  # the weights of the same job without a notice
+    times: dict[str, float]  # see `_reclaim_at_step`
+    gone: threading.Event  # set: the node is removed now, not at the deadline
+    reclaim: threading.Thread
+
+    def train_two_epochs(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return self.trainer.train(), self.trainer.train()
+
+    def assert_as_without_notice(self, first: dict[str, Any], second: dict[str, Any]) -> None:
+        """The run left the drained node, trained every row once per epoch and ended with the
+        weights of the run that had no notice."""
+        assert self.victim.node_id not in self.trainer.apply_all_workers(_node_id)
+        rows = rows_by_epoch(self.folder)
+        assert sorted(rows[1]) == sorted(rows[2]) == list(range(ROWS))
+        assert (first["num_samples"], second["num_samples"]) == (ROWS, ROWS)
+        for got, want in zip(_weights(self.trainer), self.expected):
+            torch.testing.assert_close(got, want)
+
+    def remove_node(self) -> None:
+        self.gone.set()
+        self.reclaim.join(timeout=60)
+
+
+def _notice_at_step_5(cluster: Any, tmp_path: Path, *, arm_setup_death: bool = False) -> _Notice:
+    """Start the job of `_Notice` (the caller shuts its trainer down). Dropout with a generator
+    per rank, and windows of two batches: the move falls on a window's end, and the worker that
+    takes the leaving one's place takes its generator. With `arm_setup_death`, the next worker
+    set up (the one that takes rank 1's place) exits in its set-up."""
+    nodes = _cluster(cluster, 3)
+    folder = tmp_path / "moved"
+    folder.mkdir()
+    job = {"dropout": 0.2, "accumulate_grad_batches": 2}
+    expected = _reference_weights(tmp_path / "reference", **job)[1]
+    trainer = _trainer(folder, hold_step=7, **job)
+    victim = _on(nodes, trainer.apply_all_workers(_node_id)[1])
+    if arm_setup_death:
+        (folder / "arm-setup-death").touch()
+    # Drained at step 5 of the first epoch, removed at the deadline (or once the run left).
+    gone = threading.Event()
+    reclaim, times = _reclaim_at_step(
+        cluster, folder, 5, victim, DEADLINE_S, remove_after_s=DEADLINE_S, remove_now=gone
+    )
+    return _Notice(trainer, victim, folder, expected, times, gone, reclaim)
+
+
 @pytest.mark.timeout(240)
 def test_a_drained_node_is_left_before_its_deadline_losing_nothing(
     ray_multinode: Any, tmp_path: Path
 ) -> None:
-    nodes = _cluster(ray_multinode, 3)
-    moved_dir = tmp_path / "moved"
-    moved_dir.mkdir()
-    # Dropout with a generator per rank, and windows of two batches: the move falls on a
-    # window's end, and the worker that takes the leaving one's place takes its generator.
-    job = {"dropout": 0.2, "accumulate_grad_batches": 2}
-    expected = _reference_weights(tmp_path / "reference", **job)[1]
-
-    trainer = _trainer(moved_dir, hold_step=7, **job)
+    run = _notice_at_step_5(ray_multinode, tmp_path)
+    trainer = run.trainer
     try:
-        where = trainer.apply_all_workers(_node_id)
-        victim = _on(nodes, where[1])
-        # Drained at step 5 of the first epoch, removed at the deadline (or once the run left).
-        gone = threading.Event()
-        reclaim, times = _reclaim_at_step(
-            ray_multinode, moved_dir, 5, victim, DEADLINE_S, remove_after_s=DEADLINE_S,
-            remove_now=gone,
-        )  # fmt: skip
-        first = trainer.train()
-        second = trainer.train()
+        first, second = run.train_two_epochs()
         assert trainer.failures == 0 and trainer.num_workers == 2
         moves = [e for e in trainer.recovery_events if e.kind == "preemption"]
         assert len(moves) == 1 and moves[0].steps_redone == 0
-        assert moves[0].nodes == (victim.node_id,) and moves[0].ranks == (1,)
-        assert moves[0].timestamp < _deadline_by(times)  # before the deadline
-        assert victim.node_id not in trainer.apply_all_workers(_node_id)
-        rows = rows_by_epoch(moved_dir)
-        assert sorted(rows[1]) == sorted(rows[2]) == list(range(ROWS))
-        assert (first["num_samples"], second["num_samples"]) == (ROWS, ROWS)
-        for got, want in zip(_weights(trainer), expected):
-            torch.testing.assert_close(got, want)
-        gone.set()
-        reclaim.join(timeout=60)
+        assert moves[0].nodes == (run.victim.node_id,) and moves[0].ranks == (1,)
+        assert moves[0].timestamp < _deadline_by(run.times)  # before the deadline
+        run.assert_as_without_notice(first, second)
+        run.remove_node()
         # The node went after its notice; Ray reports it preempted, and the run had left it.
-        assert preempted_nodes([victim.node_id]) == {victim.node_id}
+        assert preempted_nodes([run.victim.node_id]) == {run.victim.node_id}
         assert trainer.train()["num_samples"] == ROWS and trainer.failures == 0
     finally:
         trainer.shutdown()
@@ -284,42 +315,22 @@ def test_a_drained_node_is_left_before_its_deadline_losing_nothing(
 def test_a_worker_lost_while_it_takes_a_draining_workers_place_is_one_loss_and_changes_nothing(
     ray_multinode: Any, tmp_path: Path
 ) -> None:
-    # The same job and notice as above; the worker that starts on the free node to take rank
-    # 1's place dies while it sets up: a loss inside the move. Another takes the place, the
-    # drained node is still left, and the run ends with the weights of the run without either.
-    nodes = _cluster(ray_multinode, 3)
-    moved_dir = tmp_path / "moved"
-    moved_dir.mkdir()
-    job = {"dropout": 0.2, "accumulate_grad_batches": 2}
-    expected = _reference_weights(tmp_path / "reference", **job)[1]
-
-    trainer = _trainer(moved_dir, hold_step=7, **job)
+    # The notice above, and the worker that starts on the free node to take rank 1's place
+    # dies while it sets up: a loss inside the move.
+    run = _notice_at_step_5(ray_multinode, tmp_path, arm_setup_death=True)
+    trainer = run.trainer
     try:
-        victim = _on(nodes, trainer.apply_all_workers(_node_id)[1])
-        (moved_dir / "arm-setup-death").touch()
-        gone = threading.Event()
-        reclaim, _ = _reclaim_at_step(
-            ray_multinode, moved_dir, 5, victim, DEADLINE_S, remove_after_s=DEADLINE_S,
-            remove_now=gone,
-        )  # fmt: skip
-        first = trainer.train()
-        second = trainer.train()
-        assert (moved_dir / "setup-died").exists()
+        first, second = run.train_two_epochs()
+        assert (run.folder / "setup-died").exists()
         assert trainer.failures == 1 and trainer.num_workers == 2
         # The move hands rank 1's state over at a window's end and fails with its new worker;
         # the recovery that follows starts another from that state: nothing done again.
         moves = [e for e in trainer.recovery_events if e.kind == "preemption"]
-        assert moves and moves[0].nodes == (victim.node_id,), trainer.recovery_events
+        assert moves and moves[0].nodes == (run.victim.node_id,), trainer.recovery_events
         (resize,) = [e for e in trainer.recovery_events if e.kind == "resize"]
         assert (resize.steps_redone, resize.inexact, resize.num_workers_after) == (0, (), 2)
-        gone.set()
-        reclaim.join(timeout=60)
-        assert victim.node_id not in trainer.apply_all_workers(_node_id)
-        rows = rows_by_epoch(moved_dir)
-        assert sorted(rows[1]) == sorted(rows[2]) == list(range(ROWS))
-        assert (first["num_samples"], second["num_samples"]) == (ROWS, ROWS)
-        for got, want in zip(_weights(trainer), expected):
-            torch.testing.assert_close(got, want)
+        run.assert_as_without_notice(first, second)
+        run.remove_node()
     finally:
         trainer.shutdown()
 

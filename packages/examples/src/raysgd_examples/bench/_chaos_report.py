@@ -5,17 +5,28 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
 from raysgd_examples.bench._chaos_faults import Fault
 from raysgd_examples.bench._chaos_job import JOB, read_json
 
-if TYPE_CHECKING:
-    from raysgd_examples.bench.chaos import Chaos
+__all__ = ["ChaosRun", "print_report", "report", "rows_report"]
 
-__all__ = ["print_report", "report", "rows_report"]
+
+class ChaosRun(Protocol):
+    """What the report reads of a run (`chaos.Chaos`, which owns the run)."""
+
+    args: Any  # the command line's namespace
+    folder: Path
+    workers: int
+    start: float  # time.time() at the run's start
+    chaos_end: float
+    faults: list[Fault]
+    drivers: list[dict[str, Any]]
+    problems: list[str]
+    stop_outcomes: list[dict[str, Any]]
 
 
 def rows_report(folder: Path, rows: int, epochs: int) -> dict[str, Any]:
@@ -93,7 +104,7 @@ def _weights_difference(a: Path, b: Path) -> dict[str, float]:
     return {name: float((got[name] - value).abs().max()) for name, value in ref.items()}
 
 
-def report(chaos: Chaos, ref: dict[str, Any], schedule: list[Fault]) -> dict[str, Any]:
+def report(chaos: ChaosRun, ref: dict[str, Any], schedule: list[Fault]) -> dict[str, Any]:
     folder = chaos.folder
     chaos_statuses = [read_json(folder / f"status-{d['index']}.json") or {} for d in chaos.drivers]
     final = chaos_statuses[-1]

@@ -23,11 +23,10 @@ from typing import Any, Optional
 import torch
 
 from raysgd._internal.protocol import DRAIN, SPARE, WatchSpec
-from raysgd._internal.worker.slot import this_worker
 from raysgd_core import draining_nodes, get_context
 from raysgd_operator import OperatorRunner
 
-__all__ = ["BoundaryWatch", "watch_for"]
+__all__ = ["BoundaryWatch"]
 
 
 #: The answer's code for each reason to stop (what rank 0 broadcasts).
@@ -93,14 +92,3 @@ class BoundaryWatch:
         if stop:
             self.stopped_for = _REASONS[stop]
             self.runner.request_stop()
-
-
-def watch_for(runner: OperatorRunner, spec: Optional[WatchSpec]) -> None:
-    """Arm this worker's watch for the call about to run (made on first use, per runner)."""
-    slot = this_worker()
-    watch = slot.watch
-    if watch is None or watch.runner is not runner:
-        if spec is None:
-            return
-        watch = slot.watch = BoundaryWatch(runner)
-    watch.arm(spec)

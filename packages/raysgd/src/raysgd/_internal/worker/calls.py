@@ -28,22 +28,25 @@ from raysgd._internal.protocol import (
 )
 from raysgd._internal.storage.format import state_to_bytes, write_state
 from raysgd._internal.storage.location import Storage
-from raysgd._internal.worker.boundary_watch import watch_for
-from raysgd._internal.worker.collective_bound import bound_for
-from raysgd._internal.worker.periodic_checkpoints import periodic_for, uploads
-from raysgd._internal.worker.rank_replicas import replicas_for
 from raysgd._internal.worker.runner import (
     build_runner,
     current_runner,
 )
-from raysgd._internal.worker.slot import this_worker
+from raysgd._internal.worker.slot import (
+    bound_for,
+    keep,
+    periodic_for,
+    replicas_for,
+    this_worker,
+    uploads,
+    watch_for,
+    worker_state,
+)
 from raysgd._internal.worker.state import (
     RANK_SLOTS,
     WorkerState,
     gather_rank_slots,
-    keep,
     state_within,
-    worker_state,
 )
 from raysgd_core import get_context
 from raysgd_operator import OperatorRunner, TrainingOptions

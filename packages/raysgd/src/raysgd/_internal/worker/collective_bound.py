@@ -31,7 +31,6 @@ from collections import deque
 from datetime import timedelta
 from typing import Any, Optional, Union
 
-from raysgd._internal.worker.slot import this_worker
 from raysgd_base import check_number
 from raysgd_core import get_context, set_collective_timeout
 from raysgd_operator import OperatorRunner, TrainingOptions
@@ -41,7 +40,6 @@ __all__ = [
     "SLOW_FLOOR_S",
     "STEP_MULTIPLE",
     "CollectiveBound",
-    "bound_for",
     "slow_bound",
 ]
 
@@ -145,11 +143,3 @@ class CollectiveBound:
         if set_collective_timeout(seconds):
             # A group formed since (a resize) starts with its own timeout: set it again there.
             self.current_s, self._group = seconds, group
-
-
-def bound_for(runner: OperatorRunner) -> CollectiveBound:
-    """This worker's bound for `runner` (made on first use, per runner)."""
-    slot = this_worker()
-    if slot.bound is None or slot.bound.runner is not runner:
-        slot.bound = CollectiveBound(runner, runner.options)
-    return slot.bound

@@ -37,11 +37,10 @@ from raysgd._internal.protocol import CheckpointPlan
 from raysgd._internal.storage.atomic_files import SCRATCH_PREFIX
 from raysgd._internal.storage.format import checkpoint_name, prune, write_manifest
 from raysgd._internal.storage.location import Storage
-from raysgd._internal.worker.slot import this_worker
 from raysgd._internal.worker.state import WorkerState
 from raysgd_core import get_context
 
-__all__ = ["PeriodicCheckpoints", "periodic_for", "uploads"]
+__all__ = ["PeriodicCheckpoints"]
 
 logger = logging.getLogger("raysgd")
 
@@ -257,23 +256,3 @@ def _wait_for(folder: Storage, parts: list[str]) -> None:
             raise TimeoutError(f"parts {missing} never arrived")
         time.sleep(delay)
         delay = min(1.0, delay * 2)
-
-
-def periodic_for(state: WorkerState, plan: Optional[CheckpointPlan]) -> None:
-    """Arm this worker's periodic checkpoints for the call about to run (made on first use, one
-    per runner: its step hook stays with the runner, and a kept runner keeps it)."""
-    slot = this_worker()
-    periodic = slot.uploads
-    if periodic is None or periodic.state.runner is not state.runner:
-        if plan is None:
-            return
-        if periodic is not None:
-            periodic.close()  # its runner is gone; its last upload, if any, is left to finish
-        periodic = slot.uploads = PeriodicCheckpoints(state)
-    periodic.state = state
-    periodic.arm(plan)
-
-
-def uploads() -> Optional[PeriodicCheckpoints]:
-    """This worker's periodic checkpoints, if any were armed."""
-    return this_worker().uploads

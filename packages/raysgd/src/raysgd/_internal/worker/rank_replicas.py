@@ -33,11 +33,10 @@ from typing import Any
 
 import torch
 
-from raysgd._internal.worker.slot import this_worker
 from raysgd_core import get_context
 from raysgd_operator import OperatorRunner
 
-__all__ = ["PeerSlot", "RankReplicas", "decode_slot", "encode_slot", "replicas_for"]
+__all__ = ["PeerSlot", "RankReplicas", "decode_slot", "encode_slot"]
 
 
 class _Array:
@@ -195,13 +194,3 @@ def _swap(group: Any, out: torch.Tensor, to: int, into: torch.Tensor, frm: int) 
     sending = dist.isend(out, to, group=group)
     dist.irecv(into, frm, group=group).wait()
     sending.wait()
-
-
-def replicas_for(runner: OperatorRunner) -> RankReplicas:
-    """This worker's replicas of its peer's slot (made on first use, per runner: its step hook
-    stays with the runner)."""
-    slot = this_worker()
-    replicas = slot.replicas
-    if replicas is None or replicas.runner is not runner:
-        replicas = slot.replicas = RankReplicas(runner)
-    return replicas

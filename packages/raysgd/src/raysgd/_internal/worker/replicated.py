@@ -24,19 +24,17 @@ from raysgd._internal.worker.rank_replicas import (
     PeerSlot,
     decode_slot,
     encode_slot,
-    replicas_for,
 )
 from raysgd._internal.worker.runner import (
     build_runner,
     my_dataset_splits,
 )
-from raysgd._internal.worker.slot import this_worker
+from raysgd._internal.worker.slot import keep, replicas_for, this_worker
 from raysgd._internal.worker.state import (
     RANK_SLOTS,
     HostCopy,
     WorkerState,
     gather_rank_slots,
-    keep,
     load_into,
     state_within,
 )

@@ -35,7 +35,7 @@ from raysgd._internal.worker.runner import (
     build_runner,
     my_dataset_splits,
 )
-from raysgd._internal.worker.slot import this_worker
+from raysgd._internal.worker.slot import keep, this_worker
 from raysgd._internal.worker.snapshots import Snapshots, Taken
 from raysgd._internal.worker.state import (
     RANK_SLOTS,
@@ -43,7 +43,6 @@ from raysgd._internal.worker.state import (
     WorkerState,
     apply_rank_slot,
     gather_rank_slots,
-    keep,
     load_into,
 )
 from raysgd_core import get_context, scratch_dir

@@ -2,7 +2,9 @@
 
 It lives in the worker's `store` (`raysgd_core.WorkerContext.store`, which outlives a re-formed
 process group), under one key; `this_worker()` gives it. A new worker's slot is empty until the
-driver builds its runner; a kept worker keeps its slot through every resize.
+driver builds its runner; a kept worker keeps its slot through every resize. The functions
+below make, arm and give its parts (a part made for one runner is made anew for the next): the
+parts themselves know nothing of the slot.
 """
 
 from __future__ import annotations
@@ -10,17 +12,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from raysgd._internal.worker.boundary_watch import BoundaryWatch
+from raysgd._internal.worker.collective_bound import CollectiveBound
+from raysgd._internal.worker.periodic_checkpoints import PeriodicCheckpoints
+from raysgd._internal.worker.rank_replicas import RankReplicas
 from raysgd_core import get_context
 
 if TYPE_CHECKING:
-    from raysgd._internal.worker.boundary_watch import BoundaryWatch
-    from raysgd._internal.worker.collective_bound import CollectiveBound
-    from raysgd._internal.worker.periodic_checkpoints import PeriodicCheckpoints
-    from raysgd._internal.worker.rank_replicas import RankReplicas
+    from raysgd._internal.protocol import CheckpointPlan, WatchSpec
     from raysgd._internal.worker.state import WorkerState
     from raysgd_operator import OperatorRunner
 
-__all__ = ["SLOT_KEY", "WorkerSlot", "this_worker"]
+__all__ = [
+    "SLOT_KEY",
+    "WorkerSlot",
+    "bound_for",
+    "keep",
+    "periodic_for",
+    "replicas_for",
+    "this_worker",
+    "uploads",
+    "watch_for",
+    "worker_state",
+]
 
 #: The slot's key in the worker's store (shared with other libraries: namespaced).
 SLOT_KEY = "raysgd"
@@ -60,3 +74,69 @@ def this_worker() -> WorkerSlot:
     if slot is None:
         slot = store[SLOT_KEY] = WorkerSlot()
     return slot
+
+
+def worker_state() -> WorkerState:
+    """This worker's `WorkerState`."""
+    state = this_worker().state
+    if state is None:
+        raise RuntimeError("this worker holds no raysgd training state")
+    return state
+
+
+def keep(state: WorkerState) -> WorkerState:
+    """Make `state` this worker's (closing the one it replaces)."""
+    slot = this_worker()
+    if slot.state is not None and slot.state is not state:
+        slot.state.close()
+    slot.state = state
+    return state
+
+
+def watch_for(runner: OperatorRunner, spec: Optional[WatchSpec]) -> None:
+    """Arm this worker's watch for the call about to run (made on first use, per runner)."""
+    slot = this_worker()
+    watch = slot.watch
+    if watch is None or watch.runner is not runner:
+        if spec is None:
+            return
+        watch = slot.watch = BoundaryWatch(runner)
+    watch.arm(spec)
+
+
+def bound_for(runner: OperatorRunner) -> CollectiveBound:
+    """This worker's bound for `runner` (made on first use, per runner)."""
+    slot = this_worker()
+    if slot.bound is None or slot.bound.runner is not runner:
+        slot.bound = CollectiveBound(runner, runner.options)
+    return slot.bound
+
+
+def periodic_for(state: WorkerState, plan: Optional[CheckpointPlan]) -> None:
+    """Arm this worker's periodic checkpoints for the call about to run (made on first use, one
+    per runner: its step hook stays with the runner, and a kept runner keeps it)."""
+    slot = this_worker()
+    periodic = slot.uploads
+    if periodic is None or periodic.state.runner is not state.runner:
+        if plan is None:
+            return
+        if periodic is not None:
+            periodic.close()  # its runner is gone; its last upload, if any, is left to finish
+        periodic = slot.uploads = PeriodicCheckpoints(state)
+    periodic.state = state
+    periodic.arm(plan)
+
+
+def uploads() -> Optional[PeriodicCheckpoints]:
+    """This worker's periodic checkpoints, if any were armed."""
+    return this_worker().uploads
+
+
+def replicas_for(runner: OperatorRunner) -> RankReplicas:
+    """This worker's replicas of its peer's slot (made on first use, per runner: its step hook
+    stays with the runner)."""
+    slot = this_worker()
+    replicas = slot.replicas
+    if replicas is None or replicas.runner is not runner:
+        replicas = slot.replicas = RankReplicas(runner)
+    return replicas

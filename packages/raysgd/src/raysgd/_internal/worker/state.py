@@ -28,7 +28,6 @@ import ray
 from raysgd._internal.protocol import Holding, LoadSource, RestorePlan, RunnerArgs
 from raysgd._internal.storage.format import METADATA_FILE, state_from_bytes, state_to_bytes
 from raysgd._internal.storage.location import Storage
-from raysgd._internal.worker.slot import this_worker
 from raysgd._internal.worker.transfer import flatten
 from raysgd_core import get_context, scratch_dir
 from raysgd_operator import OperatorRunner
@@ -39,10 +38,8 @@ __all__ = [
     "WorkerState",
     "apply_rank_slot",
     "gather_rank_slots",
-    "keep",
     "load_into",
     "state_within",
-    "worker_state",
 ]
 
 #: Where a saved state keeps what differs from rank to rank (`OperatorRunner.rank_slot`: the
@@ -132,23 +129,6 @@ class WorkerState(abc.ABC):
     def close(self) -> None:
         """Release what the state keeps besides the runner (threads, snapshots)."""
         return None
-
-
-def worker_state() -> WorkerState:
-    """This worker's `WorkerState`."""
-    state = this_worker().state
-    if state is None:
-        raise RuntimeError("this worker holds no raysgd training state")
-    return state
-
-
-def keep(state: WorkerState) -> WorkerState:
-    """Make `state` this worker's (closing the one it replaces)."""
-    slot = this_worker()
-    if slot.state is not None and slot.state is not state:
-        slot.state.close()
-    slot.state = state
-    return state
 
 
 def gather_rank_slots(runner: OperatorRunner, dst: Optional[int]) -> Optional[list[Any]]:
