@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from raysgd_examples import gpu_check
-from raysgd_examples.gpu_check import Check, CheckFailed, Placement, Skipped
+from raysgd_examples._gpu_checks import Check, CheckFailed, Placement, Skipped
 
 pytestmark = pytest.mark.timeout(240)
 
