@@ -6,6 +6,8 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import ray
@@ -66,60 +68,104 @@ def test_too_few_resources_fails_fast_and_leaves_nothing(ray_local, wait_no_left
     assert wait_no_leftovers() == ([], [])
 
 
-def test_exception_carries_traceback_rank_and_cause(ray_local, tmp_path):
-    with WorkerGroup(3) as group:
-        with pytest.raises(WorkerError) as info:
-            group.execute(_rank1_raises_others_all_reduce, str(tmp_path))
-        error = info.value
-        assert error.rank == 1
-        assert "bad value on rank 1" in str(error)
-        assert "_rank1_raises_others_all_reduce" in error.remote_traceback
-        assert isinstance(error.__cause__, ValueError)
-        assert type(error.__cause__).__name__ == "BadValueError"
-        assert group.needs_recovery
-        with pytest.raises(RuntimeError, match="recover"):
-            group.execute(_all_reduce_sum)
-        pids = [pid for _, pid in [(w.rank, w.pid) for w in group.workers]]
-        # Every worker is still alive: recovery keeps them all and re-forms the group.
-        report = group.recover(3, timeout_s=30)
-        assert report.path == "keep-healthy"
-        assert report.kept == {0: 0, 1: 1, 2: 2} and report.started == []
-        assert [w.pid for w in group.workers] == pids
-        assert group.execute(_all_reduce_sum) == [6.0, 6.0, 6.0]
+def _rank_terminated_others_all_reduce(victim: int, folder: str) -> float:
+    if get_context().world_rank == victim:
+        wait_for_peers(folder)
+        # What a node shutting down does to its workers: Ray's handler turns SIGTERM into a
+        # SystemExit raised inside the running call.
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    return _all_reduce_sum(folder)
 
 
 def _own_actor():
     return ray.get_runtime_context().current_actor
 
 
-def test_killed_actor_gives_worker_died_error_and_recover(ray_local, wait_no_leftovers):
+@contextmanager
+def _phase(name: str) -> Iterator[None]:
+    """Name the phase of a long test in whatever fails inside it (an assertion, an error that
+    did not come, a timeout); Python 3.11+ prints the note under the error."""
+    try:
+        yield
+    except BaseException as exc:
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"in phase: {name}")
+        raise
+
+
+@pytest.mark.timeout(240)
+def test_one_group_through_a_user_error_and_each_way_to_lose_a_worker(
+    ray_local, wait_no_leftovers, tmp_path
+):
+    # One group of 3 goes through every phase in turn, each re-forming it for the next: a
+    # worker process costs seconds to start, a phase on the running group a fraction of that.
     group = WorkerGroup(3).start()
     try:
-        before = group.execute(_rank_and_pid)
-        victim = group.execute_single(1, _own_actor)
-        ray.kill(victim)
-        with pytest.raises(WorkerDiedError) as info:
-            group.execute(_all_reduce_sum)
-        assert info.value.ranks == [1]
-        assert info.value.nodes == [group.workers[1].node_id]
-        assert "rank 1" in str(info.value)
-        report = group.recover(3, timeout_s=60)
-        assert report.path == "keep-healthy"
-        assert report.kept == {0: 0, 2: 1}
-        assert report.started == [2] and report.world_size == 3
-        assert report.found_lost == {}  # the error above reported it
-        after = group.execute(_rank_and_pid)
-        assert [pid for _, pid in after[:2]] == [before[0][1], before[2][1]]
-        assert after[2][1] not in {pid for _, pid in before}
-        assert group.execute(_all_reduce_sum) == [6.0, 6.0, 6.0]
-        # A worker lost with no call to report it (the second of a burst, gone before the
-        # recovery for the first): the recovery finds it, replaces it and says so.
-        node = group.workers[0].node_id
-        os.kill(group.workers[0].pid, signal.SIGKILL)
-        report = group.recover(3, timeout_s=60)
-        assert report.lost == [0] and report.found_lost == {0: node}
-        assert report.kept == {1: 0, 2: 1} and report.started == [2]
-        assert group.execute(_all_reduce_sum) == [6.0, 6.0, 6.0]
+        with _phase("a user error carries its traceback, rank and cause; recover keeps all"):
+            with pytest.raises(WorkerError) as info:
+                group.execute(_rank1_raises_others_all_reduce, str(tmp_path / "raises"))
+            error = info.value
+            assert error.rank == 1
+            assert "bad value on rank 1" in str(error)
+            assert "_rank1_raises_others_all_reduce" in error.remote_traceback
+            assert isinstance(error.__cause__, ValueError)
+            assert type(error.__cause__).__name__ == "BadValueError"
+            assert group.needs_recovery
+            with pytest.raises(RuntimeError, match="recover"):
+                group.execute(_all_reduce_sum)
+            pids = [w.pid for w in group.workers]
+            # Every worker is still alive: recovery keeps them all and re-forms the group.
+            report = group.recover(3, timeout_s=30)
+            assert report.path == "keep-healthy"
+            assert report.kept == {0: 0, 1: 1, 2: 2} and report.started == []
+            assert [w.pid for w in group.workers] == pids
+            assert group.execute(_all_reduce_sum) == [6.0, 6.0, 6.0]
+
+        with _phase("a killed actor gives WorkerDiedError; recover(3) replaces it"):
+            before = group.execute(_rank_and_pid)
+            victim = group.execute_single(1, _own_actor)
+            ray.kill(victim)
+            with pytest.raises(WorkerDiedError) as died:
+                group.execute(_all_reduce_sum)
+            assert died.value.ranks == [1]
+            assert died.value.nodes == [group.workers[1].node_id]
+            assert "rank 1" in str(died.value)
+            report = group.recover(3, timeout_s=60)
+            assert report.path == "keep-healthy"
+            assert report.kept == {0: 0, 2: 1}
+            assert report.started == [2] and report.world_size == 3
+            assert report.found_lost == {}  # the error above reported it
+            after = group.execute(_rank_and_pid)
+            assert [pid for _, pid in after[:2]] == [before[0][1], before[2][1]]
+            assert after[2][1] not in {pid for _, pid in before}
+            assert group.execute(_all_reduce_sum) == [6.0, 6.0, 6.0]
+
+        with _phase("a worker lost with no call to report it is found by recover"):
+            # The second of a burst, gone before the recovery for the first: the recovery finds
+            # it, replaces it and says so.
+            node = group.workers[0].node_id
+            os.kill(group.workers[0].pid, signal.SIGKILL)
+            report = group.recover(3, timeout_s=60)
+            assert report.lost == [0] and report.found_lost == {0: node}
+            assert report.kept == {1: 0, 2: 1} and report.started == [2]
+            assert group.execute(_all_reduce_sum) == [6.0, 6.0, 6.0]
+
+        with _phase("an exit inside a collective gives WorkerDiedError; recover(2) shrinks"):
+            with pytest.raises(WorkerDiedError) as died:
+                group.execute(_rank_exits_others_all_reduce, 2, str(tmp_path / "exit"))
+            assert died.value.ranks == [2]
+            # Shrink: recover to what is left without starting anybody.
+            report = group.recover(2, timeout_s=30)
+            assert report.world_size == 2 and report.started == []
+            assert group.execute(_all_reduce_sum) == [3.0, 3.0]
+
+        with _phase("a SIGTERM inside a collective gives WorkerDiedError"):
+            # A worker terminated mid-call is lost too, not a user error (SystemExit ends the
+            # actor).
+            with pytest.raises(WorkerDiedError) as died:
+                group.execute(_rank_terminated_others_all_reduce, 1, str(tmp_path / "term"))
+            assert died.value.ranks == [1]
     finally:
         group.shutdown()
     assert wait_no_leftovers() == ([], [])
@@ -163,48 +209,10 @@ def test_a_spare_replaces_a_lost_worker_and_another_spare_starts(
     assert wait_no_leftovers() == ([], [])
 
 
-def _rank_terminated_others_all_reduce(victim: int, folder: str) -> float:
-    if get_context().world_rank == victim:
-        wait_for_peers(folder)
-        # What a node shutting down does to its workers: Ray's handler turns SIGTERM into a
-        # SystemExit raised inside the running call.
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(30)
-    return _all_reduce_sum(folder)
-
-
-def test_exit_inside_collective_gives_worker_died_error(ray_local, tmp_path):
-    with WorkerGroup(3) as group:
-        with pytest.raises(WorkerDiedError) as info:
-            group.execute(_rank_exits_others_all_reduce, 2, str(tmp_path / "exit"))
-        assert info.value.ranks == [2]
-        # Shrink: recover to what is left without starting anybody.
-        report = group.recover(2, timeout_s=30)
-        assert report.world_size == 2 and report.started == []
-        assert group.execute(_all_reduce_sum) == [3.0, 3.0]
-        # A worker terminated mid-call is lost too, not a user error (SystemExit ends the actor).
-        with pytest.raises(WorkerDiedError) as info:
-            group.execute(_rank_terminated_others_all_reduce, 1, str(tmp_path / "term"))
-        assert info.value.ranks == [1]
-
-
 def _rank1_raises_rank0_hangs() -> None:
     if get_context().world_rank == 0:
         time.sleep(600)  # stuck outside any collective: only killing it ends this
     raise BadValueError("rank 1 failed")
-
-
-def test_stuck_peer_is_killed_after_grace_and_replaced(ray_local):
-    with WorkerGroup(2) as group:
-        stuck_pid = group.workers[0].pid
-        with pytest.raises(WorkerError) as info:
-            group.execute(_rank1_raises_rank0_hangs)
-        assert info.value.rank == 1 and info.value.lost_ranks == [0]
-        report = group.recover(2, timeout_s=60)
-        assert report.kept == {1: 0} and report.started == [1] and report.lost == [0]
-        assert report.found_lost == {}  # killed for being stuck: the error named it
-        assert stuck_pid not in [w.pid for w in group.workers]
-        assert group.execute(_all_reduce_sum) == [3.0, 3.0]
 
 
 def _bound_then_rank1_stops(bound_s: float) -> float:
@@ -216,19 +224,32 @@ def _bound_then_rank1_stops(bound_s: float) -> float:
     return _all_reduce_sum()
 
 
-def test_a_silent_peer_is_lost_and_its_waiting_peer_kept(ray_local):
-    # peer_grace_s far above the bound: the waiting rank is never killed for waiting, and the
-    # silent one is found from the waiting rank's bounded collective, not from the grace.
-    with WorkerGroup(2, peer_grace_s=100) as group:
-        pids = [w.pid for w in group.workers]
-        with pytest.raises(WorkerDiedError) as info:
-            group.execute(_bound_then_rank1_stops, 2.0)
-        # Named silent (the grace would have called it stuck), and lost alone.
-        assert info.value.ranks == [1] and info.value.silent == [1]
-        assert "stopped answering" in str(info.value)
-        report = group.recover(2, timeout_s=60)
-        assert report.kept == {0: 0} and report.started == [1] and report.lost == [1]
-        assert group.workers[0].pid == pids[0]
-        assert pids[1] not in [w.pid for w in group.workers]
-        # The new group's collectives wait for the group's own timeout again.
-        assert group.execute(_all_reduce_sum) == [3.0, 3.0]
+def test_a_stuck_peer_is_killed_after_grace_and_a_silent_one_is_lost(ray_local):
+    with WorkerGroup(2) as group:
+        with _phase("a peer stuck after a user error is killed after the grace and replaced"):
+            stuck_pid = group.workers[0].pid
+            with pytest.raises(WorkerError) as info:
+                group.execute(_rank1_raises_rank0_hangs)
+            assert info.value.rank == 1 and info.value.lost_ranks == [0]
+            report = group.recover(2, timeout_s=60)
+            assert report.kept == {1: 0} and report.started == [1] and report.lost == [0]
+            assert report.found_lost == {}  # killed for being stuck: the error named it
+            assert stuck_pid not in [w.pid for w in group.workers]
+            assert group.execute(_all_reduce_sum) == [3.0, 3.0]
+
+        with _phase("a silent peer is lost and its waiting peer kept"):
+            # The grace (5 s, above the 2 s bound) starts at a call's first failure, here the
+            # waiting rank's bounded collective: the waiting rank is never killed for waiting,
+            # and the silent one is found from that bounded wait, not from the grace.
+            pids = [w.pid for w in group.workers]
+            with pytest.raises(WorkerDiedError) as died:
+                group.execute(_bound_then_rank1_stops, 2.0)
+            # Named silent (the grace would have called it stuck), and lost alone.
+            assert died.value.ranks == [1] and died.value.silent == [1]
+            assert "stopped answering" in str(died.value)
+            report = group.recover(2, timeout_s=60)
+            assert report.kept == {0: 0} and report.started == [1] and report.lost == [1]
+            assert group.workers[0].pid == pids[0]
+            assert pids[1] not in [w.pid for w in group.workers]
+            # The new group's collectives wait for the group's own timeout again.
+            assert group.execute(_all_reduce_sum) == [3.0, 3.0]

@@ -36,28 +36,8 @@ def _use_scaler(scaler: Scaler) -> int:
     return scaler.apply(get_context().world_rank)
 
 
-@pytest.mark.parametrize("n", [1, 2, 4])
-def test_formation_all_reduce_and_shutdown(ray_local, wait_no_leftovers, wait_for_cpus, n):
-    free_before = wait_for_cpus(4)
-    group = WorkerGroup(n)
-    with group:
-        assert group.world_size == n
-        assert ray.available_resources().get("CPU", 0) == free_before - n
-        results = group.execute(_all_reduce_rank_plus_one)
-        expected = n * (n + 1) / 2
-        assert results == [(expected, r, n) for r in range(n)]
-        infos = group.workers
-        assert [w.rank for w in infos] == list(range(n))
-        assert [w.local_rank for w in infos] == list(range(n))  # one node
-        assert all(w.device == "cpu" and w.pid != os.getpid() for w in infos)
-        assert len({w.pid for w in infos}) == n
-    group.shutdown()  # idempotent (the with block already shut it down)
-    # Every resource goes back to Ray: no actor, no placement group, all CPUs free.
-    assert wait_no_leftovers() == ([], [])
-    assert wait_for_cpus(free_before) == free_before
-
-
-def test_context_env_hook_shipping_and_single(ray_local):
+@pytest.mark.parametrize("n", [1, 4])
+def test_formation_context_shipping_and_shutdown(ray_local, wait_no_leftovers, wait_for_cpus, n):
     def hook() -> None:
         os.environ["HOOK_RAN"] = "yes"
 
@@ -72,21 +52,42 @@ def test_context_env_hook_shipping_and_single(ray_local):
             ctx.store["seen"],
         )
 
-    group = WorkerGroup(2, env_vars={"RAYSGD_TEST_VAR": "42"}, init_hook=hook)
+    free_before = wait_for_cpus(4)
+    group = WorkerGroup(n, env_vars={"RAYSGD_TEST_VAR": "42"}, init_hook=hook)
     with group:
-        assert group.execute(read_env) == [("42", "yes", "gloo", 2, 1)] * 2
+        assert group.world_size == n
+        assert ray.available_resources().get("CPU", 0) == free_before - n
+        results = group.execute(_all_reduce_rank_plus_one)
+        expected = n * (n + 1) / 2
+        assert results == [(expected, r, n) for r in range(n)]
+        infos = group.workers
+        assert [w.rank for w in infos] == list(range(n))
+        assert [w.local_rank for w in infos] == list(range(n))  # one node
+        assert all(w.device == "cpu" and w.pid != os.getpid() for w in infos)
+        assert len({w.pid for w in infos}) == n
+
+        # The env vars and the init hook reach every worker; the context says what it is.
+        assert group.execute(read_env) == [("42", "yes", "gloo", n, 1)] * n
         # The store lives as long as the worker process.
-        assert group.execute(read_env)[1][4] == 2
+        assert [seen for *_, seen in group.execute(read_env)] == [2] * n
         # A class and a function from this test module are shipped by value.
-        assert group.execute(_use_scaler, Scaler(10)) == [0, 10]
-        assert group.execute_single(1, _use_scaler, scaler=Scaler(3)) == 3
+        assert group.execute(_use_scaler, Scaler(10)) == [10 * r for r in range(n)]
+        last = n - 1
+        assert group.execute_single(last, _use_scaler, scaler=Scaler(3)) == 3 * last
         # Top-level ObjectRef arguments are resolved on the workers.
         ref = ray.put(Scaler(5))
-        assert group.execute(_use_scaler, ref) == [0, 5]
+        assert group.execute(_use_scaler, ref) == [5 * r for r in range(n)]
         refs = group.execute_async(_use_scaler, Scaler(7))
-        assert ray.get(refs) == [0, 7]
+        assert ray.get(refs) == [7 * r for r in range(n)]
         with pytest.raises(ValueError, match="rank"):
-            group.execute_single(2, read_env)
+            group.execute_single(n, read_env)
+    # RaySGD's own tests read `ray.available_resources()` right after `shutdown()`: it must not
+    # return before Ray has removed the placement groups (their CPUs are missing until then).
+    assert ray.available_resources().get("CPU", 0) == free_before
+    group.shutdown()  # idempotent (the with block already shut it down)
+    # Every resource goes back to Ray: no actor, no placement group, all CPUs free.
+    assert wait_no_leftovers() == ([], [])
+    assert wait_for_cpus(free_before) == free_before
 
 
 def test_bad_arguments_are_named():
@@ -150,12 +151,11 @@ def test_start_makes_its_own_ray_even_where_another_cluster_left_its_address():
     assert "ranks [7]" in out.stdout
 
 
-@pytest.mark.parametrize("use_local", [False, True])
-def test_cpus_are_free_right_after_shutdown(ray_local, wait_for_cpus, use_local):
-    # RaySGD's own tests read `ray.available_resources()` right after `shutdown()`: it must not
-    # return before Ray has removed the placement groups (their CPUs are missing until then).
+def test_cpus_are_free_right_after_shutdown_with_rank_0_in_this_process(ray_local, wait_for_cpus):
+    # As right after the `with` block of test_formation_context_shipping_and_shutdown (where
+    # every rank is an actor), with rank 0 in this process holding one of the CPUs.
     free_before = wait_for_cpus(4)
-    group = WorkerGroup(3, use_local=use_local).start()
+    group = WorkerGroup(3, use_local=True).start()
     assert ray.available_resources().get("CPU", 0) == free_before - 3
     group.shutdown()
     assert ray.available_resources().get("CPU", 0) == free_before

@@ -5,7 +5,6 @@ whose driver was killed resumed at its row."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import signal
@@ -70,30 +69,14 @@ def _weights(trainer: TorchTrainer) -> list[torch.Tensor]:
 
 
 @pytest.mark.timeout(240)
-def test_save_and_load_through_an_s3_server_with_ddp_and_fsdp(ray_local: None, s3_server) -> None:
-    prefix = uuid.uuid4().hex
-    options = s3_server.storage_options
-    ddp = TorchTrainer(
-        training_operator_cls=LinearOperator,
-        num_workers=2,
-        config={BATCH_SIZE: GLOBAL_BATCH},
-        storage_options=options,
-    )
-    try:
-        ddp.train()
-        url = s3_server.url(prefix, "ddp.pt")
-        assert ddp.save(url) == url
-        saved = _weights(ddp)
-        ddp.train()
-        assert not all(map(torch.equal, saved, _weights(ddp)))
-        ddp.load(url)
-        assert all(map(torch.equal, saved, _weights(ddp)))
-    finally:
-        ddp.shutdown()
-
-    # A sharded state: every worker writes its part straight to the bucket; loaded on 3 workers.
+def test_save_and_load_a_sharded_state_through_an_s3_server(ray_local: None, s3_server) -> None:
+    # A sharded state: every worker writes its part straight to the bucket; loaded on one worker
+    # (onto more workers than wrote it: tests/raysgd/test_fsdp.py). A ddp state's save and load
+    # through the server: the resumed trainer of the test after this one.
     # The periodic checkpoints are written from the in-memory snapshots' host copies, in the
     # background: the one at the epoch's last step (8) holds the same weights.
+    prefix = uuid.uuid4().hex
+    options = s3_server.storage_options
     periodic = Storage(s3_server.url(prefix, "periodic"), options)
     fsdp = TorchTrainer(
         training_operator_cls=LinearOperator,
@@ -115,25 +98,24 @@ def test_save_and_load_through_an_s3_server_with_ddp_and_fsdp(ray_local: None, s
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "raysgd_state.pt", MANIFEST_NAME} <= set(
         parts
     )
-    three = TorchTrainer(
+    one = TorchTrainer(
         training_operator_cls=LinearOperator,
-        num_workers=3,
-        num_cpus_per_worker=0.5,
-        config={BATCH_SIZE: 18, "width": 8},
+        num_workers=1,
+        config={BATCH_SIZE: GLOBAL_BATCH, "width": 8},
         strategy="fsdp",
         storage_options=options,
     )
     try:
-        three.load(folder)
-        assert all(torch.allclose(a, b) for a, b in zip(expected, _weights(three)))
-        assert three.epoch == 1
+        one.load(folder)
+        assert all(torch.allclose(a, b) for a, b in zip(expected, _weights(one)))
+        assert one.epoch == 1
         assert [c.step for c in complete_checkpoints(periodic)] == [4, 8]
         newest = newest_complete(periodic)
         assert newest is not None and set(newest.location.listdir()) >= set(parts)
-        three.load(newest.location.url)
-        assert all(torch.allclose(a, b) for a, b in zip(expected, _weights(three)))
+        one.load(newest.location.url)
+        assert all(torch.allclose(a, b) for a, b in zip(expected, _weights(one)))
     finally:
-        three.shutdown()
+        one.shutdown()
 
 
 @pytest.mark.timeout(240)
@@ -184,6 +166,14 @@ def test_checkpoints_inside_an_epoch_survive_a_worker_lost_during_an_upload(
     try:
         assert again.epoch == 2
         assert again.train()["epoch"] == 3
+        # A ddp state saved to a URL on the server and loaded back from it.
+        url = s3_server.url(uuid.uuid4().hex, "ddp.pt")
+        assert again.save(url) == url
+        saved = _weights(again)
+        again.train()
+        assert not all(map(torch.equal, saved, _weights(again)))
+        again.load(url)
+        assert all(map(torch.equal, saved, _weights(again)))
     finally:
         again.shutdown()
 
@@ -296,47 +286,54 @@ def test_a_storage_problem_fails_before_any_worker_starts(ray_local: None, s3_se
     assert ray.available_resources().get("CPU", 0) == free  # nothing was started
 
 
-DRIVER = textwrap.dedent(
-    """
-    import json, os, sys, threading, time
-    import ray, torch
-    sys.path.insert(0, {repo!r})
-    from raysgd import TorchTrainer
-    from raysgd.utils import BATCH_SIZE
-    from tests.raysgd.test_checkpoint_storage import LinearOperator
-
-    folder, marks, kill_after = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    ray.init(address=os.environ["RAYSGD_TEST_ADDRESS"], log_to_driver=False)
-    trainer = TorchTrainer(
+def _run_args(folder: Path, marks: Path) -> dict[str, Any]:
+    """The trainer's arguments in every run of the killed-driver test (the killed driver's, in
+    its own process, and the runs in the test's process)."""
+    return dict(
         training_operator_cls=LinearOperator,
         num_workers=2,
-        config={{BATCH_SIZE: 16, "marker_dir": marks}},
-        checkpoint_dir=folder,
+        config={BATCH_SIZE: 16, "marker_dir": str(marks)},
+        checkpoint_dir=str(folder),
         checkpoint_every=3,
         resume=True,
     )
-    if kill_after:
-        def die():  # SIGKILL this driver once kill_after rows of epoch 2 are recorded
-            while True:
-                rows = 0
-                for name in os.listdir(marks):
-                    with open(os.path.join(marks, name)) as handle:
-                        rows += handle.read().count("2:")
-                if rows >= kill_after:
-                    os.kill(os.getpid(), 9)
-                time.sleep(0.005)
-        threading.Thread(target=die, daemon=True).start()
-    print("START", trainer.epoch, flush=True)
+
+
+#: A driver to kill: only a driver in its own process can be killed with SIGKILL.
+DRIVER = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    from pathlib import Path
+    import ray
+    sys.path.insert(0, {repo!r})
+    from raysgd import TorchTrainer
+    from tests.raysgd.test_checkpoint_storage import _run_args
+
+    folder, marks, kill_after = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    ray.init(address=os.environ["RAYSGD_TEST_ADDRESS"], log_to_driver=False)
+    trainer = TorchTrainer(**_run_args(Path(folder), Path(marks)))
+
+    def die():  # SIGKILL this driver once kill_after rows of epoch 2 are recorded
+        while True:
+            rows = 0
+            for name in os.listdir(marks):
+                with open(os.path.join(marks, name)) as handle:
+                    rows += handle.read().count("2:")
+            if rows >= kill_after:
+                os.kill(os.getpid(), 9)
+            time.sleep(0.005)
+
+    threading.Thread(target=die, daemon=True).start()
     for _ in range(trainer.epoch, 3):
         trainer.train()
-    weights = [w for p in trainer.get_model().parameters() for w in p.flatten().tolist()]
     trainer.shutdown()
-    print("WEIGHTS", json.dumps(weights), flush=True)
     """
 )
 
 
-def _run_driver(folder: Path, marks: Path, kill_after: int) -> subprocess.CompletedProcess:
+def _kill_driver(folder: Path, marks: Path, kill_after: int) -> subprocess.CompletedProcess:
+    """Run a driver with `_run_args` in its own process, killed once `kill_after` rows of its
+    second epoch are recorded."""
     script = folder.parent / "driver.py"
     script.write_text(DRIVER.format(repo=str(REPO)))
     env = {**os.environ, "RAYSGD_TEST_ADDRESS": ray.get_runtime_context().gcs_address}
@@ -350,9 +347,18 @@ def _run_driver(folder: Path, marks: Path, kill_after: int) -> subprocess.Comple
     )
 
 
-def _weights_of(run: subprocess.CompletedProcess) -> list:
-    line = next(line for line in run.stdout.splitlines() if line.startswith("WEIGHTS"))
-    return json.loads(line.split(" ", 1)[1])
+def _run_to_the_end(folder: Path, marks: Path) -> tuple[int, list[float]]:
+    """A run with `_run_args` in this process, to the end of its third epoch: (the epoch it
+    started at, its weights at the end)."""
+    trainer = TorchTrainer(**_run_args(folder, marks))
+    try:
+        started_at = trainer.epoch
+        for _ in range(started_at, 3):
+            trainer.train()
+        weights = [w for p in trainer.get_model().parameters() for w in p.flatten().tolist()]
+    finally:
+        trainer.shutdown()
+    return started_at, weights
 
 
 @pytest.mark.timeout(420)
@@ -362,12 +368,11 @@ def test_a_run_whose_driver_was_killed_goes_on_at_its_row(
     clean_marks, marks = tmp_path / "clean-rows", tmp_path / "rows"
     clean_marks.mkdir()
     marks.mkdir()
-    clean = _run_driver(tmp_path / "clean", clean_marks, 0)
-    assert clean.returncode == 0, clean.stderr[-3000:]
+    _, clean_weights = _run_to_the_end(tmp_path / "clean", clean_marks)
 
     # The driver dies with SIGKILL in the middle of epoch 2 (after 5 of its 8 steps).
     free = ray.available_resources().get("CPU", 0)
-    killed = _run_driver(tmp_path / "ckpt", marks, 5 * GLOBAL_BATCH)
+    killed = _kill_driver(tmp_path / "ckpt", marks, 5 * GLOBAL_BATCH)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     # Its workers go on for a moment (a step, an upload finishing) until Ray stops them: what
     # the next run finds is what they left.
@@ -385,13 +390,12 @@ def test_a_run_whose_driver_was_killed_goes_on_at_its_row(
     assert killed_steps - newest.step <= 2 * every
 
     # Started again: it loads the newest complete checkpoint and goes on at the row after it.
-    resumed = _run_driver(tmp_path / "ckpt", marks, 0)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "START 1" in resumed.stdout  # one epoch finished; the second goes on
+    started_at, resumed_weights = _run_to_the_end(tmp_path / "ckpt", marks)
+    assert started_at == 1  # one epoch finished; the second goes on
     rows = rows_by_epoch(marks)
     assert sorted(set(rows[2])) == list(range(ROWS))  # every row of the interrupted epoch
     # Exactly the steps after the checkpoint's step are trained again, no more.
     assert len(rows[2]) - ROWS == killed_rows - (newest.step - first_epoch) * GLOBAL_BATCH
     assert sorted(rows[3]) == list(range(ROWS))
     # A deterministic job: the same weights as the run that was never interrupted.
-    assert _weights_of(resumed) == pytest.approx(_weights_of(clean), abs=1e-6)
+    assert resumed_weights == pytest.approx(clean_weights, abs=1e-6)

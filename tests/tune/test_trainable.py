@@ -80,34 +80,6 @@ def test_a_trial_refuses_workers_without_cpus_by_the_group_options_rule():
         _bundles(trainable, {"num_cpus_per_worker": 0})
 
 
-def spares_up(trainer, info):
-    """Wait (bounded) for the trial's spare to start, then train; report how many are up."""
-    deadline = time.monotonic() + 60
-    while not trainer.worker_group.spares and time.monotonic() < deadline:
-        time.sleep(0.2)
-    stats = trainer.train(num_steps=2)
-    return {"spares": len(trainer.worker_group.spares), "train_loss": stats["train_loss"]}
-
-
-@pytest.mark.timeout(120)
-def test_a_trial_places_its_spare_worker_in_its_own_reservation(
-    ray_local, tune_storage, nothing_leaked
-):
-    # A trial's actors can only use the trial's placement group: without a bundle reserved for
-    # it, the spare would wait forever.
-    trainable = TorchTrainer.as_trainable(
-        override_tune_step=spares_up, **TRAINER_ARGS, **WORKERS, spare_workers=1
-    )
-    results = tune.Tuner(
-        trainable,
-        run_config=tune.RunConfig(
-            storage_path=tune_storage, stop={"training_iteration": 1}, verbose=0
-        ),
-    ).fit()
-    assert not results.errors
-    assert results[0].metrics["spares"] == 1
-
-
 def test_override_tune_step_must_take_two_parameters():
     def one_param(trainer):
         return {}
@@ -118,7 +90,8 @@ def test_override_tune_step_must_take_two_parameters():
 
 @pytest.mark.timeout(150)
 def test_grid_search_two_trials(ray_local, tune_storage, nothing_leaked):
-    trainable = TorchTrainer.as_trainable(**TRAINER_ARGS, **WORKERS)
+    # use_local: each trial's process is its rank 0, beside one worker actor.
+    trainable = TorchTrainer.as_trainable(**TRAINER_ARGS, **WORKERS, use_local=True)
     results = tune.Tuner(
         trainable,
         param_space={"lr": tune.grid_search([0.05, 0.1])},
@@ -142,14 +115,28 @@ def test_grid_search_two_trials(ray_local, tune_storage, nothing_leaked):
 
 
 def custom_step(trainer, info):
+    """Wait (bounded) for the trial's spare to start, then train; report how many are up."""
+    deadline = time.monotonic() + 60
+    while not trainer.worker_group.spares and time.monotonic() < deadline:
+        time.sleep(0.2)
     stats = trainer.train(num_steps=2)
-    return {"custom_loss": stats["train_loss"], "iteration_seen": info["iteration"]}
+    return {
+        "custom_loss": stats["train_loss"],
+        "iteration_seen": info["iteration"],
+        "spares": len(trainer.worker_group.spares),
+    }
 
 
-@pytest.mark.timeout(120)
-def test_override_tune_step_under_tune_run(ray_local, tune_storage, nothing_leaked):
+@pytest.mark.timeout(150)
+def test_override_tune_step_under_tune_run_with_a_spare_in_the_trials_reservation(
+    ray_local, tune_storage, nothing_leaked
+):
     # tune.run is what RaySGD 1.x's examples call; it still takes a class trainable.
-    trainable = TorchTrainer.as_trainable(override_tune_step=custom_step, **TRAINER_ARGS, **WORKERS)
+    # A trial's actors can only use the trial's placement group: without a bundle reserved for
+    # its spare worker, the spare would wait forever.
+    trainable = TorchTrainer.as_trainable(
+        override_tune_step=custom_step, **TRAINER_ARGS, **WORKERS, spare_workers=1
+    )
     analysis = tune.run(
         trainable,
         config={"lr": 0.1},
@@ -157,9 +144,13 @@ def test_override_tune_step_under_tune_run(ray_local, tune_storage, nothing_leak
         storage_path=tune_storage,
         verbose=0,
     )
-    history = analysis.trials[0].last_result
+    (trial,) = analysis.trials
+    assert trial.status == "TERMINATED"
+    history = trial.last_result
     assert history["iteration_seen"] == 1  # info["iteration"] counts the iterations done before
     assert "custom_loss" in history and "val_loss" not in history
+    # The spare was up in every iteration, the first one included.
+    assert list(analysis.trial_dataframes[trial.trial_id]["spares"]) == [1, 1]
 
 
 @pytest.mark.timeout(120)
