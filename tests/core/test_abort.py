@@ -91,57 +91,59 @@ def _pids(group: WorkerGroup) -> list[int]:
     return [w.pid for w in group.workers]
 
 
-def test_a_user_error_kills_none_and_a_crash_releases_ranks_that_were_not_its_neighbours(
+def test_a_silent_rank_a_user_error_and_crashes_release_every_waiting_rank_keeping_survivors(
     ray_local, tmp_path
 ):
-    # A grace far shorter than the collectives' and the subgroup's timeouts: a rank still
-    # blocked after it would be killed as stuck. 10 s rather than a few: six ranks on two loaded
-    # cores, and Ray reporting the crash, can take seconds (a user error caps it at 5 s anyway).
+    # One group of six, shrinking by one rank per scenario: 6 (a silent rank), 5 (a user error,
+    # then a crash), 4 (a crash before a subgroup). A grace far shorter than the collectives' and
+    # the subgroup's timeouts: a rank still blocked after it would be killed as stuck. 10 s rather
+    # than a few: six ranks on two loaded cores, and Ray reporting the crash, can take seconds (a
+    # user error caps it at 5 s anyway, as a peer's timed-out collective does).
     with WorkerGroup(6, peer_grace_s=10, **_SIX) as group:
         pids = _pids(group)
-        # A user error on rank 3: every waiting rank is let go, none is lost.
+
+        # A silent rank 2 of 6. The first rank to wait out its bound names the silent one; the
+        # others are let go at once rather than each waiting out a bound of its own (the last
+        # would be killed as silent too). Rank r's bound is 4 + 1.5 r s, from a common start:
+        # rank 0's runs out first, when every rank is in the collective; without the abort,
+        # ranks 4 and 5 would wait 6 s and 7.5 s longer, past the 5 s the others are given once
+        # a peer timed out.
+        with pytest.raises(WorkerDiedError) as died:
+            group.execute(_rank_stops_others_staggered, 2, 4.0, 1.5, str(tmp_path / "silent"))
+        assert died.value.ranks == [2] and died.value.silent == [2], "silent rank: who was lost"
+        report = group.recover(5, timeout_s=60)
+        assert report.kept == {0: 0, 1: 1, 3: 2, 4: 3, 5: 4}, "silent rank: who was kept"
+        pids = pids[:2] + pids[3:]
+        assert _pids(group) == pids, "silent rank: survivors' processes"
+
+        # A user error on rank 3 of 5: every waiting rank is let go, none is lost.
         with pytest.raises(WorkerError) as info:
             group.execute(_rank_raises, 3, str(tmp_path / "raises"))
-        assert info.value.rank == 3 and isinstance(info.value.__cause__, StepError)
-        assert info.value.lost_ranks == []
-        report = group.recover(6, timeout_s=60)
-        assert report.kept == {r: r for r in range(6)} and report.started == []
-        assert _pids(group) == pids
-        assert group.execute(_hold_group_then_all_reduce) == [6.0] * 6
+        assert info.value.rank == 3 and isinstance(info.value.__cause__, StepError), "user error"
+        assert info.value.lost_ranks == [], "user error: a rank was lost"
+        report = group.recover(5, timeout_s=60)
+        assert report.kept == {r: r for r in range(5)} and report.started == [], "user error"
+        assert _pids(group) == pids, "user error: survivors' processes"
+        assert group.execute(_hold_group_then_all_reduce) == [5.0] * 5, "user error: group"
 
-        # Rank 3 crashes: ranks 0 and 5, nobody's neighbour of it, are let go too.
+        # Rank 3 of 5 crashes: ranks 0 and 1, nobody's neighbour of it, are let go too.
         with pytest.raises(WorkerDiedError) as died:
             group.execute(_rank_exits, 3, str(tmp_path / "exits"))
-        assert died.value.ranks == [3] and died.value.silent == []
-        report = group.recover(5, timeout_s=60)
-        # Every survivor kept: none was still blocked when the grace ran out.
-        assert report.kept == {0: 0, 1: 1, 2: 2, 4: 3, 5: 4} and report.lost == [3]
-        assert _pids(group) == pids[:3] + pids[4:]
-        assert group.execute(_hold_group_then_all_reduce) == [5.0] * 5
-
-        # Rank 3 crashes before it joins a subgroup the others are making: rank 0 waits for its
-        # address in the rendezvous store, not in a collective. The abort lets it out too.
-        with pytest.raises(WorkerDiedError) as died:
-            group.execute(_rank_exits_before_a_subgroup, 3, str(tmp_path / "subgroup"))
-        assert died.value.ranks == [3]
+        assert died.value.ranks == [3] and died.value.silent == [], "crash: who was lost"
         report = group.recover(4, timeout_s=60)
-        assert report.kept == {0: 0, 1: 1, 2: 2, 4: 3} and report.lost == [3]
+        # Every survivor kept: none was still blocked when the grace ran out.
+        assert report.kept == {0: 0, 1: 1, 2: 2, 4: 3} and report.lost == [3], "crash: kept"
+        assert _pids(group) == pids[:3] + pids[4:], "crash: survivors' processes"
+        assert group.execute(_hold_group_then_all_reduce) == [4.0] * 4, "crash: group"
 
-
-def test_a_silent_rank_costs_one_bound_and_only_it_is_lost(ray_local, tmp_path):
-    # The first rank to wait out its bound names the silent one; the others are let go at once
-    # rather than each waiting out a bound of its own (the last would be killed as silent too).
-    # Rank r's bound is 4 + 1.5 r s, from a common start: rank 0's runs out first, when every
-    # rank is in the collective; without the abort, ranks 4 and 5 would wait 6 s and 7.5 s
-    # longer, past the 5 s the others are given once a peer timed out.
-    with WorkerGroup(6, peer_grace_s=100, **_SIX) as group:
-        pids = _pids(group)
-        with pytest.raises(WorkerDiedError) as info:
-            group.execute(_rank_stops_others_staggered, 2, 4.0, 1.5, str(tmp_path))
-        assert info.value.ranks == [2] and info.value.silent == [2]
-        report = group.recover(5, timeout_s=60)
-        assert report.kept == {0: 0, 1: 1, 3: 2, 4: 3, 5: 4}
-        assert _pids(group) == pids[:2] + pids[3:]
+        # Rank 2 of 4 (not rank 0's neighbour) crashes before it joins a subgroup the others
+        # are making: rank 0 waits for its address in the rendezvous store, not in a collective.
+        # The abort lets it out too.
+        with pytest.raises(WorkerDiedError) as died:
+            group.execute(_rank_exits_before_a_subgroup, 2, str(tmp_path / "subgroup"))
+        assert died.value.ranks == [2], "subgroup: who was lost"
+        report = group.recover(3, timeout_s=60)
+        assert report.kept == {0: 0, 1: 1, 3: 2} and report.lost == [2], "subgroup: kept"
 
 
 # ---------------------------------------------------------------------- gloo's connections

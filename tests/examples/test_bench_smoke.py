@@ -2,7 +2,8 @@
 and the asynchronous raysgd side of the checkpoint benchmark.
 
 They check that the harness runs end to end (child process, torchrun or a raysgd trainer, the
-shared loop, the JSON) and yields a usable number; they assert no time.
+shared loop, the JSON) and yields a usable number; they assert no time. One worker each: the
+harness is the same at any size, and a worker process fewer to start.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from raysgd_examples.bench import throughput
 
 @pytest.mark.timeout(120)
 def test_throughput_torchrun_side_quick(tmp_path: Path) -> None:
-    throughput.main(["--quick", "--repeats", "1", "--sides", "torchrun", "--out", str(tmp_path)])
+    args = ["--quick", "--repeats", "1", "--sides", "torchrun", "--workers", "1"]
+    throughput.main([*args, "--out", str(tmp_path)])
     payload = json.loads((tmp_path / "throughput.json").read_text())
     (metric,) = payload["metrics"]
     assert metric["unit"] == "samples/s" and metric["higher_is_better"] is True
@@ -32,7 +34,9 @@ def test_throughput_torchrun_side_quick(tmp_path: Path) -> None:
 def test_checkpoint_raysgd_async_side_quick(tmp_path: Path) -> None:
     from raysgd_examples.bench import checkpoint
 
-    checkpoint.main(["--quick", "--sides", "raysgd_async_local", "--out", str(tmp_path)])
+    checkpoint.main(
+        ["--quick", "--sides", "raysgd_async_local", "--workers", "1", "--out", str(tmp_path)]
+    )
     payload = json.loads((tmp_path / "checkpoint.json").read_text())
     assert (tmp_path / "checkpoint.png").exists()
     blocked = next(m for m in payload["metrics"] if m["metric"] == "blocked per checkpoint, 0.1M")

@@ -28,8 +28,14 @@ pytestmark = pytest.mark.timeout(240)
 
 #: The Tune examples start Ray clusters of their own: they run one after the other in the
 #: background while the other examples run in the tests, which leave this machine's cores idle
-#: much of the time (process starts, a driver waiting for its workers).
-TUNE_EXAMPLES = ("tune_example", "tune_ddp", "pbt")
+#: much of the time (process starts, a driver waiting for its workers). Each with its arguments
+#: besides `--smoke`: one worker per trial where a trial's size is not what the test is about
+#: (2-worker trials: tests/tune/test_trainable.py); tune_ddp's trials are a DDP group.
+TUNE_EXAMPLES: dict[str, tuple[str, ...]] = {
+    "tune_example": ("--num-workers", "1"),
+    "tune_ddp": (),
+    "pbt": ("--num-workers", "1"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +57,10 @@ def tune_outputs(request: pytest.FixtureRequest) -> Iterator[dict[str, Future[st
     # cores): a Tune example then takes up to three times as long as alone (a PBT smoke took
     # over 180 s in a full run), so the bound that stops a hung one is longer.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        yield {name: pool.submit(run_example, name, "--smoke", timeout_s=360) for name in wanted}
+        yield {
+            name: pool.submit(run_example, name, "--smoke", *TUNE_EXAMPLES[name], timeout_s=360)
+            for name in wanted
+        }
 
 
 def run_example(name: str, *args: str, address: str | None = None, timeout_s: float = 180) -> str:
@@ -125,7 +134,9 @@ def test_demo_full_run_reaches_95_percent(tmp_path: Path, cluster: str) -> None:
 
 
 def test_linear_learns_the_line(cluster: str) -> None:
-    output = run_example("linear", "--smoke", address=cluster)
+    # One worker: the global batch and the steps are the same at any size; the 2-worker creator
+    # style is tests/raysgd/test_trainer_training.py's.
+    output = run_example("linear", "--smoke", "--num-workers", "1", address=cluster)
 
     assert_learned_line(output)
 
@@ -176,7 +187,7 @@ def test_lstm_lm_carries_each_workers_hidden_state_through_a_checkpoint(cluster:
 
 
 def test_digits_trains_above_chance(cluster: str) -> None:
-    output = run_example("digits", "--smoke", address=cluster)
+    output = run_example("digits", "--smoke", "--num-workers", "1", address=cluster)
 
     assert "epoch 2:" in output
     assert number_after("val_accuracy=", output) > 0.5
@@ -204,7 +215,7 @@ def test_fault_demo_recovers_from_a_killed_worker(cluster: str) -> None:
 
 
 def test_migrated_raysgd_script_runs_unchanged(cluster: str) -> None:
-    output = run_example("migrate", "--smoke", "--num-workers", "2", "--address", cluster)
+    output = run_example("migrate", "--smoke", "--num-workers", "1", "--address", cluster)
 
     assert "success!" in output
     assert number_after("trained weight:", output) == pytest.approx(2.0, abs=0.3)

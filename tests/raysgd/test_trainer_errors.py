@@ -92,10 +92,15 @@ def test_use_gpu_without_gpus(ray_local):
 
 def test_worker_side_setup_errors_surface_as_their_own_type(ray_local):
     free = ray.available_resources().get("CPU", 0.0)
-    with pytest.raises(TypeError, match="model_creator must return"):
+    with pytest.raises(TypeError, match="model_creator must return") as remote:
         with_creators(model_creator=lambda config: "not a model", num_workers=2)
-    with pytest.raises(ValueError, match="3 loaders"):
-        with_creators(data_creator=lambda config: (data_creator(config),) * 3)
+    # Chained to the WorkerError that holds the worker's traceback.
+    assert isinstance(remote.value.__cause__, WorkerError)
+    # Rank 0 in this process (no worker process to start): its setup error comes in the same
+    # form as a remote worker's.
+    with pytest.raises(ValueError, match="3 loaders") as local:
+        with_creators(data_creator=lambda config: (data_creator(config),) * 3, use_local=True)
+    assert isinstance(local.value.__cause__, WorkerError)
     with pytest.raises(ValueError):
         with_creators(use_fp16="fp8")  # unknown precision backend name
     # A refused construction leaves no workers or reservations behind.
@@ -121,7 +126,9 @@ class MissingEntryError(LookupError):
         self.entry = entry
 
 
-def test_user_errors_come_in_one_form_and_leave_the_trainer_usable(ray_local):
+def test_user_errors_come_in_one_form_and_leave_the_trainer_usable_until_shut_down(
+    ray_local, tmp_path
+):
     trainer = TorchTrainer(training_operator_cls=NoValidationOperator, num_workers=1)
     try:
         with pytest.raises(ValueError, match="validation loader") as info:
@@ -146,6 +153,25 @@ def test_user_errors_come_in_one_form_and_leave_the_trainer_usable(ray_local):
         assert trainer.train()["num_samples"] == 16  # still usable after the refusals
     finally:
         trainer.shutdown()
+    # Shut down, it refuses every call; a second shutdown is harmless.
+    trainer.shutdown()
+    calls = [
+        lambda: trainer.train(),
+        lambda: trainer.validate(),
+        lambda: trainer.save(str(tmp_path / "x.pt")),
+        lambda: trainer.load(str(tmp_path / "x.pt")),
+        lambda: trainer.state_dict(),
+        lambda: trainer.load_state_dict({}),
+        lambda: trainer.get_model(),
+        lambda: trainer.get_local_operator(),
+        lambda: trainer.update_scheduler(0.1),
+        lambda: trainer.apply_all_workers(lambda: 1),
+        lambda: trainer.apply_all_operators(lambda op: 1),
+        lambda: trainer.num_workers,
+    ]
+    for call in calls:
+        with pytest.raises(RuntimeError, match="shut down"):
+            call()
 
 
 class ValidationOnlyOperator(TrainingOperator):
@@ -172,7 +198,9 @@ class ValidationOnlyOperator(TrainingOperator):
 
 
 def test_an_operator_without_training_data_constructs_validates_and_trains_its_own(ray_local):
-    trainer = TorchTrainer(training_operator_cls=ValidationOnlyOperator, num_workers=2)
+    trainer = TorchTrainer(
+        training_operator_cls=ValidationOnlyOperator, num_workers=2, use_local=True
+    )
     try:
         assert trainer.validate()["num_samples"] == 16
         with pytest.raises(ValueError, match=r"train\(\) needs a train loader"):
@@ -182,26 +210,3 @@ def test_an_operator_without_training_data_constructs_validates_and_trains_its_o
         assert result["own_loss"] > 0 and trainer.get_model().weight.item() != before
     finally:
         trainer.shutdown()
-
-
-def test_every_call_after_shutdown_raises(ray_local, tmp_path):
-    trainer = with_creators()
-    trainer.shutdown()
-    trainer.shutdown()  # a second shutdown is harmless
-    calls = [
-        lambda: trainer.train(),
-        lambda: trainer.validate(),
-        lambda: trainer.save(str(tmp_path / "x.pt")),
-        lambda: trainer.load(str(tmp_path / "x.pt")),
-        lambda: trainer.state_dict(),
-        lambda: trainer.load_state_dict({}),
-        lambda: trainer.get_model(),
-        lambda: trainer.get_local_operator(),
-        lambda: trainer.update_scheduler(0.1),
-        lambda: trainer.apply_all_workers(lambda: 1),
-        lambda: trainer.apply_all_operators(lambda op: 1),
-        lambda: trainer.num_workers,
-    ]
-    for call in calls:
-        with pytest.raises(RuntimeError, match="shut down"):
-            call()

@@ -1,17 +1,17 @@
-"""TorchTrainer options: scheduler frequencies, DDP arguments and wrapping, odd model/optimizer
-shapes, NaN metrics."""
+"""TorchTrainer options: scheduler frequencies, wrap_ddp=False, the options every worker gets.
+
+Custom DDP arguments, a Sequential model with an iterable optimizer and NaN metrics are the
+operator's own behaviour, tested in one process or a 2-process gloo group (tests/operator:
+test_distributed.py, test_register.py, test_training.py, test_metrics.py)."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from raysgd import BATCH_SIZE, TorchTrainer, TrainingOperator
+from raysgd import BATCH_SIZE, TorchTrainer
 from raysgd_operator import TrainingOptions
 
 pytestmark = pytest.mark.timeout(120)
@@ -79,33 +79,6 @@ def test_every_scheduler_frequency(ray_local):
         scheduler_trainer(step_lr, None)
 
 
-class DDPArgsOperator(TrainingOperator):
-    def setup(self, config):
-        model = nn.Linear(1, 1)
-        self.register(
-            models=model,
-            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
-            criterion=nn.MSELoss(),
-            ddp_args={"find_unused_parameters": True},
-        )
-        self.register_data(train_loader=loaders(config)[0])
-
-
-def test_custom_ddp_args_reach_ddp(ray_local):
-    trainer = TorchTrainer(training_operator_cls=DDPArgsOperator, num_workers=2)
-    try:
-        found = trainer.apply_all_operators(
-            lambda op: (
-                isinstance(op.model, DistributedDataParallel),
-                op.model.find_unused_parameters,
-            )
-        )
-        assert found == [(True, True), (True, True)]
-        assert trainer.train(num_steps=2)["batch_count"] == 2
-    finally:
-        trainer.shutdown()
-
-
 def test_wrap_ddp_false_keeps_plain_models(ray_local):
     trainer = TorchTrainer(
         model_creator=model_creator,
@@ -114,6 +87,8 @@ def test_wrap_ddp_false_keeps_plain_models(ray_local):
         loss_creator=nn.MSELoss,
         num_workers=2,
         wrap_ddp=False,
+        # Rank 0 runs here and rank 1 in a worker: still a group of 2, one process start fewer.
+        use_local=True,
     )
     try:
         assert trainer.apply_all_operators(lambda op: type(op.model).__name__) == ["Linear"] * 2
@@ -122,55 +97,6 @@ def test_wrap_ddp_false_keeps_plain_models(ray_local):
         assert isinstance(trainer.get_model(), nn.Linear)
     finally:
         trainer.shutdown()
-
-
-class IterableSGD(torch.optim.SGD):
-    """An optimizer that is also iterable: still one optimizer, not a sequence of them."""
-
-    def __iter__(self):
-        return iter(self.param_groups)
-
-
-class IterableOperator(TrainingOperator):
-    def setup(self, config):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(1, 8), nn.ReLU(), nn.Linear(8, 1))
-        optimizer = IterableSGD(model.parameters(), lr=0.05)
-        self.model, self.optimizer, self.criterion = self.register(
-            models=model, optimizers=optimizer, criterion=nn.MSELoss()
-        )
-        self.register_data(train_loader=loaders(config)[0])
-
-
-def test_sequential_model_and_iterable_optimizer_are_single_objects(ray_local):
-    trainer = TorchTrainer(training_operator_cls=IterableOperator, num_workers=2)
-    try:
-        shapes = trainer.apply_all_operators(
-            lambda op: (len(op.components.models), type(op.optimizer).__name__)
-        )
-        assert shapes == [(1, "IterableSGD")] * 2
-        losses = [trainer.train()["train_loss"] for _ in range(4)]
-        assert losses[-1] < losses[0]
-        assert isinstance(trainer.get_model(), nn.Sequential)
-    finally:
-        trainer.shutdown()
-
-
-class NaNOperator(IterableOperator):
-    def train_batch(self, batch, batch_info):
-        result = super().train_batch(batch, batch_info)
-        result["score"] = math.nan if batch_info["batch_idx"] == 0 else 0.0
-        return result
-
-
-def test_nan_metric_propagates_to_mean_not_last(ray_local):
-    trainer = TorchTrainer(training_operator_cls=NaNOperator, num_workers=1)
-    try:
-        result = trainer.train(num_steps=3)
-    finally:
-        trainer.shutdown()
-    assert math.isnan(result["score"])
-    assert result["last_score"] == 0.0
 
 
 def test_options_reach_every_worker_whole(ray_local):

@@ -4,6 +4,7 @@ TensorBoard files."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,17 +75,57 @@ def read_scalars(path) -> dict[str, list[tuple[int, float]]]:
     return scalars
 
 
-def test_save_then_load_into_new_trainer(ray_local, tmp_path):
-    first = make_trainer()
+def assert_refuses_files_that_are_not_checkpoints(trainer: TorchTrainer, tmp_path: Path) -> None:
+    """Loads of files that are not checkpoints (one a pickle that would run code) raise ValueError
+    and leave `trainer` as it was, and usable."""
+    before = worker_weights(trainer)
+    garbage = tmp_path / "not_a_checkpoint.pt"
+    garbage.write_bytes(b"this is not a checkpoint")
+    with pytest.raises(ValueError, match="not a raysgd checkpoint"):
+        trainer.load(str(garbage))
+    other = tmp_path / "other.pt"
+    torch.save({"weights": torch.ones(2)}, other)  # a torch file, but no trainer state
+    with pytest.raises(ValueError, match="not a raysgd checkpoint"):
+        trainer.load(str(other))
+
+    class Payload:  # a pickle that would run code: never unpickled
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    evil = tmp_path / "evil.pt"
+    torch.save({"models": [Payload()]}, evil)
+    with pytest.raises(ValueError):
+        trainer.load(str(evil))
+    # Refused loads change nothing and leave the trainer usable.
+    for now, then in zip(worker_weights(trainer), before):
+        assert_same(now, then)
+    assert trainer.train(num_steps=1)["batch_count"] == 1, "refused loads: trainer not usable"
+
+
+def test_auto_checkpoints_tensorboard_save_and_load_into_a_new_trainer(ray_local, tmp_path):
+    logdir = tmp_path / "tb"
+    first = make_trainer(checkpoint_dir=str(tmp_path / "auto"), logdir=str(logdir))
     try:
-        first.train()
-        first.train()
+        first.train(checkpoint="auto")
+        written = tmp_path / "auto" / "raysgd_checkpoint.pt"
+        assert written.is_file(), "auto checkpoint: no file"
+        state = torch.load(written, weights_only=True)
+        assert state["epoch"] == 0, "auto checkpoint: not the state from *before* the epoch"
+        first.train(checkpoint="auto")
+        assert torch.load(written, weights_only=True)["epoch"] == 1, "auto checkpoint: not updated"
+        first.validate()
         path = first.save(str(tmp_path / "ckpt" / "trainer.pt"))
         expected = first.get_model().state_dict()
         epoch = first.state_dict()["epoch"]
     finally:
         first.shutdown()
-    assert os.path.isfile(path)
+    events = [f for f in os.listdir(logdir) if f.startswith("events.out.tfevents")]
+    assert events, "tensorboard: no event file"
+    scalars = read_scalars(logdir / events[0])
+    assert {"train/train_loss", "train/num_samples", "validate/val_loss"} <= set(scalars), scalars
+    assert [step for step, _ in scalars["train/train_loss"]] == [1, 2], "tensorboard: steps"
+    assert scalars["train/num_samples"][0][1] == 128, "tensorboard: num_samples"
+    assert os.path.isfile(path), "save: no file"
     assert not [f for f in os.listdir(tmp_path / "ckpt") if f.startswith(".")]  # no temp leftovers
 
     second = make_trainer(use_local=True)
@@ -92,60 +133,11 @@ def test_save_then_load_into_new_trainer(ray_local, tmp_path):
         second.load(path)
         for weights in worker_weights(second):
             assert_same(weights, expected)
-        assert second.state_dict()["epoch"] == epoch
-        assert second.train()["epoch"] == epoch + 1
+        assert second.state_dict()["epoch"] == epoch, "load: another epoch"
+        assert second.train()["epoch"] == epoch + 1, "load: training did not go on from it"
+        assert_refuses_files_that_are_not_checkpoints(second, tmp_path)
     finally:
         second.shutdown()
-
-
-def test_load_refuses_files_that_are_not_checkpoints(ray_local, tmp_path):
-    trainer = make_trainer(num_workers=1)
-    try:
-        before = worker_weights(trainer)[0]
-        garbage = tmp_path / "not_a_checkpoint.pt"
-        garbage.write_bytes(b"this is not a checkpoint")
-        with pytest.raises(ValueError, match="not a raysgd checkpoint"):
-            trainer.load(str(garbage))
-        other = tmp_path / "other.pt"
-        torch.save({"weights": torch.ones(2)}, other)  # a torch file, but no trainer state
-        with pytest.raises(ValueError, match="not a raysgd checkpoint"):
-            trainer.load(str(other))
-
-        class Payload:  # a pickle that would run code: never unpickled
-            def __reduce__(self):
-                return (os.system, ("echo pwned",))
-
-        evil = tmp_path / "evil.pt"
-        torch.save({"models": [Payload()]}, evil)
-        with pytest.raises(ValueError):
-            trainer.load(str(evil))
-        # Refused loads change nothing and leave the trainer usable.
-        assert_same(worker_weights(trainer)[0], before)
-        assert trainer.train(num_steps=1)["batch_count"] == 1
-    finally:
-        trainer.shutdown()
-
-
-def test_auto_checkpoint_and_tensorboard(ray_local, tmp_path):
-    logdir = tmp_path / "tb"
-    trainer = make_trainer(checkpoint_dir=str(tmp_path / "auto"), logdir=str(logdir))
-    try:
-        trainer.train(checkpoint="auto")
-        written = tmp_path / "auto" / "raysgd_checkpoint.pt"
-        assert written.is_file()
-        state = torch.load(written, weights_only=True)
-        assert state["epoch"] == 0  # the state from *before* the epoch
-        trainer.train(checkpoint="auto")
-        assert torch.load(written, weights_only=True)["epoch"] == 1
-        trainer.validate()
-    finally:
-        trainer.shutdown()
-    events = [f for f in os.listdir(logdir) if f.startswith("events.out.tfevents")]
-    assert events
-    scalars = read_scalars(logdir / events[0])
-    assert {"train/train_loss", "train/num_samples", "validate/val_loss"} <= set(scalars)
-    assert [step for step, _ in scalars["train/train_loss"]] == [1, 2]
-    assert scalars["train/num_samples"][0][1] == 128
 
 
 class GANOperator(TrainingOperator):
@@ -194,13 +186,16 @@ def test_gan_two_models_state_round_trip(ray_local):
         loss_creator=nn.BCELoss,
         config={BATCH_SIZE: 16},
         num_workers=2,
+        use_local=True,
     )
     try:
         result = trainer.train()
         assert {"loss_g", "loss_d", "last_loss_g", "last_loss_d"} <= set(result)
         state = trainer.state_dict()
         assert len(state["models"]) == 2 and len(state["optimizers"]) == 2
-        models = trainer.get_model()
+        # Copies: rank 0 lives here, and get_model() alone hands back its live models, which
+        # the next train() changes.
+        models = trainer.get_model(to_cpu=True)
         assert isinstance(models, list) and len(models) == 2
         trainer.train()
         trainer.load_state_dict(state)

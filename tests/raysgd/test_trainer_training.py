@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from raysgd import BATCH_SIZE, TorchTrainer, TrainingOperator
 pytestmark = pytest.mark.timeout(120)
 
 N_TRAIN, N_VAL = 256, 64
+FLOPS_PER_SAMPLE, PEAK_FLOPS_PER_S = 6.0, 1e6
 
 
 def linear_data(n: int) -> TensorDataset:
@@ -63,16 +66,39 @@ def assert_learned(model: nn.Linear) -> None:
     assert model.bias.item() == pytest.approx(5.0, abs=0.1)
 
 
-def test_creator_style_learns_and_reports_default_metrics(ray_local):
-    trainer = creator_trainer()
+@pytest.fixture(scope="module")
+def shared(ray_local_module: None) -> Iterator[SimpleNamespace]:
+    """The module's one creator-style trainer (2 workers, global batch 32), shared by the tests
+    below that take it, and what its fresh model did first.
+
+    Its options only add to what it does: `flops_per_sample` and `peak_flops_per_s` add the
+    `flops_per_s` and `mfu` result keys, and the initialization hook sets an environment variable
+    on every worker. Made, it trains its fresh model 4 epochs, validates and hands the model back
+    (`first`, `last`, `val`, `model`: what the default-metrics test checks); every test after that
+    leaves it at the end of an epoch, and reads epoch numbers relative to `trainer.epoch`.
+    """
+
+    def hook() -> None:
+        os.environ["RAYSGD_TEST_HOOK"] = "set"
+
+    trainer = creator_trainer(
+        flops_per_sample=FLOPS_PER_SAMPLE,
+        peak_flops_per_s=PEAK_FLOPS_PER_S,
+        initialization_hook=hook,
+    )
     try:
         first = trainer.train()
         for _ in range(3):
             last = trainer.train()
         val = trainer.validate()
         model = trainer.get_model()
+        yield SimpleNamespace(trainer=trainer, first=first, last=last, val=val, model=model)
     finally:
         trainer.shutdown()
+
+
+def test_creator_style_learns_and_reports_default_metrics(shared: SimpleNamespace) -> None:
+    first, last, val = shared.first, shared.last, shared.val
     # Global batch 32 over 2 workers: each sees half of 256 samples in batches of 16.
     assert set(first) >= {"epoch", "batch_count", "num_samples", "train_loss", "last_train_loss"}
     assert first["epoch"] == 1 and last["epoch"] == 4
@@ -81,19 +107,33 @@ def test_creator_style_learns_and_reports_default_metrics(ray_local):
     assert set(val) >= {"batch_count", "num_samples", "val_loss", "last_val_loss"}
     assert {"val_accuracy", "last_val_accuracy"} <= set(val)
     assert val["num_samples"] == N_VAL and val["val_loss"] < 0.01
-    assert isinstance(model, nn.Linear)  # one model comes back bare, unwrapped from DDP
-    assert_learned(model)
+    assert isinstance(shared.model, nn.Linear)  # one model comes back bare, unwrapped from DDP
+    assert_learned(shared.model)
 
 
-def test_operator_style_learns_with_use_local(ray_local):
+class ScoreOperator(LinearOperator):
+    """Custom metric: 'score' is the batch index; averaged by samples over batches and workers."""
+
+    def train_batch(self, batch, batch_info):
+        result = super().train_batch(batch, batch_info)
+        result["score"] = float(batch_info["batch_idx"])
+        return result
+
+
+def test_operator_style_learns_with_use_local_and_weights_custom_metrics_by_samples(ray_local):
     trainer = TorchTrainer(
-        training_operator_cls=LinearOperator, config={BATCH_SIZE: 32}, num_workers=2, use_local=True
+        training_operator_cls=ScoreOperator, config={BATCH_SIZE: 32}, num_workers=2, use_local=True
     )
     try:
-        for _ in range(4):
+        # The first 4 batches of epoch 1 on each rank (the driver's and the remote one).
+        result = trainer.train(num_steps=4)
+        assert result["score"] == pytest.approx((0 + 1 + 2 + 3) / 4), "custom metric: mean"
+        assert result["last_score"] == pytest.approx(3.0), "custom metric: last"
+        assert result["num_samples"] == 4 * 32, "custom metric: samples"
+        for _ in range(4):  # the rest of epoch 1, then epochs 2 to 4
             trainer.train()
         local = trainer.get_local_operator()
-        assert type(local).__name__ == "LinearOperator" and local.world_rank == 0
+        assert type(local).__name__ == "ScoreOperator" and local.world_rank == 0
         # The driver holds rank 0: its model is the trained one, without a copy.
         assert local.world_size == 2
         assert_learned(trainer.get_model())
@@ -104,16 +144,11 @@ def test_operator_style_learns_with_use_local(ray_local):
         trainer.shutdown()
 
 
-def test_batch_size_is_split_and_rounded(ray_local):
-    trainer = creator_trainer(config={BATCH_SIZE: 20})
-    try:
-        per_worker = trainer.apply_all_operators(lambda op: op.config[BATCH_SIZE])
-        assert per_worker == [10, 10]
-        assert trainer.config[BATCH_SIZE] == 20
-    finally:
-        trainer.shutdown()
+def test_an_uneven_batch_size_is_rounded_down_with_a_warning(ray_local):
+    # An even one (20 over 2 workers) is split as is: tests/raysgd/test_imports.py checks it.
+    # Rank 0 in this process: the split and the warning are the driver's either way.
     with pytest.warns(UserWarning, match="does not divide"):
-        trainer = creator_trainer(config={BATCH_SIZE: 21})
+        trainer = creator_trainer(config={BATCH_SIZE: 21}, use_local=True)
     try:
         assert trainer.config[BATCH_SIZE] == 20
         assert trainer.apply_all_operators(lambda op: op.config[BATCH_SIZE]) == [10, 10]
@@ -144,96 +179,60 @@ def test_the_split_of_each_group_size_is_made_and_warned_about_once(
     ]
 
 
-def test_num_steps_continue_and_wrap(ray_local):
-    # 2 workers x 128 samples / 16 per batch = 8 batches per worker per epoch.
-    trainer = creator_trainer()
-    try:
-        assert trainer.train(num_steps=3)["batch_count"] == 3
-        rest = trainer.train()  # finishes the current epoch
-        assert rest["batch_count"] == 5 and rest["epoch"] == 1
-        wrap = trainer.train(num_steps=10)  # 8 of epoch 2, then 2 of epoch 3
-        assert wrap["batch_count"] == 10 and wrap["epoch"] == 3
-        assert trainer.train()["batch_count"] == 6
-        assert trainer.validate(num_steps=1)["batch_count"] == 1
-    finally:
-        trainer.shutdown()
+def test_reduce_results_false_and_profile(shared: SimpleNamespace) -> None:
+    trainer = shared.trainer
+    per_worker = trainer.train(reduce_results=False, profile=True)
+    assert isinstance(per_worker, list) and len(per_worker) == 2
+    assert all(r["num_samples"] == N_TRAIN // 2 for r in per_worker)
+    assert {"mean_fwd_s", "mean_grad_s", "mean_apply_s", "mean_train_epoch_s"} <= set(
+        per_worker[0]["profile"]
+    )
+    val = trainer.validate(reduce_results=False, profile=True)
+    assert len(val) == 2
+    assert {"mean_eval_fwd_s", "mean_validation_s"} <= set(val[0]["profile"])
+    assert "profile" in trainer.train(profile=True)
+    # Introspection: current size, the core worker group, no failures seen.
+    assert trainer.num_workers == 2 and trainer.worker_group.world_size == 2
+    assert trainer.failures == 0 and trainer.recovery_events == []
 
 
-def test_reduce_results_false_and_profile(ray_local):
-    trainer = creator_trainer()
-    try:
-        per_worker = trainer.train(reduce_results=False, profile=True)
-        assert isinstance(per_worker, list) and len(per_worker) == 2
-        assert all(r["num_samples"] == N_TRAIN // 2 for r in per_worker)
-        assert {"mean_fwd_s", "mean_grad_s", "mean_apply_s", "mean_train_epoch_s"} <= set(
-            per_worker[0]["profile"]
-        )
-        val = trainer.validate(reduce_results=False, profile=True)
-        assert len(val) == 2
-        assert {"mean_eval_fwd_s", "mean_validation_s"} <= set(val[0]["profile"])
-        assert "profile" in trainer.train(profile=True)
-        # Introspection: current size, the core worker group, no failures seen.
-        assert trainer.num_workers == 2 and trainer.worker_group.world_size == 2
-        assert trainer.failures == 0 and trainer.recovery_events == []
-    finally:
-        trainer.shutdown()
-
-
-def test_train_reports_the_groups_throughput(ray_local):
+def test_train_reports_the_groups_throughput(shared: SimpleNamespace) -> None:
     """samples/s is the group's num_samples over its loop time, which lies inside the call; with
     FLOPs per sample and a peak (none is known for a CPU) the FLOP/s and MFU follow from it."""
-    trainer = creator_trainer(flops_per_sample=6.0, peak_flops_per_s=1e6)
-    try:
-        started = time.perf_counter()
-        result = trainer.train()
-        wall_s = time.perf_counter() - started
-        per_worker = trainer.train(reduce_results=False)
-    finally:
-        trainer.shutdown()
+    trainer = shared.trainer
+    started = time.perf_counter()
+    result = trainer.train()
+    wall_s = time.perf_counter() - started
+    per_worker = trainer.train(reduce_results=False)
     assert result["num_samples"] == N_TRAIN
     assert 0 < result["loop_s"] <= wall_s
     assert result["samples_per_s"] == pytest.approx(N_TRAIN / result["loop_s"])
-    assert result["flops_per_s"] == pytest.approx(6.0 * result["samples_per_s"])
-    assert result["mfu"] == pytest.approx(result["flops_per_s"] / (2 * 1e6))
+    assert result["flops_per_s"] == pytest.approx(FLOPS_PER_SAMPLE * result["samples_per_s"])
+    assert result["mfu"] == pytest.approx(result["flops_per_s"] / (2 * PEAK_FLOPS_PER_S))
     # Each worker's own: its half of the rows over its own loop time.
     for worker in per_worker:
         assert worker["samples_per_s"] == pytest.approx(N_TRAIN / 2 / worker["loop_s"])
-        assert worker["mfu"] == pytest.approx(6.0 * worker["samples_per_s"] / 1e6)
+        assert worker["mfu"] == pytest.approx(
+            FLOPS_PER_SAMPLE * worker["samples_per_s"] / PEAK_FLOPS_PER_S
+        )
 
 
-class ScoreOperator(LinearOperator):
-    """Custom metric: 'score' is the batch index; averaged by samples over batches and workers."""
-
-    def train_batch(self, batch, batch_info):
-        result = super().train_batch(batch, batch_info)
-        result["score"] = float(batch_info["batch_idx"])
-        return result
+def test_initialization_hook_runs_on_every_worker(shared: SimpleNamespace) -> None:
+    trainer = shared.trainer
+    assert trainer.apply_all_workers(lambda: os.environ.get("RAYSGD_TEST_HOOK")) == ["set", "set"]
+    # Each worker runs as many intra-op threads as CPUs it reserved.
+    assert trainer.apply_all_workers(torch.get_num_threads) == [1, 1]
 
 
-def test_custom_metrics_are_sample_weighted(ray_local):
-    trainer = TorchTrainer(
-        training_operator_cls=ScoreOperator, config={BATCH_SIZE: 32}, num_workers=2
-    )
-    try:
-        result = trainer.train(num_steps=4)
-    finally:
-        trainer.shutdown()
-    assert result["score"] == pytest.approx((0 + 1 + 2 + 3) / 4)
-    assert result["last_score"] == pytest.approx(3.0)
-    assert result["num_samples"] == 4 * 32
-
-
-def test_initialization_hook_runs_on_every_worker(ray_local):
-    def hook():
-        os.environ["RAYSGD_TEST_HOOK"] = "set"
-
-    trainer = creator_trainer(initialization_hook=hook)
-    try:
-        assert trainer.apply_all_workers(lambda: os.environ.get("RAYSGD_TEST_HOOK")) == [
-            "set",
-            "set",
-        ]
-        # Each worker runs as many intra-op threads as CPUs it reserved.
-        assert trainer.apply_all_workers(torch.get_num_threads) == [1, 1]
-    finally:
-        trainer.shutdown()
+def test_num_steps_continue_and_wrap(shared: SimpleNamespace) -> None:
+    # Last of the shared trainer's tests: it starts at the end of an epoch and ends at one too.
+    # 2 workers x 128 samples / 16 per batch = 8 batches per worker per epoch.
+    trainer = shared.trainer
+    done = trainer.epoch  # epochs the earlier tests trained to their end
+    assert trainer.train(num_steps=3)["batch_count"] == 3
+    rest = trainer.train()  # finishes the current epoch
+    assert rest["batch_count"] == 5 and rest["epoch"] == done + 1
+    wrap = trainer.train(num_steps=10)  # 8 of the next epoch, then 2 of the one after
+    assert wrap["batch_count"] == 10 and wrap["epoch"] == done + 3
+    assert trainer.train()["batch_count"] == 6
+    assert trainer.validate(num_steps=1)["batch_count"] == 1
