@@ -451,6 +451,37 @@ def test_every_worker_lost_at_once_restores_a_checkpoint_or_says_what_was_lost(
 
 
 @pytest.mark.timeout(150)
+def test_every_worker_lost_after_a_load_that_went_back_restores_the_loaded_state(
+    tmp_path: Path,
+) -> None:
+    # The driver keeps a copy of the state after each call. Trained on past a save, the copy is
+    # of a later step; loading the save goes back, and the copy of the state the load replaced
+    # must go with it: every worker lost in the next call restores the loaded checkpoint (the
+    # newest state of this run), never the later copy.
+    _, clean_weights = _clean_run(tmp_path)
+    for rank in range(2):  # the exits are armed only once the load went back
+        (tmp_path / f"exited-{rank}").touch()
+    trainer = _make(AllExitOnceOperator, tmp_path)
+    try:
+        trainer.train(num_steps=8)
+        saved = trainer.save(tmp_path / "step8.pt")
+        trainer.train(), trainer.train()  # the copy is of step 64 or later from here on
+        trainer.load(saved)
+        for rank in range(2):
+            (tmp_path / f"exited-{rank}").unlink()
+        trainer.train(max_retries=2)  # every rank exits at step 40
+        assert trainer.failures == 1 and (tmp_path / "exited-0").exists()
+        resize = next(e for e in trainer.recovery_events if e.kind == "resize")
+        assert resize.source is not None and resize.source.startswith("checkpoint "), resize
+        assert resize.source.endswith("at step 8"), resize.source
+        trainer.train()
+        for name, value in _weights(trainer).items():
+            torch.testing.assert_close(value, clean_weights[name])
+    finally:
+        trainer.shutdown()
+
+
+@pytest.mark.timeout(150)
 def test_without_a_clean_survivor_the_call_starts_again_from_the_drivers_copy(
     tmp_path: Path,
 ) -> None:

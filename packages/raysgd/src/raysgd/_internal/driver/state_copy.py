@@ -57,6 +57,14 @@ class DriverCopy:
                 self._data, self._step = None, -1
             self._taken_at = time.monotonic()
 
+    def forget(self) -> None:
+        """Drop the copy: the state was replaced as a whole (a load), and a copy of the state
+        before it, of a later step when the load went back, must never be restored. A fetch in
+        flight is of that state too: it is let finish first."""
+        self.wait()
+        with self._lock:
+            self._data, self._step = None, -1
+
     def latest(self) -> Optional[tuple[bytes, int]]:
         """(bytes, step) of the newest copy fetched, or None."""
         with self._lock:

@@ -258,6 +258,9 @@ class TrainingState:
         refused = next((a.refused for a in answers if a.refused), None)
         if refused:
             raise ValueError(refused)
+        # A copy of the state just replaced must not be restored after a loss (the copy that
+        # `load_state_dict` offers, or the next refresh, is of the loaded state).
+        self._copy.forget()
         self.step, self.epochs = int(answers[0].step), int(answers[0].epochs)
         self._kind.settle(group)
 

@@ -24,6 +24,7 @@ import torch
 from raysgd._internal.protocol import (
     HeldSnapshot,
     Holding,
+    LoadSource,
     RestorePlan,
     RunnerArgs,
     SnapshotPlan,
@@ -126,6 +127,12 @@ class ShardedState(WorkerState):
     def __init__(self, runner: OperatorRunner) -> None:
         super().__init__(runner)
         self.snapshots = Snapshots(runner, runner.options.snapshot_every)
+
+    def load(self, source: LoadSource) -> None:
+        super().load(source)
+        # The snapshots held are of the state before the load: of later steps when the load goes
+        # back. A restore takes the newest snapshot held, so none of them may outlive the load.
+        self.snapshots.forget()
 
     def holding(self) -> Holding:
         snapshots = self.snapshots

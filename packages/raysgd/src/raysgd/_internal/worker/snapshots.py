@@ -242,13 +242,19 @@ class Snapshots:
         generation = self.held.get(step)
         return dict(generation.parts) if generation is not None else {}
 
-    def on_new_group(self) -> None:
-        """The process group was re-formed: the snapshots held belong to the old one, and the
-        snapshot groups are made again over the new one when next used."""
+    def forget(self) -> None:
+        """Drop every snapshot held: the state was replaced as a whole (a load), and they are
+        of the state before it."""
         self.join()
         self.held.clear()
         self.reported.clear()
-        self.taking, self._group, self._files_group, self._boundary = None, None, None, None
+        self.taking, self._boundary = None, None
+
+    def on_new_group(self) -> None:
+        """The process group was re-formed: the snapshots held belong to the old one, and the
+        snapshot groups are made again over the new one when next used."""
+        self.forget()
+        self._group, self._files_group = None, None
         self.release()
 
     def release(self) -> None:
