@@ -11,18 +11,30 @@ spare takes the lost worker's place, or a new worker does: the group keeps its s
 within 1e-6: after a re-formed group's first synchronised step DDP lays its gradient buckets out
 anew, so gloo sums a few elements of 3 or 4 workers' gradients in another order (one unit in the
 last place of float32; with 2 workers the sums are the same bit for bit).
+
+A worker's start costs seconds (torch's imports), training these jobs less than one, so the runs
+of a job share one trainer (`_shared`): built once, with the spare and the policy of the faulted
+runs, it runs the uninterrupted job first (its weights taken before any fault); each faulted run
+then `load()`s the save and trains, with the faults its test wrote for it (`_arm`). A load
+restores all the job depends on (that is what the module checks) and drops what the trainer kept
+to recover the state it replaced: fsdp's in-memory snapshots and the driver's copy, of later
+steps here. A loss after the load goes back no further than the loaded state.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import pytest
@@ -47,16 +59,17 @@ TOLERANCE = 1e-6
 
 class ExactOperator(TrainingOperator):
     """An MLP with dropout whose inputs are shifted by Python's and NumPy's generators and by a
-    state each rank carries; `config["kills"]` lists ``(rank, global_step)`` at which that rank's
-    worker exits at the start of its batch, `config["exits_after_step"]` those at which it exits
-    just after its optimizer stepped, once each (a marker file in `config["markers"]`).
-    `config["split_window"]` is ``(lost, ahead, global_step)``: at that step's optimizer step,
-    rank `ahead` steps, rank `lost` exits once it did, and the others wait in a collective
-    first (as on ranks that a gradient all-reduce failed while it ended on `ahead`). A worker
-    set up once the marker ``arm-setup-death`` exists exits in its set-up, once."""
+    state each rank carries. It reads its faults when it meets them, from the JSON file
+    `config["plan"]` (none without one; see `_arm`): `kills` lists ``(rank, global_step)`` at
+    which that rank's worker exits at the start of its batch, `exits_after_step` those at which
+    it exits just after its optimizer stepped, once each (a marker file in the plan's `markers`).
+    `split_window` is ``(lost, ahead, global_step)``: at that step's optimizer step, rank `ahead`
+    steps, rank `lost` exits once it did, and the others wait in a collective first (as on ranks
+    that a gradient all-reduce failed while it ended on `ahead`). A worker set up once the marker
+    ``arm-setup-death`` exists exits in its set-up, once."""
 
     def setup(self, config: dict[str, Any]) -> None:
-        markers = config.get("markers")
+        markers = self._faults().get("markers")
         if markers and os.path.exists(os.path.join(markers, "arm-setup-death")):
             if self._first("setup-died"):
                 os._exit(1)
@@ -78,16 +91,24 @@ class ExactOperator(TrainingOperator):
         random.seed(2000 + self.world_rank)
         np.random.seed(3000 + self.world_rank)
         self.carried = torch.zeros(8)
-        if config.get("exits_after_step"):
-            optimizer.register_step_post_hook(self._after_step)
-        if config.get("split_window"):
-            optimizer.register_step_pre_hook(self._split_window)
-            optimizer.register_step_post_hook(self._split_window_stepped)
+        # Hooked whatever the plan says now: a shared trainer's next plan may use them.
+        optimizer.register_step_pre_hook(self._split_window)
+        optimizer.register_step_post_hook(self._after_step)
+
+    def _faults(self) -> dict[str, Any]:
+        """The plan as it is now (read at every use: a test arms a shared trainer's next run)."""
+        plan = self.config.get("plan")
+        if plan is None or not os.path.exists(plan):
+            return {}
+        with open(plan) as handle:
+            faults: dict[str, Any] = json.load(handle)
+        return faults
 
     def _first(self, name: str) -> bool:
         """Whether this is the first time marker `name` is asked for (it exists from now on)."""
+        path = os.path.join(self._faults()["markers"], name)
         try:
-            os.close(os.open(os.path.join(self.config["markers"], name), os.O_CREAT | os.O_EXCL))
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL))
         except FileExistsError:
             return False
         return True
@@ -99,27 +120,30 @@ class ExactOperator(TrainingOperator):
                     os._exit(1)
 
     def _after_step(self, *args: Any) -> None:
-        self._exit_once(self.config["exits_after_step"], "after-step-")
+        faults = self._faults()
+        self._exit_once(faults.get("exits_after_step", ()), "after-step-")
+        if faults.get("split_window"):
+            _, ahead, step = faults["split_window"]
+            if (self.world_rank, self.global_step) == (ahead, step):
+                mark(faults["markers"], "ahead-stepped")
 
     def _split_window(self, *args: Any) -> None:
-        lost, ahead, step = self.config["split_window"]
+        faults = self._faults()
+        if not faults.get("split_window"):
+            return
+        lost, ahead, step = faults["split_window"]
         rank = self.world_rank
         if self.global_step != step or rank == ahead or not self._first(f"split-{rank}"):
             return
         if rank == lost:
-            wait_for(self.config["markers"], ["ahead-stepped"])
+            wait_for(faults["markers"], ["ahead-stepped"])
             os._exit(1)
         # Never ends: `ahead` went on to the next window, `lost` dies; the group's abort
         # releases this rank with an error, before its optimizer stepped.
         torch.distributed.all_reduce(torch.zeros(1))
 
-    def _split_window_stepped(self, *args: Any) -> None:
-        _, ahead, step = self.config["split_window"]
-        if (self.world_rank, self.global_step) == (ahead, step):
-            mark(self.config["markers"], "ahead-stepped")
-
     def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
-        self._exit_once(self.config.get("kills", ()), "")
+        self._exit_once(self._faults().get("kills", ()), "")
         if self.config.get("plain"):
             return super().train_batch(batch, batch_info)
         x, y = batch
@@ -135,7 +159,43 @@ class ExactOperator(TrainingOperator):
         self.carried = torch.zeros(8) if state is None else state["carried"]
 
 
+def _arm(plan: Path, markers: Optional[Path] = None, **faults: Any) -> None:
+    """Write the faults that a trainer reading `plan` meets from now on (none without
+    arguments), each once per marker in `markers` (the test's own folder)."""
+    content = {**faults, "markers": str(markers)} if markers is not None else {}
+    mark(plan.parent, plan.name, json.dumps(content))
+
+
+@dataclass
+class _Shared:
+    """A trainer that outlives its test, the plan it reads, and whether the last test that used
+    it ended (else it is built anew: that test may have left it anywhere)."""
+
+    trainer: TorchTrainer
+    plan: Path
+    healthy: bool = False
+
+
+#: The shared trainer, by (strategy, k): one at a time, as the local cluster (4 CPUs) has room
+#: for one trainer of 4 workers and a spare at 0.5 CPU each, not for a second beside it.
+_HELD: dict[tuple[str, int], _Shared] = {}
+
+
+def _release() -> None:
+    """Shut the shared trainer down, if one is held."""
+    while _HELD:
+        _, shared = _HELD.popitem()
+        shared.trainer.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_at_the_end() -> Iterator[None]:
+    yield
+    _release()
+
+
 def _trainer(strategy: str, k: int, **kwargs: Any) -> TorchTrainer:
+    _release()  # room for this one
     config = {BATCH_SIZE: GLOBAL_BATCH, **kwargs.pop("config", {})}
     extra = {"snapshot_every": 2} if strategy == "fsdp" else {}
     return TorchTrainer(
@@ -150,6 +210,19 @@ def _trainer(strategy: str, k: int, **kwargs: Any) -> TorchTrainer:
     )
 
 
+def _spared(strategy: str, k: int, plan: Path) -> TorchTrainer:
+    """A trainer that keeps its size and its result through losses: a spare, and replacements
+    started before the group goes on; its faults are those `plan` says (none yet)."""
+    _arm(plan)
+    return _trainer(
+        strategy,
+        k,
+        config={"plan": str(plan)},
+        spare_workers=1,
+        failure_policy=DefaultPolicy(replace_in_background=False),
+    )
+
+
 def _weights(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in trainer.get_model().state_dict().items()}
 
@@ -160,40 +233,71 @@ def _assert_equal(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor
         assert difference <= TOLERANCE, f"{name} differs by {difference}"
 
 
-#: (strategy, k, config) -> the uninterrupted job's weights and its save: the tests that fault the
-#: same job share one run of it.
-_CLEAN: dict[tuple[str, int, str], tuple[dict[str, torch.Tensor], Path]] = {}
+#: (strategy, k) -> the uninterrupted job's weights and its save: the tests that fault the same
+#: job share one run of it.
+_CLEAN: dict[tuple[str, int], tuple[dict[str, torch.Tensor], Path]] = {}
 
 
-def _clean_run(
-    strategy: str, k: int, folder: Path, **config: Any
+def _uninterrupted(
+    trainer: TorchTrainer, strategy: str, folder: Path
 ) -> tuple[dict[str, torch.Tensor], Path]:
-    """The uninterrupted job: a call that ends inside a window, a save there (into `folder`,
-    unless an earlier test ran the same job), the rest. Its final weights and the save."""
-    key = (strategy, k, repr(sorted(config.items())))
+    """The uninterrupted job on `trainer`, just built: a call that ends inside a window, a save
+    there (into `folder`), the rest. Its final weights and the save."""
+    saved = folder / ("state" if strategy == "fsdp" else "state.pt")
+    trainer.train(num_steps=6)
+    trainer.save(saved)
+    for epoch in range(2):
+        result = trainer.train()
+        assert result["num_samples"] == ROWS - (6 * GLOBAL_BATCH if epoch == 0 else 0)
+    assert trainer.failures == 0
+    return _weights(trainer), saved
+
+
+@contextmanager
+def _shared(strategy: str, k: int, folder: Path) -> Iterator[_Shared]:
+    """The trainer of (strategy, k)'s runs, for the time of one test: the one held, or a new one
+    (its plan in `folder`) on which the uninterrupted job runs first, unless an earlier test ran
+    it. The test loads the state it starts from and arms its faults (`_arm`)."""
+    key = (strategy, k)
+    shared = _HELD.get(key)
+    if shared is None or not shared.healthy:
+        _release()
+        plan = folder / "plan.json"
+        shared = _HELD[key] = _Shared(_spared(strategy, k, plan), plan)
+    shared.healthy = False
     if key not in _CLEAN:
-        saved = folder / ("state" if strategy == "fsdp" else "state.pt")
-        trainer = _trainer(strategy, k, config=config)
-        try:
-            trainer.train(num_steps=6)
-            trainer.save(saved)
-            for epoch in range(2):
-                result = trainer.train()
-                assert result["num_samples"] == ROWS - (6 * GLOBAL_BATCH if epoch == 0 else 0)
-            _CLEAN[key] = (_weights(trainer), saved)
-        finally:
-            trainer.shutdown()
+        _CLEAN[key] = _uninterrupted(shared.trainer, strategy, folder)
+    yield shared
+    shared.healthy = True
+
+
+def _clean_run(strategy: str, k: int, folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """The uninterrupted job's final weights and its save (into `folder`, unless an earlier test
+    ran the same job)."""
+    key = (strategy, k)
+    if key not in _CLEAN:
+        with _shared(strategy, k, folder):
+            pass  # the shared trainer ran the job first
     return _CLEAN[key]
+
+
+@contextmanager
+def _faulted(strategy: str, k: int, folder: Path) -> Iterator[tuple[TorchTrainer, Path]]:
+    """The trainer a faulted run of (strategy, k) runs on (the shared one) and the plan it reads
+    its faults from."""
+    with _shared(strategy, k, folder) as shared:
+        yield shared.trainer, shared.plan
 
 
 # (strategy, k, the kills: rank and global step). With k=4 the kills fall on every position of a
 # window between the two strategies (9: its second batch; 14: its third; 16: its first; 23: its
 # last); the job goes on from the save at step 6, whose state is its window's start (step 4).
+# ddp-k4 last: the test after it runs on the same trainer.
 CASES = [
-    ("ddp", 4, [(1, 9), (3, 14)]),
     ("ddp", 1, [(2, 20)]),
     ("fsdp", 4, [(0, 16), (2, 23)]),
     ("fsdp", 1, [(1, 9)]),
+    ("ddp", 4, [(1, 9), (3, 14)]),
 ]
 
 
@@ -205,29 +309,22 @@ def test_a_job_loaded_inside_a_window_and_losing_workers_ends_with_the_clean_wei
 
     markers = tmp_path / "markers"
     markers.mkdir()
-    trainer = _trainer(
-        strategy,
-        k,
-        config={"kills": kills, "markers": str(markers)},
-        spare_workers=1,
-        failure_policy=DefaultPolicy(replace_in_background=False),
-    )
-    try:
+    with _faulted(strategy, k, tmp_path) as (trainer, plan):
         trainer.load(saved)  # saved after 6 steps: the state of step 4 for k=4
+        _arm(plan, markers, kills=kills)
+        failures, seen = trainer.failures, len(trainer.recovery_events)
         for epoch in range(2):
             result = trainer.train()
             # Every row of the epoch once (the first: those after the save's 6 steps).
             assert result["num_samples"] == ROWS - (6 * GLOBAL_BATCH if epoch == 0 else 0)
-        assert trainer.failures == len(kills)
-        resizes = [e for e in trainer.recovery_events if e.kind == "resize"]
+        assert trainer.failures - failures == len(kills)
+        resizes = [e for e in trainer.recovery_events[seen:] if e.kind == "resize"]
         assert resizes and all(e.num_workers_after == WORKERS for e in resizes)
         assert all(e.inexact == () for e in resizes), [e.inexact for e in resizes]
         if strategy == "ddp":
             # A window is done again at most: its batches, the one in flight included.
             assert all(0 < e.steps_redone <= k for e in resizes), [e.steps_redone for e in resizes]
         _assert_equal(_weights(trainer), expected)
-    finally:
-        trainer.shutdown()
 
 
 def test_a_loss_inside_a_resize_and_survivors_a_window_apart_keep_the_clean_weights(
@@ -242,27 +339,20 @@ def test_a_loss_inside_a_resize_and_survivors_a_window_apart_keep_the_clean_weig
     expected, saved = _clean_run("ddp", 4, tmp_path)
     markers = tmp_path / "markers"
     markers.mkdir()
-    trainer = _trainer(
-        "ddp",
-        4,
-        config={"kills": [(1, 9)], "split_window": (1, 3, 19), "markers": str(markers)},
-        spare_workers=1,
-        failure_policy=DefaultPolicy(replace_in_background=False),
-    )
-    try:
+    with _faulted("ddp", 4, tmp_path) as (trainer, plan):
         trainer.load(saved)
+        _arm(plan, markers, kills=[(1, 9)], split_window=(1, 3, 19))
         mark(markers, "arm-setup-death")
+        failures, seen = trainer.failures, len(trainer.recovery_events)
         for epoch in range(2):
             result = trainer.train()
             assert result["num_samples"] == ROWS - (6 * GLOBAL_BATCH if epoch == 0 else 0)
-        assert (markers / "setup-died").exists() and trainer.failures == 3
-        resizes = [e for e in trainer.recovery_events if e.kind == "resize"]
+        assert (markers / "setup-died").exists() and trainer.failures - failures == 3
+        resizes = [e for e in trainer.recovery_events[seen:] if e.kind == "resize"]
         assert resizes and all(e.num_workers_after == WORKERS for e in resizes)
         assert all(e.inexact == () for e in resizes), [e.inexact for e in resizes]
         assert resizes[-1].steps_redone == 4, resizes[-1]
         _assert_equal(_weights(trainer), expected)
-    finally:
-        trainer.shutdown()
 
 
 DRIVER = textwrap.dedent(
@@ -286,6 +376,7 @@ def test_a_killed_driver_resumed_and_a_smaller_group_keep_the_result(tmp_path: P
     # first window end at or after every 6 steps, with every rank's generators and per-rank
     # state; resume=True goes on from the newest, as the uninterrupted job would have.
     expected, _ = _clean_run("ddp", 4, tmp_path)
+    _release()  # room for the driver's trainer
     script = tmp_path / "driver.py"
     script.write_text(DRIVER.format(repo=str(REPO)))
     folder = tmp_path / "checkpoints"
@@ -316,13 +407,19 @@ def test_a_killed_driver_resumed_and_a_smaller_group_keep_the_result(tmp_path: P
     # state would then go with other rows (a different draw of the same job, which no tolerance
     # can bound), so this job draws nothing and carries nothing. Each step then averages the
     # gradients of the same rows, summed over 3 ranks instead of 4 in float32: the weights agree
-    # within 1e-5, and every row is trained once per epoch.
-    plain, _ = _clean_run("ddp", 4, tmp_path, plain=True)
+    # within 1e-5, and every row is trained once per epoch. One trainer runs the job
+    # uninterrupted first, then again from its start (a save made before it trained), faulted.
     markers = tmp_path / "markers"
     markers.mkdir()
-    config = {"kills": [(1, 6)], "markers": str(markers), "plain": True}
-    smaller = _trainer("ddp", 4, config=config)
+    plan = tmp_path / "plan.json"
+    smaller = _trainer("ddp", 4, config={"plan": str(plan), "plain": True})
     try:
+        start = smaller.save(tmp_path / "start.pt")
+        assert [smaller.train()["num_samples"] for _ in range(2)] == [ROWS, ROWS]
+        assert smaller.failures == 0
+        plain = _weights(smaller)
+        smaller.load(start)
+        _arm(plan, markers, kills=[(1, 6)])
         counts = [smaller.train()["num_samples"] for _ in range(2)]
         assert counts == [ROWS, ROWS] and smaller.failures == 1
         sizes = [e.num_workers_after for e in smaller.recovery_events if e.kind == "resize"]
@@ -347,10 +444,12 @@ def test_a_worker_lost_just_after_a_windows_step_is_one_loss_and_said_to_be_inex
     # declare it silent: a second, spurious loss.
     markers = tmp_path / "markers"
     markers.mkdir()
+    plan = tmp_path / "plan.json"
+    _arm(plan, markers, exits_after_step=[(1, 7)])
     trainer = _trainer(
         "ddp",
         4,
-        config={"exits_after_step": [(1, 7)], "markers": str(markers), "plain": True},
+        config={"plan": str(plan), "plain": True},
         checkpoint_dir=str(tmp_path / "periodic"),
         checkpoint_every=8,
         spare_workers=1,
