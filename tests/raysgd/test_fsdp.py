@@ -130,8 +130,8 @@ def test_sharded_checkpoint_loads_with_fewer_and_more_workers_and_other_strategi
             if num_workers == 3:  # 5 rows each of the global batch of 16, and it says so
                 with pytest.warns(UserWarning, match="global batch of 15"):
                     other = _trainer(num_workers, strategy, num_cpus_per_worker=0.5)
-            else:
-                other = _trainer(num_workers, strategy, num_cpus_per_worker=0.5)
+            else:  # rank 0 in this process: no worker process to start
+                other = _trainer(num_workers, strategy, num_cpus_per_worker=0.5, use_local=True)
             try:
                 other.load(path)
                 assert other.apply_all_operators(_full_loss) == pytest.approx(
@@ -268,11 +268,12 @@ def test_an_optimizer_without_state_saves_restores_and_recovers_under_fsdp(tmp_p
         return [weight, float(operator.optimizer.param_groups[0]["lr"])]
 
     runs = {}
-    for marker in (None, str(tmp_path / "exited")):
+    # The clean run on one worker: the same global batch, so the same steps as on two.
+    for marker, num_workers in ((None, 1), (str(tmp_path / "exited"), 2)):
         trainer = TorchTrainer(
             training_operator_cls=PlainSGDOperator,
             config={BATCH_SIZE: 4, "marker": marker},
-            num_workers=2,
+            num_workers=num_workers,
             strategy="fsdp",
         )
         try:

@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import pytest
 import ray
@@ -43,12 +43,13 @@ class SlowLinearOperator(TrainingOperator):
     """A seeded linear regression whose steps take `STEP_S`; records its finished rows and marks
     in `marker_dir` the steps the test waits for.
 
-    With `hold_step` in the config every rank holds that step until the test has given its notice
-    (``drained`` in `marker_dir`): `ray drain-node` is a process of its own and can take longer
-    than the rest of this short epoch on a busy machine. With `dropout` its inputs are dropped
-    at that rate, each rank drawing from a generator seeded by its rank: a move must hand a
-    leaving rank's generator to the worker that takes its place. A worker set up while
-    ``arm-setup-death`` is in `marker_dir` exits in its set-up (once: the marker is taken).
+    With `hold_step` in the config (a step, or a tuple of steps) every rank holds that step (each
+    of them) until the test has given its notice (``drained`` in `marker_dir`): `ray drain-node`
+    is a process of its own and can take longer than the rest of this short epoch on a busy
+    machine. With `dropout` its inputs are dropped at that rate, each rank drawing from a
+    generator seeded by its rank: a move must hand a leaving rank's generator to the worker that
+    takes its place. A worker set up while ``arm-setup-death`` is in `marker_dir` exits in its
+    set-up (once: the marker is taken).
     """
 
     def setup(self, config: dict[str, Any]) -> None:
@@ -75,7 +76,8 @@ class SlowLinearOperator(TrainingOperator):
 
     def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
         x, y, ids = batch
-        if batch_info["global_step"] == self.config.get("hold_step"):
+        hold = self.config.get("hold_step")
+        if batch_info["global_step"] in (hold if isinstance(hold, (tuple, list)) else (hold,)):
             drained, until = Path(self.config["marker_dir"], "drained"), time.monotonic() + 60
             while not drained.exists() and time.monotonic() < until:
                 time.sleep(0.02)
@@ -182,7 +184,7 @@ def _reclaim_at_marker(
 
 def _trainer(
     folder: Path,
-    hold_step: Optional[int] = None,
+    hold_step: Union[int, tuple[int, ...], None] = None,
     num_workers: int = 2,
     dropout: float = 0.0,
     **kwargs: Any,
@@ -219,17 +221,17 @@ def _on(nodes: list[Any], node_id: str) -> Any:
 _REFERENCE: dict[tuple, list[list[torch.Tensor]]] = {}
 
 
-def _reference_weights(folder: Path, **job: Any) -> list[list[torch.Tensor]]:
-    """The weights after each of two epochs of the job `job` (`_trainer`'s keywords) without a
-    notice (computed once per module, on whatever cluster is up: the run is the same on any):
+def _reference_weights(folder: Path, epochs: int, **job: Any) -> list[list[torch.Tensor]]:
+    """The weights after each of `epochs` epochs of the job `job` (`_trainer`'s keywords) without
+    a notice (computed once per module, on whatever cluster is up: the run is the same on any):
     what a preempted run must equal."""
-    key = tuple(sorted(job.items()))
+    key = (epochs, *sorted(job.items()))
     if key not in _REFERENCE:
         folder.mkdir()
         reference = _trainer(folder, **job)
         try:
             _REFERENCE[key] = []
-            for _ in range(2):
+            for _ in range(epochs):
                 reference.train()
                 _REFERENCE[key].append(_weights(reference))
         finally:
@@ -239,98 +241,113 @@ def _reference_weights(folder: Path, **job: Any) -> list[list[torch.Tensor]]:
 
 @dataclass
 class _Notice:
-    """A two-epoch job on three nodes of one CPU whose rank 1's node gets a notice at step 5."""
+    """A notice to the node of rank 1, which is removed at the deadline or once the run left it."""
 
-    trainer: TorchTrainer
     victim: Any  # the drained node
-    folder: Path  # the job's marker folder
-    expected: list[torch.Tensor]  # the weights of the same job without a notice
     times: dict[str, float]  # see `_reclaim_at_step`
     gone: threading.Event  # set: the node is removed now, not at the deadline
     reclaim: threading.Thread
-
-    def train_two_epochs(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        return self.trainer.train(), self.trainer.train()
-
-    def assert_as_without_notice(self, first: dict[str, Any], second: dict[str, Any]) -> None:
-        """The run left the drained node, trained every row once per epoch and ended with the
-        weights of the run that had no notice."""
-        assert self.victim.node_id not in self.trainer.apply_all_workers(_node_id)
-        rows = rows_by_epoch(self.folder)
-        assert sorted(rows[1]) == sorted(rows[2]) == list(range(ROWS))
-        assert (first["num_samples"], second["num_samples"]) == (ROWS, ROWS)
-        for got, want in zip(_weights(self.trainer), self.expected):
-            torch.testing.assert_close(got, want)
 
     def remove_node(self) -> None:
         self.gone.set()
         self.reclaim.join(timeout=60)
 
 
-def _notice_at_step_5(cluster: Any, tmp_path: Path, *, arm_setup_death: bool = False) -> _Notice:
-    """Start the job of `_Notice` (the caller shuts its trainer down). Dropout with a generator
-    per rank, and windows of two batches: the move falls on a window's end, and the worker that
-    takes the leaving one's place takes its generator. With `arm_setup_death`, the next worker
-    set up (the one that takes rank 1's place) exits in its set-up."""
-    nodes = _cluster(cluster, 3)
+def _notice_to_rank_1(cluster: Any, trainer: TorchTrainer, folder: Path, step: int) -> _Notice:
+    """Drain rank 1's node once rank 0 finished `step` (deadline `DEADLINE_S`), and remove it at
+    the deadline or at `_Notice.remove_node`, whichever comes first."""
+    where = trainer.apply_all_workers(_node_id)[1]
+    victim = next(n for n in cluster.worker_nodes if n.node_id == where)
+    gone = threading.Event()
+    reclaim, times = _reclaim_at_step(
+        cluster, folder, step, victim, DEADLINE_S, remove_after_s=DEADLINE_S, remove_now=gone
+    )
+    return _Notice(victim, times, gone, reclaim)
+
+
+def _assert_as_without_notice(
+    trainer: TorchTrainer,
+    folder: Path,
+    notice: _Notice,
+    results: dict[int, dict[str, Any]],
+    expected: list[torch.Tensor],
+    phase: str,
+) -> None:
+    """The run left the drained node, trained every row once in each epoch of `results` (epoch:
+    the result of the call that trained it) and ended with the weights `expected` of the run that
+    had no notice."""
+    assert notice.victim.node_id not in trainer.apply_all_workers(_node_id), phase
+    rows = rows_by_epoch(folder)
+    for epoch, result in results.items():
+        assert sorted(rows[epoch]) == list(range(ROWS)), f"{phase}: epoch {epoch}"
+        assert result["num_samples"] == ROWS, f"{phase}: epoch {epoch}"
+    for got, want in zip(_weights(trainer), expected):
+        torch.testing.assert_close(got, want, msg=lambda text: f"{phase}: {text}")
+
+
+EPOCH_STEPS = ROWS // GLOBAL_BATCH  # on 2 workers
+
+
+@pytest.mark.timeout(360)
+def test_a_drained_node_is_left_before_its_deadline_and_a_worker_lost_taking_its_place_is_one_loss(
+    ray_multinode: Any, tmp_path: Path
+) -> None:
+    # Two notices to rank 1's node, each at step 5 of a pair of epochs, and after each pair the
+    # weights of the same four epochs without a notice. Dropout with a generator per rank, and
+    # windows of two batches: the move falls on a window's end, and the worker that takes the
+    # leaving one's place takes its generator.
+    _cluster(ray_multinode, 3)  # ranks 0 and 1, and a free node to move to
     folder = tmp_path / "moved"
     folder.mkdir()
     job = {"dropout": 0.2, "accumulate_grad_batches": 2}
-    expected = _reference_weights(tmp_path / "reference", **job)[1]
-    trainer = _trainer(folder, hold_step=7, **job)
-    victim = _on(nodes, trainer.apply_all_workers(_node_id)[1])
-    if arm_setup_death:
-        (folder / "arm-setup-death").touch()
-    # Drained at step 5 of the first epoch, removed at the deadline (or once the run left).
-    gone = threading.Event()
-    reclaim, times = _reclaim_at_step(
-        cluster, folder, 5, victim, DEADLINE_S, remove_after_s=DEADLINE_S, remove_now=gone
-    )
-    return _Notice(trainer, victim, folder, expected, times, gone, reclaim)
-
-
-@pytest.mark.timeout(240)
-def test_a_drained_node_is_left_before_its_deadline_losing_nothing(
-    ray_multinode: Any, tmp_path: Path
-) -> None:
-    run = _notice_at_step_5(ray_multinode, tmp_path)
-    trainer = run.trainer
+    expected = _reference_weights(tmp_path / "reference", 4, **job)
+    # Every rank holds step 7 of each pair of epochs until that pair's notice is given.
+    trainer = _trainer(folder, hold_step=(7, 2 * EPOCH_STEPS + 7), **job)
     try:
-        first, second = run.train_two_epochs()
-        assert trainer.failures == 0 and trainer.num_workers == 2
+        # The first notice (epochs 1 and 2): rank 1 moves to the free node before the deadline,
+        # and the node is removed once the run left it.
+        phase = "first notice"
+        notice = _notice_to_rank_1(ray_multinode, trainer, folder, 5)
+        first, second = trainer.train(), trainer.train()
+        assert trainer.failures == 0 and trainer.num_workers == 2, phase
         moves = [e for e in trainer.recovery_events if e.kind == "preemption"]
-        assert len(moves) == 1 and moves[0].steps_redone == 0
-        assert moves[0].nodes == (run.victim.node_id,) and moves[0].ranks == (1,)
-        assert moves[0].timestamp < _deadline_by(run.times)  # before the deadline
-        run.assert_as_without_notice(first, second)
-        run.remove_node()
+        assert len(moves) == 1 and moves[0].steps_redone == 0, phase
+        assert moves[0].nodes == (notice.victim.node_id,) and moves[0].ranks == (1,), phase
+        assert moves[0].timestamp < _deadline_by(notice.times), phase  # before the deadline
+        _assert_as_without_notice(
+            trainer, folder, notice, {1: first, 2: second}, expected[1], phase
+        )
+        notice.remove_node()
         # The node went after its notice; Ray reports it preempted, and the run had left it.
-        assert preempted_nodes([run.victim.node_id]) == {run.victim.node_id}
-        assert trainer.train()["num_samples"] == ROWS and trainer.failures == 0
-    finally:
-        trainer.shutdown()
+        assert preempted_nodes([notice.victim.node_id]) == {notice.victim.node_id}, phase
 
-
-@pytest.mark.timeout(240)
-def test_a_worker_lost_while_it_takes_a_draining_workers_place_is_one_loss_and_changes_nothing(
-    ray_multinode: Any, tmp_path: Path
-) -> None:
-    # The notice above, and the worker that starts on the free node to take rank 1's place
-    # dies while it sets up: a loss inside the move.
-    run = _notice_at_step_5(ray_multinode, tmp_path, arm_setup_death=True)
-    trainer = run.trainer
-    try:
-        first, second = run.train_two_epochs()
-        assert (run.folder / "setup-died").exists()
-        assert trainer.failures == 1 and trainer.num_workers == 2
+        # The second notice (epochs 3 and 4), to rank 1's new node, with a new free node: the
+        # worker that starts there to take rank 1's place dies while it sets up, a loss inside
+        # the move.
+        phase = "second notice"
+        seen = len(trainer.recovery_events)
+        ray_multinode.add_node(num_cpus=1)
+        ray_multinode.wait_for_nodes()
+        (folder / "drained").unlink()  # the first notice's: the hold waits for the second one
+        (folder / "arm-setup-death").touch()
+        notice = _notice_to_rank_1(ray_multinode, trainer, folder, 2 * EPOCH_STEPS + 5)
+        third, fourth = trainer.train(), trainer.train()
+        assert (folder / "setup-died").exists(), phase
+        # That death is the run's one failure: the node removed after the first notice cost none.
+        assert trainer.failures == 1 and trainer.num_workers == 2, phase
         # The move hands rank 1's state over at a window's end and fails with its new worker;
         # the recovery that follows starts another from that state: nothing done again.
-        moves = [e for e in trainer.recovery_events if e.kind == "preemption"]
-        assert moves and moves[0].nodes == (run.victim.node_id,), trainer.recovery_events
-        (resize,) = [e for e in trainer.recovery_events if e.kind == "resize"]
-        assert (resize.steps_redone, resize.inexact, resize.num_workers_after) == (0, (), 2)
-        run.assert_as_without_notice(first, second)
-        run.remove_node()
+        events = trainer.recovery_events[seen:]
+        moves = [e for e in events if e.kind == "preemption"]
+        assert moves and moves[0].nodes == (notice.victim.node_id,), (phase, events)
+        resizes = [e for e in events if e.kind == "resize"]
+        assert len(resizes) == 1, (phase, events)
+        resize = resizes[0]
+        assert (resize.steps_redone, resize.inexact, resize.num_workers_after) == (0, (), 2), phase
+        _assert_as_without_notice(
+            trainer, folder, notice, {3: third, 4: fourth}, expected[3], phase
+        )
+        notice.remove_node()
     finally:
         trainer.shutdown()
 
@@ -387,7 +404,7 @@ def test_without_room_the_group_shrinks_before_the_deadline_and_a_node_lost_firs
     ray_multinode: Any, tmp_path: Path
 ) -> None:
     nodes = _cluster(ray_multinode, 2)  # both nodes hold a worker: nowhere to move to
-    expected = _reference_weights(tmp_path / "reference")[0]
+    expected = _reference_weights(tmp_path / "reference", 1)[0]
     trainer = _trainer(tmp_path, hold_step=7)
     try:
         victim = _on(nodes, trainer.apply_all_workers(_node_id)[1])
