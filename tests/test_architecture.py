@@ -234,3 +234,33 @@ def test_the_meta_packages_internal_folders_import_in_one_direction() -> None:
                 if target not in allowed:
                     wrong.setdefault(str(source.relative_to(root)), []).append(node.module)
     assert not wrong, wrong
+
+
+#: The calls that change the worker group's membership (`raysgd_core.WorkerGroup`).
+GROUP_CHANGES = {"recover", "retire", "start_spares", "replace_spares_on", "await_spares"}
+
+
+def test_only_the_run_controller_changes_the_group() -> None:
+    """Every resize, spare started or replaced and worker retired goes through the run
+    controller's one loop, where its phase, its events and its losses are kept together."""
+    root = PACKAGES / "raysgd" / "src" / "raysgd"
+    controller = root / "_internal" / "driver" / "controller.py"
+    elsewhere = {}
+    for source in root.rglob("*.py"):
+        if source == controller:
+            continue
+        for node in ast.walk(ast.parse(source.read_text(), str(source))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in GROUP_CHANGES
+            ):
+                elsewhere.setdefault(str(source.relative_to(root)), []).append(node.lineno)
+    assert not elsewhere, elsewhere
+    # The check sees the controller's own calls, so it is not looking at nothing.
+    calls = {
+        node.func.attr
+        for node in ast.walk(ast.parse(controller.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+    }
+    assert calls >= GROUP_CHANGES

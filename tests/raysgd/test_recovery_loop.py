@@ -1,9 +1,10 @@
-"""The recovery loop's decisions, driven through a fake worker group (no Ray, no processes).
+"""The run controller's recovery decisions, driven through a fake worker group (no Ray, no
+processes): its attempts' losses, the policies' answers, grows, joins, repairs and moves.
 
-`FakeGroup` implements the loop's narrow view of a group (`ElasticGroup`): its live size, whether it
-needs recovery, `recover` and `estimate_fitting`. `room` is how many workers the fake cluster can
-hold; scripted attempts raise the errors a real group raises. Real losses are tested end to end in
-`test_recovery_trainer.py`; here every path of the state machine is walked in milliseconds.
+The stand-ins (`tests/_support/fakes.py`) implement the controller's narrow views; scripted
+attempts raise the errors a real group raises. Real losses are tested end to end in
+`test_recovery_trainer.py`; here every path of the state machine is walked in milliseconds. Whole
+`train()` calls through the controller (their routes and double faults): `test_controller.py`.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import pytest
+from tests._support.fakes import FakeCluster, FakeGroup, FakeState, Script, died
 
+from raysgd._internal.driver.controller import RunController
 from raysgd._internal.driver.goodput import GoodputMeter
-from raysgd._internal.driver.group_view import Stage
-from raysgd._internal.driver.preemption import Preemption
-from raysgd._internal.driver.recovery import Recovery
+from raysgd._internal.driver.phases import Phase
 from raysgd._internal.driver.restore_plan import RestoreOutcome
 from raysgd_core import RecoveryReport, WorkerDiedError, WorkerError
 from raysgd_fault import (
@@ -34,127 +35,29 @@ from raysgd_fault import (
 )
 
 
-class FakeGroup:
-    """A worker group whose size changes only through `recover`, bounded by `room`."""
-
-    def __init__(self, size: int, room: int) -> None:
-        self.world_size = size
-        self.room = room
-        self.needs_recovery = False
-        self.dead = 0  # workers lost since the last recover (still counted in `world_size`)
-        self.recover_calls: list[int] = []
-        self.recover_errors: list[BaseException] = []  # raised by the next recover calls
-        # Workers the next recover finds gone although no call reported them (rank -> node).
-        self.found_next: dict[int, str] = {}
-        self.spare_waits: list[float] = []  # a move's waits for starting spares
-        self.spares_up = 0  # spares started and up: `recover` promotes them first
-        self.spares_starting = 0
-
-    @property
-    def spares(self) -> list[str]:
-        return ["spare"] * self.spares_up
-
-    def start_spares(self, count: int) -> None:
-        self.spares_starting += count
-
-    def spare_readiness(self) -> list[tuple[Any, ...]]:
-        return [("ref",)] * (self.spares_up + self.spares_starting)
-
-    def recover(self, num_workers: int, *, timeout_s: float) -> RecoveryReport:
-        self.recover_calls.append(num_workers)
-        if self.recover_errors:
-            raise self.recover_errors.pop(0)
-        found, self.found_next = self.found_next, {}
-        self.dead += len(found)
-        survivors = min(self.world_size - self.dead, num_workers)
-        self.spares_up -= min(self.spares_up, num_workers - survivors)
-        self.world_size = min(num_workers, max(self.room, survivors))
-        self.needs_recovery, self.dead = False, 0
-        return RecoveryReport(
-            path="keep-healthy",
-            kept={r: r for r in range(survivors)},
-            started=list(range(survivors, self.world_size)),
-            world_size=self.world_size,
-            duration_s=0.0,
-            lost=[],
-            timings={"start_s": 0.25, "form_s": 0.125},
-            found_lost=found,
-        )
-
-    def estimate_fitting(self) -> int:
-        return max(0, self.room - (self.world_size - self.dead))
-
-    def retire(self, ranks: Sequence[int]) -> None:
-        self.needs_recovery = True
-        self.dead += len(ranks)
-
-    def await_spares(self, timeout_s: float) -> int:
-        self.spare_waits.append(timeout_s)
-        return 0
-
-
-class FakeState:
-    """The loop's view of the training state: each restore recorded (and answered by `restore`,
-    when given), each hand-over passed to `hand_over` (when given)."""
-
-    def __init__(self, restore: Any = None, hand_over: Any = None) -> None:
-        self.restored: list[RecoveryReport] = []
-        self._restore, self._hand_over = restore, hand_over
-
-    def restore(self, report: RecoveryReport) -> Any:
-        self.restored.append(report)
-        return self._restore(report) if self._restore is not None else None
-
-    def hand_over(self, leaving: Sequence[int]) -> None:
-        if self._hand_over is not None:
-            self._hand_over(leaving)
-
-
-def died(group: FakeGroup, ranks: Sequence[int]) -> WorkerDiedError:
-    """What a real group raises when `ranks` die: it needs recovery (its size changes only then)."""
-    group.needs_recovery = True
-    group.dead += len(ranks)
-    return WorkerDiedError("worker process exited", list(ranks), ["node"] * len(ranks))
-
-
-class Script:
-    """An attempt that raises the scripted errors one per call, then returns "done"."""
-
-    def __init__(self, *errors: Any) -> None:
-        self.errors = list(errors)
-        self.calls = 0
-
-    def __call__(self) -> str:
-        self.calls += 1
-        if self.errors:
-            make = self.errors.pop(0)
-            raise make()
-        return "done"
-
-
 def make_loop(
     group: FakeGroup,
     num_workers: int,
     policy: Optional[FailurePolicy] = None,
     *,
     nodes_alive: bool = True,
-) -> tuple[Recovery, list[RecoveryReport], list[float]]:
+) -> tuple[RunController, list[RecoveryReport], list[float]]:
     state = FakeState()
     sleeps: list[float] = []
-    loop = Recovery(
+    loop = RunController(
         group=group,  # type: ignore[arg-type]
         num_workers=num_workers,
         state=state,
         policy=policy or DefaultPolicy(base_wait_s=0.5),
         sleep=sleeps.append,
         # A lost worker's slot is free again at once when its node lives on (a killed process).
-        reclaimable=lambda nodes: len(nodes) if nodes_alive else 0,
+        cluster=FakeCluster(nodes_alive),
     )
     loop.fake_state = state  # type: ignore[attr-defined]
     return loop, state.restored, sleeps
 
 
-def actions(loop: Recovery) -> list[str]:
+def actions(loop: RunController) -> list[str]:
     return [e.action for e in loop.events if e.kind == "decision"]
 
 
@@ -162,10 +65,10 @@ def test_retry_replaces_the_lost_worker_and_redoes_the_attempt() -> None:
     group = FakeGroup(size=2, room=2)
     loop, restored, _ = make_loop(group, 2)
     attempt = Script(lambda: died(group, [1]))
-    assert loop.run(attempt, max_retries=3) == "done"
+    assert loop.run_attempts(attempt, max_retries=3) == "done"
     assert attempt.calls == 2 and group.recover_calls == [2] and group.world_size == 2
     assert [r.started for r in restored] == [[1]]  # the restore callback saw the new worker
-    assert loop.failures == 1 and loop.stage is Stage.SUCCEEDED
+    assert loop.failures == 1 and loop.phase is Phase.SUCCEEDED
     assert [e.kind for e in loop.events] == ["failure", "decision", "resize", "recovered"]
     phases = loop.events[2].phases  # the group's own phases, plus the restore's
     assert phases["start_s"] == 0.25 and phases["form_s"] == 0.125 and phases["restore_s"] >= 0
@@ -182,7 +85,7 @@ def test_observers_see_every_event_as_it_is_recorded_and_a_broken_one_stops_noth
 
     for observer in (broken, seen.append, meter.take):
         loop.log.subscribe(observer)
-    assert loop.run(Script(lambda: died(group, [1])), max_retries=3) == "done"
+    assert loop.run_attempts(Script(lambda: died(group, [1])), max_retries=3) == "done"
     assert [e.kind for e in seen] == ["failure", "decision", "resize", "recovered"]
     meter.end_call(step_s=2.0)
     report = meter.report(failures=1)
@@ -202,7 +105,7 @@ def test_the_step_in_flight_is_lost_time_once_and_finished_steps_lost_are_redone
     loop.fake_state._restore = lambda report: RestoreOutcome(
         "snapshot at step 5", 5, 3, finished_at
     )  # type: ignore[attr-defined]
-    assert loop.run(Script(lambda: died(group, [1])), max_retries=3) == "done"
+    assert loop.run_attempts(Script(lambda: died(group, [1])), max_retries=3) == "done"
     meter.end_call(step_s=2.0)
     report = meter.report(failures=1)
     assert report["steps_redone"] == 3
@@ -213,7 +116,7 @@ def test_the_step_in_flight_is_lost_time_once_and_finished_steps_lost_are_redone
 def test_shrink_when_the_lost_worker_cannot_be_replaced() -> None:
     group = FakeGroup(size=3, room=2)  # the lost worker's slot is gone with its node
     loop, restored, _ = make_loop(group, 3, nodes_alive=False)
-    assert loop.run(Script(lambda: died(group, [2])), max_retries=3) == "done"
+    assert loop.run_attempts(Script(lambda: died(group, [2])), max_retries=3) == "done"
     assert group.recover_calls == [2] and group.world_size == 2
     assert restored[0].world_size == 2
 
@@ -228,7 +131,7 @@ def test_wait_backs_off_until_room_appears() -> None:
             group.room = 2  # the cluster got its nodes back while we waited
 
     loop._sleep = sleep
-    assert loop.run(Script(lambda: died(group, [0, 1])), max_retries=3) == "done"
+    assert loop.run_attempts(Script(lambda: died(group, [0, 1])), max_retries=3) == "done"
     assert sleeps == [0.5, 1.0]  # exponential backoff from base_wait_s
     assert actions(loop) == ["wait", "wait", "retry"]
     assert group.recover_calls == [2] and group.world_size == 2
@@ -239,10 +142,10 @@ def test_gives_up_when_the_policy_says_the_budget_is_spent() -> None:
     loop, _, _ = make_loop(group, 2)
     attempt = Script(*[lambda: died(group, [1])] * 5)
     with pytest.raises(RuntimeError, match="max_retries=1") as excinfo:
-        loop.run(attempt, max_retries=1)
+        loop.run_attempts(attempt, max_retries=1)
     assert isinstance(excinfo.value.__cause__, WorkerDiedError)
     assert str(excinfo.value).count("rank(s) [1] on node(s)") == 2  # every loss is named
-    assert attempt.calls == 2 and loop.failures == 2 and loop.stage is Stage.GAVE_UP
+    assert attempt.calls == 2 and loop.failures == 2 and loop.phase is Phase.GAVE_UP
 
 
 def test_gives_up_after_fruitless_attempts() -> None:
@@ -251,7 +154,7 @@ def test_gives_up_after_fruitless_attempts() -> None:
         group, 2, DefaultPolicy(max_attempts=2, base_wait_s=0.5), nodes_alive=False
     )
     with pytest.raises(RuntimeError, match="2 attempt"):
-        loop.run(Script(lambda: died(group, [0, 1])), max_retries=3)
+        loop.run_attempts(Script(lambda: died(group, [0, 1])), max_retries=3)
     assert sleeps == [0.5, 1.0] and actions(loop) == ["wait", "wait", "give_up"]
 
 
@@ -271,7 +174,7 @@ def test_restart_that_starts_nobody_counts_as_a_fruitless_attempt() -> None:
             return policy.decide(status)
 
     loop.policy = Recording()
-    assert loop.run(Script(lambda: died(group, [0])), max_retries=3) == "done"
+    assert loop.run_attempts(Script(lambda: died(group, [0])), max_retries=3) == "done"
     assert seen == [0, 1, 2] and group.recover_calls == [1, 1, 1]
 
 
@@ -279,7 +182,7 @@ def test_a_failed_restart_is_one_more_loss_and_is_retried() -> None:
     group = FakeGroup(size=2, room=2)
     group.recover_errors = [WorkerDiedError("new worker died", [1], ["node"])]
     loop, restored, _ = make_loop(group, 2)
-    assert loop.run(Script(lambda: died(group, [1])), max_retries=3) == "done"
+    assert loop.run_attempts(Script(lambda: died(group, [1])), max_retries=3) == "done"
     assert loop.failures == 2 and len(restored) == 1
     assert [e.kind for e in loop.events].count("restart_failed") == 1
 
@@ -294,7 +197,7 @@ def test_a_worker_the_resize_finds_gone_is_one_more_loss_recorded_before_the_res
     loop.log.subscribe(meter.take)
     finished_at = time.time() - 2.0
     loop.fake_state._restore = lambda report: RestoreOutcome("rank 0", 4, 1, finished_at)  # type: ignore[attr-defined]
-    assert loop.run(Script(lambda: died(group, [1])), max_retries=3) == "done"
+    assert loop.run_attempts(Script(lambda: died(group, [1])), max_retries=3) == "done"
     assert loop.failures == 2 and group.recover_calls == [3] and len(restored) == 1
     assert restored[0].started == [1, 2] and group.world_size == 3
     kinds = [e.kind for e in loop.events]
@@ -320,7 +223,7 @@ def test_the_policy_alone_owns_the_budget() -> None:
     loop, _, _ = make_loop(group, 2, Stubborn())
     # max_retries=0, yet the loop retries as long as its policy says so.
     attempt = Script(*[lambda: died(group, [1])] * 4)
-    assert loop.run(attempt, max_retries=0) == "done"
+    assert loop.run_attempts(attempt, max_retries=0) == "done"
     assert attempt.calls == 5 and loop.failures == 4
 
 
@@ -334,7 +237,7 @@ def test_user_error_is_not_retried_and_the_group_is_repaired() -> None:
 
     attempt = Script(raise_user_error)
     with pytest.raises(WorkerError, match="boom"):
-        loop.run(attempt, max_retries=3)
+        loop.run_attempts(attempt, max_retries=3)
     assert attempt.calls == 1 and loop.failures == 0
     assert group.recover_calls == [2] and len(restored) == 1  # repaired at the same size
     assert [e.kind for e in loop.events] == ["user_error", "resize"]
@@ -345,7 +248,7 @@ def test_a_group_left_broken_is_reformed_before_the_attempt() -> None:
     group.needs_recovery = True
     loop, restored, _ = make_loop(group, 2)
     attempt = Script()
-    assert loop.run(attempt, max_retries=3) == "done"
+    assert loop.run_attempts(attempt, max_retries=3) == "done"
     assert group.recover_calls == [2] and len(restored) == 1 and attempt.calls == 1
 
 
@@ -369,9 +272,9 @@ def test_repair_after_a_call_other_than_train_goes_through_the_loop() -> None:
     # A repair that cannot re-form the group leaves it to the next run(), which starts there.
     group.needs_recovery = True
     group.recover_errors.append(died(group, [0]))
-    assert loop.repair() is False and loop.stage is Stage.FAILED
+    assert loop.repair() is False and loop.phase is Phase.FAILED
     assert loop.failures == 2  # the worker lost while re-forming is a loss too
-    assert loop.run(Script(), max_retries=3) == "done" and group.world_size == 2
+    assert loop.run_attempts(Script(), max_retries=3) == "done" and group.world_size == 2
     assert loop.repair() is True  # nothing to do on a healthy group
     assert group.recover_calls == [2, 2, 2, 2]
 
@@ -408,7 +311,7 @@ def test_survivors_train_on_while_their_replacement_starts_then_it_joins() -> No
     group = FakeGroup(size=2, room=2)
     loop, restored, _ = make_loop(group, 2, ElasticPolicy())
     attempt = Script(lambda: died(group, [1]))
-    assert loop.run(attempt, max_retries=3) == "done"
+    assert loop.run_attempts(attempt, max_retries=3) == "done"
     # The survivor went on alone at once; its replacement starts as a spare beside it.
     assert group.recover_calls == [1] and group.world_size == 1 and attempt.calls == 2
     assert group.spares_starting == 1 and loop.joining() == [("ref",)]
@@ -440,7 +343,7 @@ def test_survivors_train_on_while_their_replacement_starts_then_it_joins() -> No
     # A spare that is up when a worker is lost joins at once; nothing more is started.
     attempt = Script(lambda: died(group, [0]))
     group.spares_up = 1
-    assert loop.run(attempt, max_retries=3) == "done"
+    assert loop.run_attempts(attempt, max_retries=3) == "done"
     assert group.recover_calls[-1] == 2 and group.world_size == 2 and group.spares_starting == 0
 
 
@@ -463,21 +366,15 @@ def test_a_move_off_a_draining_node_is_no_failure_and_reports_what_was_redone() 
         lambda report: RestoreOutcome("rank 0 at step 7", 7, next(steps)),
         lambda leaving: handed.append("x"),
     )
-    loop = Recovery(
+    loop = RunController(
         group=group,  # type: ignore[arg-type]
         num_workers=2,
         state=state,
         policy=DefaultPolicy(base_wait_s=0.5),
         sleep=lambda s: None,
-        reclaimable=lambda nodes: 0,
+        cluster=FakeCluster(nodes_alive=False),
     )
-    moves = Preemption(
-        group=group,  # type: ignore[arg-type]
-        recovery=loop,
-        state=state,
-        checkpoints=None,  # type: ignore[arg-type]  # rank 0 runs elsewhere: never asked
-    )
-    assert moves.move_off([1], {"drained": None})
+    assert loop.move_off([1], {"drained": None})
     assert handed == ["x"] and group.recover_calls == [2] and group.world_size == 2
     assert loop.failures == 0
     assert group.spare_waits == [10.0]  # spares still starting are waited for, within bounds
@@ -489,7 +386,7 @@ def test_a_move_off_a_draining_node_is_no_failure_and_reports_what_was_redone() 
     # Every worker on the draining node: replacements join first, and the state is made
     # restorable before they do (and again before the leaving workers go).
     handed.clear()
-    assert moves.move_off([0, 1], {"drained": None})
+    assert loop.move_off([0, 1], {"drained": None})
     assert handed == ["x", "x"] and group.recover_calls == [2, 4, 2]
     move = [e for e in loop.events if e.kind == "preemption"][-1]
     assert move.steps_redone == 2 and "2 step(s) redone" in move.message
@@ -504,17 +401,11 @@ def test_a_node_lost_during_a_move_is_a_preemption_recovered_by_the_next_run() -
         raise died(group, [1])
 
     state._hand_over = hand_over
-    moves = Preemption(
-        group=group,  # type: ignore[arg-type]
-        recovery=loop,
-        state=state,
-        checkpoints=None,  # type: ignore[arg-type]  # rank 0 runs elsewhere: never asked
-    )
-    moved = moves.move_off([1], {"node": 1e12})
+    moved = loop.move_off([1], {"node": 1e12})
     assert moved is False and group.needs_recovery
     assert loop.failures == 1
     (lost,) = [e for e in loop.events if e.kind == "restart_failed"]
     assert lost.preempted and lost.ranks == (1,)
     assert "failed: a worker was lost" in loop.events[-1].message
-    assert loop.run(Script(), max_retries=3) == "done"
+    assert loop.run_attempts(Script(), max_retries=3) == "done"
     assert group.world_size == 2 and len(restored) == 1

@@ -2,17 +2,16 @@
 
 The trainer is composed of parts, each the one owner of its concern, and its public methods check
 their arguments and delegate: `WorkerCalls` (the `WorkerGroup`, how the per-worker runners are
-built), `TrainingState` (where the training state is, how it is restored, saved and loaded), the
-`Recovery` loop (every resize, and every call guarded by it), `Preemption` (drain notices),
-`Checkpoints` (`checkpoint_dir`) and `RunLoggers` (experiment trackers). Calls go top-down: the
-trainer to the loop, the loop to the state, the state to the workers.
+built), `TrainingState` (where the training state is, how it is restored, saved and loaded),
+`Checkpoints` (`checkpoint_dir`), the `RunController` (the one loop of every train call, loss,
+drain, grow and resize, and every call guarded by it) and `RunLoggers` (experiment trackers). Calls
+go top-down: the trainer to the controller, the controller to the state, the state to the workers.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
@@ -25,6 +24,7 @@ from raysgd._internal.driver.arguments import (
 )
 from raysgd._internal.driver.checkpoint_schedule import Checkpoints, checkpoint_root
 from raysgd._internal.driver.cluster import available_memory_bytes, driver_has_cuda
+from raysgd._internal.driver.controller import CallSpec, RunController, in_one_form
 from raysgd._internal.driver.datasets import (
     DatasetSplitter,
     check_datasets,
@@ -32,21 +32,11 @@ from raysgd._internal.driver.datasets import (
 )
 from raysgd._internal.driver.goodput import GoodputMeter
 from raysgd._internal.driver.keywords import route_keywords
-from raysgd._internal.driver.preemption import Preemption
-from raysgd._internal.driver.recovery import Recovery, in_one_form
 from raysgd._internal.driver.run_loggers import RunLoggers, trainer_options
 from raysgd._internal.driver.state_copy import DEFAULT_LIMIT_MB, DriverCopy
 from raysgd._internal.driver.state_kinds import for_options
 from raysgd._internal.driver.training_state import TrainingState
 from raysgd._internal.driver.worker_calls import RunnerRecipe, WorkerCalls
-from raysgd._internal.protocol import (
-    DRAIN,
-    JOIN_WATCH_INTERVAL_S,
-    SPARE,
-    WATCH_INTERVAL_S,
-    TrainAnswer,
-    WatchSpec,
-)
 from raysgd._internal.worker import calls as worker
 from raysgd._internal.worker.collective_bound import slow_bound
 from raysgd.loggers import Logger
@@ -296,11 +286,6 @@ class TorchTrainer:
         )
         self._shut_down = False
         self._goodput = GoodputMeter()
-        #: The workers' recent step time: bounds a joining worker's first collectives.
-        self._step_s = 0.0
-        # Names each train() call, so that a call a failure interrupted is continued, not
-        # started again.
-        self._call_id = 0
         # The operator class (and the creator functions a built one holds) is pickled once, here:
         # every start and restart reuses this copy. Pickling it again at a restart would take
         # its closure cells as they are then: one that by then refers to the trainer itself
@@ -328,21 +313,21 @@ class TorchTrainer:
                 storage_options=storage_options,
                 checkpoint_root=checkpoint_location,
             )
-            self._recovery = Recovery(
-                group=group, num_workers=self._num_workers, state=self._state, policy=policy
-            )
-            # What each resize cost, as the recovery loop records it; the events for the trackers.
-            self._recovery.log.subscribe(self._goodput.take)
-            self._recovery.log.subscribe(self._loggers.take, amended=self._loggers.amend)
             self._checkpoints = Checkpoints(
                 self._state, checkpoint_location, every=checkpoint_every, keep=keep_checkpoints
             )
-            self._preemption = Preemption(
+            self._controller = RunController(
                 group=group,
-                recovery=self._recovery,
+                num_workers=self._num_workers,
                 state=self._state,
+                policy=policy,
                 checkpoints=self._checkpoints,
             )
+            # What each resize and checkpoint cost, as the controller records and reports it;
+            # the events for the trackers.
+            self._controller.log.subscribe(self._goodput.take)
+            self._controller.subscribe(self._goodput.on_transition)
+            self._controller.log.subscribe(self._loggers.take, amended=self._loggers.amend)
             self._start_workers()
             if resume:
                 self._checkpoints.resume()
@@ -392,72 +377,12 @@ class TorchTrainer:
         self._check_alive()
         check_train_args(max_retries, checkpoint, num_steps)
         with self._goodput.call():
-            result = self._train(num_steps, profile, max_retries, checkpoint, info)
-        return self._results("train", *result, reduce_results)
-
-    def _train(
-        self,
-        num_steps: Optional[int],
-        profile: bool,
-        max_retries: int,
-        checkpoint: Optional[Union[str, os.PathLike]],
-        info: Optional[dict[str, Any]],
-    ) -> tuple[list[dict[str, Any]], Optional[int]]:
-        """One `train()` call: (every worker's metrics, the rows of a call that went on after a
-        recovery)."""
-        self._recovery.maybe_grow()
-        self._preemption.handle()
-        if checkpoint:
-            started = time.perf_counter()
-            self._recovery.again_once(lambda: self._checkpoints.before_call(checkpoint))
-            self._goodput.lose("checkpoint", time.perf_counter() - started)
-        self._call_id += 1
-        call_id = self._call_id
-        group = self._workers.group
-
-        def attempt() -> list[TrainAnswer]:
-            # Recovery re-forms the group in place between attempts. After a failure the same
-            # call id makes the workers go on with the call, not start it again.
-            return group.execute(
-                worker.train_epoch,
-                num_steps,
-                profile,
-                info,
-                call_id,
-                self._watch_spec(),
-                self._checkpoints.plan(),
-                self._step_s,
+            answers = self._controller.run(
+                CallSpec(num_steps, profile, info, max_retries, checkpoint)
             )
-
-        while True:
-            returned = self._recovery.run(attempt, max_retries=max_retries)
-            # The workers stopped together at a step boundary, and say why: a node of theirs is
-            # draining, or a replacement started beside the smaller group is up.
-            stopped_for = {answer.stopped_for for answer in returned} - {None}
-            if not stopped_for:
-                break
-            if SPARE in stopped_for:
-                self._recovery.join_spares()
-            if DRAIN in stopped_for:
-                self._preemption.handle()
-        self._state.after_train(
-            max(answer.step for answer in returned), max(answer.epochs for answer in returned)
-        )
-        self._goodput.lose("checkpoint", max(answer.blocked_s for answer in returned))
-        self._step_s = max(answer.step_s for answer in returned)
-        self._goodput.end_call(self._step_s)
-        rows = [answer.rows for answer in returned if answer.rows is not None]
-        return [answer.metrics for answer in returned], rows[0] if rows else None
-
-    def _watch_spec(self) -> Optional[WatchSpec]:
-        """What the workers watch during the next attempt: their nodes for drains, and the spares
-        that may join a group below its size (looked at more often: the group trains slower)."""
-        nodes = self._preemption.watched_nodes()
-        joining = tuple(self._recovery.joining())
-        if not nodes and not joining:
-            return None
-        interval_s = JOIN_WATCH_INTERVAL_S if joining else WATCH_INTERVAL_S
-        return WatchSpec(nodes, interval_s, joining)
+        rows = [answer.rows for answer in answers if answer.rows is not None]
+        metrics = [answer.metrics for answer in answers]
+        return self._results("train", metrics, rows[0] if rows else None, reduce_results)
 
     def validate(
         self,
@@ -475,8 +400,8 @@ class TorchTrainer:
         if num_steps is not None:
             check_int("num_steps", num_steps)
         with self._goodput.call():
-            results = self._recovery.again_once(
-                lambda: self._recovery.call(worker.validate, num_steps, profile, info)
+            results = self._controller.again_once(
+                self._controller.call, worker.validate, num_steps, profile, info
             )
         self._goodput.end_call(0.0)
         return self._results("validate", results, None, reduce_results)
@@ -485,7 +410,7 @@ class TorchTrainer:
         """The full training state (`epoch`, `operator`, `models`, `optimizers`, `schedulers`,
         `precision`, position), on the CPU."""
         self._check_alive()
-        return self._recovery.again_once(self._state.state_dict)
+        return self._controller.again_once(self._state.state_dict)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load `state` (from `state_dict()` or a checkpoint) into every worker."""
@@ -494,25 +419,20 @@ class TorchTrainer:
             raise TypeError(
                 f"state must be a dict from TorchTrainer.state_dict(), got {type(state)}"
             )
-        with self._recovery.guarded():
+        with self._controller.guarded():
             self._state.load_state_dict(state)
 
     def save(self, path: Union[str, os.PathLike]) -> str:
         """Write the state to `path` atomically; returns the absolute path. A worker on this
         machine writes it, so the state does not pass through the driver."""
         self._check_alive()
-
-        def write() -> str:
-            self._checkpoints.finish()
-            return self._state.save(path)
-
-        return self._recovery.again_once(write)
+        return self._controller.again_once(self._save_now, path)
 
     def load(self, path: Union[str, os.PathLike]) -> None:
         """Load a checkpoint written by `save` into every worker. Never runs code from the file; a
         file that is not a checkpoint raises ValueError and leaves the trainer as it was."""
         self._check_alive()
-        with self._recovery.guarded():
+        with self._controller.guarded():
             self._checkpoints.finish()
             self._state.load(path)
 
@@ -527,9 +447,9 @@ class TorchTrainer:
         """
         self._check_alive()
         if not self._kind.gathers_models:
-            models = self._recovery.read(worker.get_models, to_cpu, not driver_has_cuda())
+            models = self._controller.read(worker.get_models, to_cpu, not driver_has_cuda())
         else:
-            needed = self._recovery.read(worker.models_nbytes)
+            needed = self._controller.read(worker.models_nbytes)
             available = available_memory_bytes()
             if available is not None and needed > available:
                 raise MemoryError(
@@ -537,7 +457,7 @@ class TorchTrainer:
                     f"process, which has {available / 2**30:.2f} GiB available: save() a "
                     "checkpoint instead and load it where it fits"
                 )
-            models = self._recovery.call(worker.get_models, True, True)[0]
+            models = self._controller.call(worker.get_models, True, True)[0]
         if isinstance(models, (list, tuple)) and len(models) == 1:
             return models[0]
         return list(models) if isinstance(models, tuple) else models
@@ -550,26 +470,26 @@ class TorchTrainer:
                 "get_local_operator() needs TorchTrainer(use_local=True): without it every operator "
                 "lives in a remote worker (use apply_all_operators instead)"
             )
-        return self._recovery.call(worker.get_operator, rank=0)
+        return self._controller.call(worker.get_operator, rank=0)
 
     def update_scheduler(self, metric: Any) -> None:
         """Step every registered scheduler with `metric` on every worker (`scheduler_step_freq="manual"`)."""
         self._check_alive()
-        self._recovery.call(worker.update_scheduler, metric)
+        self._controller.call(worker.update_scheduler, metric)
 
     def apply_all_workers(self, fn: Callable[[], Any]) -> list[Any]:
         """`fn()` on every worker; the results in rank order."""
         self._check_alive()
         if not callable(fn):
             raise TypeError("apply_all_workers needs a zero-argument callable")
-        return self._recovery.call(worker.apply_fn, fn)
+        return self._controller.call(worker.apply_fn, fn)
 
     def apply_all_operators(self, fn: Callable[[Any], Any]) -> list[Any]:
         """`fn(operator)` on every worker; the results in rank order."""
         self._check_alive()
         if not callable(fn):
             raise TypeError("apply_all_operators needs a callable taking the operator")
-        return self._recovery.call(worker.apply_operator, fn)
+        return self._controller.call(worker.apply_operator, fn)
 
     def shutdown(self, force: bool = False) -> None:
         """Stop the workers and release their resources. Calling it again does nothing; any other
@@ -632,12 +552,12 @@ class TorchTrainer:
     @property
     def failures(self) -> int:
         """Worker failures seen over the trainer's life."""
-        return int(self._recovery.failures)
+        return int(self._controller.failures)
 
     @property
     def recovery_events(self) -> list[Any]:
         """What the recovery loop saw and did (failures, decisions, resizes)."""
-        return list(getattr(self._recovery, "events", []))
+        return list(self._controller.events)
 
     @property
     def worker_group(self) -> WorkerGroup:
@@ -658,6 +578,11 @@ class TorchTrainer:
                 # cause's own frames do not survive the trip back from the worker).
                 raise exc.__cause__ from exc
             raise in_one_form(exc)  # noqa: B904 (its cause is the user's exception)
+
+    def _save_now(self, path: Union[str, os.PathLike]) -> str:
+        """`save(path)` once; a periodic checkpoint still uploading is finished first."""
+        self._checkpoints.finish()
+        return self._state.save(path)
 
     def _results(
         self, kind: str, results: list[dict], call_rows: Optional[int], reduce_results: bool

@@ -1,7 +1,7 @@
 """What a `WorkerGroup` runs (`GroupSpec`) kept apart from what runs now (`RunningGroup`).
 
 `WorkerGroup` is the public face; starting, recovering and stopping all work on one `RunningGroup`,
-so that `recovery.py` needs neither the group class nor its private fields.
+so that `recover.py` needs neither the group class nor its private fields.
 """
 
 from __future__ import annotations

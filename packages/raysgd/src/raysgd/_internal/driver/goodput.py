@@ -1,8 +1,9 @@
 """Goodput: how much of the time spent in `train()` and `validate()` went into work that was kept.
 
-The trainer measures the time inside its calls (`wall_s`); the meter observes the recovery loop's
+The trainer measures the time inside its calls (`wall_s`); the meter observes the run controller's
 events as they are recorded (`RecoveryLog.subscribe`: the events are the one source of what a
-resize cost), and the trainer adds what the workers report with each call:
+resize cost) and its transitions (`RunController.subscribe`: what a checkpoint blocked, the step
+time a call ended with):
 
 - `detection`: from the moment the surviving workers last finished a step to the moment the loss
   was seen (a dead process: at once; a silent one: when its peers' bounded wait ran out);
@@ -63,6 +64,12 @@ class GoodputMeter:
         time."""
         self.lose("redone", self._redone_pending * step_s)
         self._redone_pending = 0
+
+    def on_transition(self, transition: Any) -> None:
+        """Observe one transition of the run controller (`RunController.subscribe`)."""
+        self.lose("checkpoint", transition.checkpoint_s)
+        if transition.step_s is not None:
+            self.end_call(transition.step_s)
 
     def take(self, event: Any) -> None:
         """Observe one recovery event (`RecoveryLog.subscribe`)."""

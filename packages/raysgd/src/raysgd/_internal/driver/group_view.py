@@ -1,16 +1,18 @@
-"""What the recovery loop works on, as narrow views: the worker group (`ElasticGroup`) and the
-training state (`RestorableState`); its named stages (`Stage`)."""
+"""What the run controller works on, as narrow views: the worker group (`ElasticGroup`), the
+training state (`RestorableState`) and what the cluster says (`ClusterView`; `RayCluster` asks
+Ray). Each can be stood in for, so that the controller's every path runs without Ray."""
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Sequence
-from typing import Any, Protocol
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional, Protocol
 
-from raysgd_core import RecoveryReport
-from raysgd_fault import Action
+from raysgd_core import RecoveryReport, draining_nodes, preempted_nodes
 
-__all__ = ["NEXT_STAGE", "ElasticGroup", "RestorableState", "Stage", "on_live_nodes"]
+__all__ = ["ClusterView", "ElasticGroup", "RayCluster", "RestorableState"]
+
+logger = logging.getLogger("raysgd.recovery")
 
 
 class ElasticGroup(Protocol):
@@ -34,6 +36,10 @@ class ElasticGroup(Protocol):
         """Stop healthy workers on purpose (their node is going away); `recover` follows."""
 
     @property
+    def workers(self) -> Sequence[Any]:
+        """The workers in rank order, each with its `rank`, `node_id` and `is_local`."""
+
+    @property
     def spares(self) -> Sequence[object]:
         """The spare workers that are up (`recover` promotes them first)."""
 
@@ -46,6 +52,12 @@ class ElasticGroup(Protocol):
 
     def spare_readiness(self) -> list[tuple[Any, ...]]:
         """For each spare, the refs that are all done once it is up."""
+
+    def await_spares(self, timeout_s: float) -> int:
+        """Wait up to `timeout_s` for the spares still starting; how many are up."""
+
+    def replace_spares_on(self, nodes: Iterable[str]) -> None:
+        """Replace the spares on `nodes` (draining) by spares elsewhere."""
 
     def execute(self, fn: Any, *args: Any) -> list[Any]:
         """Run `fn(*args)` on every worker; the results in rank order."""
@@ -66,31 +78,51 @@ class RestorableState(Protocol):
         """At a step boundary, before the workers of `leaving` go on purpose (or spares join:
         none leave): make the state of this boundary restorable without them."""
 
-
-class Stage(str, enum.Enum):
-    """Where the recovery loop is in one `run()` call (see the module docstring)."""
-
-    RUNNING = "running"
-    FAILED = "failed"
-    WAITING = "waiting"
-    RESTARTING = "restarting"
-    SUCCEEDED = "succeeded"
-    GAVE_UP = "gave_up"
+    def after_train(self, step: int, epochs: int) -> None:
+        """A train call ended with the workers at `step`, `epochs` finished."""
 
 
-#: The stage each policy action leads to.
-NEXT_STAGE = {
-    Action.RETRY: Stage.RESTARTING,
-    Action.WAIT: Stage.WAITING,
-    Action.GIVE_UP: Stage.GAVE_UP,
-}
+class ClusterView(Protocol):
+    """What the run controller asks of the cluster; `RayCluster` asks Ray."""
+
+    def draining(self) -> dict[str, Optional[float]]:
+        """Nodes being drained: node id -> deadline (a `time.time()` timestamp) or None."""
+
+    def multi_node(self) -> bool:
+        """Whether the cluster has more than one live node (else nothing can move anywhere)."""
+
+    def live_count(self, nodes: Sequence[str]) -> int:
+        """How many of `nodes` (one entry per lost worker) are still alive: their freed slots
+        are room at once."""
+
+    def preempted(self, nodes: Iterable[str]) -> set[str]:
+        """Those of `nodes` reported gone after a preemption drain."""
 
 
-def on_live_nodes(nodes: Sequence[str]) -> int:
-    """How many of `nodes` (one entry per lost worker) Ray still reports alive."""
-    if not nodes:
-        return 0
-    import ray
+class RayCluster:
+    """`ClusterView` from Ray's public state (`ray.nodes()`, the drains `raysgd_core` reads)."""
 
-    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-    return sum(1 for node in nodes if node in alive)
+    def draining(self) -> dict[str, Optional[float]]:
+        return draining_nodes()
+
+    def multi_node(self) -> bool:
+        return sum(1 for _ in self._alive()) > 1
+
+    def live_count(self, nodes: Sequence[str]) -> int:
+        if not nodes:
+            return 0
+        alive = set(self._alive())
+        return sum(1 for node in nodes if node in alive)
+
+    def preempted(self, nodes: Iterable[str]) -> set[str]:
+        return preempted_nodes(nodes)
+
+    @staticmethod
+    def _alive() -> list[str]:
+        import ray
+
+        try:
+            return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+        except Exception:  # no answer: no node counted on (a lookup must never break a call)
+            logger.debug("ray.nodes() failed", exc_info=True)
+            return []

@@ -6,13 +6,17 @@ the trainer's life (`TorchTrainer.failures`). A worker lost while the group is b
 a user error is logged but not counted: that repair is housekeeping, not a loss of the user's run.
 A loss is a preemption when Ray says the node was reclaimed after a drain, or when the node is one
 the workers are being moved off (`draining`).
+
+The ledger observes the run controller's transitions (`on_transition`): a loss is counted when a
+transition carries one, the count starts afresh when one says so, and the draining nodes are those
+of the MOVING phase.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, NoReturn, Optional
+from typing import TYPE_CHECKING, NoReturn, Optional
 
 from raysgd._internal.driver.events import (
     EventKind,
@@ -22,7 +26,10 @@ from raysgd._internal.driver.events import (
     short_error,
     where_lost,
 )
-from raysgd_core import preempted_nodes
+from raysgd._internal.driver.phases import Phase, Transition
+
+if TYPE_CHECKING:
+    from raysgd._internal.driver.group_view import ClusterView
 
 __all__ = ["Losses"]
 
@@ -30,40 +37,39 @@ logger = logging.getLogger("raysgd.recovery")
 
 
 class Losses:
-    """The loss ledger of one `Recovery` (see the module docstring).
+    """The loss ledger of one `RunController` (see the module docstring).
 
     Args:
         log: Where each loss is recorded.
-        world_size: The group's size now (each loss's event says it).
+        cluster: Asked which nodes Ray reports reclaimed after a drain.
     """
 
-    def __init__(self, log: RecoveryLog, world_size: Callable[[], int]) -> None:
+    def __init__(self, log: RecoveryLog, cluster: ClusterView) -> None:
         self._log = log
-        self._world_size = world_size
+        self._cluster = cluster
         #: Losses over the trainer's lifetime.
         self.total = 0
         #: This call's losses, oldest first.
         self.this_call: list[FailureRecord] = []
-        #: The nodes being moved off (set by a preemption move): a loss there is a preemption.
+        #: The nodes being moved off (the MOVING phase's): a loss there is a preemption.
         self.draining: frozenset[str] = frozenset()
         self._last_at: Optional[float] = None
         self._last_error: Optional[BaseException] = None  # chained to the give-up RuntimeError
 
-    def new_call(self) -> None:
-        """A call starts: its losses are counted afresh."""
-        self.this_call, self._last_error = [], None
-
-    def count(
-        self, err: BaseException, *, during_restart: bool, alive: Optional[int] = None
-    ) -> None:
-        """Count and log the loss `err` names (a `WorkerDiedError`, or any error of a resize),
-        with `alive` workers left when known."""
-        record = self._record(err, during_restart=during_restart, alive=alive, counted=True)
-        self.this_call.append(record)
-
-    def note(self, err: BaseException) -> None:
-        """Log, without counting, a worker lost while repairing after a user error."""
-        self._record(err, during_restart=True, alive=None, counted=False)
+    def on_transition(self, t: Transition) -> None:
+        """Observe one transition of the run (see the module docstring)."""
+        if t.new_count:
+            self.this_call, self._last_error = [], None
+        if t.after is Phase.MOVING:
+            self.draining = t.nodes
+        elif t.before is Phase.MOVING:
+            self.draining = frozenset()
+        if t.lost is not None:
+            record = self._record(t.lost, t)
+            if t.counted:
+                self.this_call.append(record)
+        if t.recovered_s is not None:
+            self._recovered(t.recovered_s, t.size)
 
     def preempted(self, err: BaseException) -> bool:
         """Whether the loss `err` names was a preemption: Ray marked the workers' node reclaimed
@@ -72,19 +78,19 @@ class Losses:
         _, nodes = where_lost(err)
         return bool(getattr(err, "preempted", None)) or bool(self.draining & set(nodes))
 
-    def recovered(self, took: float) -> None:
+    def _recovered(self, took: float, size: int) -> None:
         """The call whose losses these are was redone, `took` seconds after the first was seen.
         Its losses whose node Ray now reports reclaimed after a preemption drain are marked so:
         Ray records why a node died a moment after its workers are seen gone, and waiting for it
         must not delay the recovery."""
         self._log.record(
             EventKind.RECOVERED,
-            f"recovered: the interrupted work was redone on {self._world_size()} worker(s); "
+            f"recovered: the interrupted work was redone on {size} worker(s); "
             f"{took:.2f} s from detecting the failure to the end of the redone call",
             duration_s=took,
-            num_workers_after=self._world_size(),
+            num_workers_after=size,
         )
-        preempted = preempted_nodes({n for record in self.this_call for n in record.nodes})
+        preempted = self._cluster.preempted({n for record in self.this_call for n in record.nodes})
         if preempted:
             self._log.mark_preempted(preempted)
 
@@ -104,14 +110,13 @@ class Losses:
         # The last loss is the cause: its full text (a worker traceback, say) stays reachable.
         raise RuntimeError(message) from self._last_error
 
-    def _record(
-        self, err: BaseException, *, during_restart: bool, alive: Optional[int], counted: bool
-    ) -> FailureRecord:
+    def _record(self, err: BaseException, t: Transition) -> FailureRecord:
+        """Log the loss `err` of transition `t` (and count it, when `t` says so)."""
         ranks, nodes = where_lost(err)
         record = FailureRecord(
-            tuple(ranks), tuple(nodes), short_error(err), during_restart, self.preempted(err)
+            tuple(ranks), tuple(nodes), short_error(err), t.during_restart, self.preempted(err)
         )
-        if counted:
+        if t.counted:
             self.total += 1
             self._last_at = time.monotonic()
             self._last_error = err
@@ -120,16 +125,16 @@ class Losses:
             )
         else:
             number = "worker lost while repairing (not counted)"
-        survive = "" if alive is None else f"; {alive} worker(s) survive"
+        survive = "" if t.alive is None else f"; {t.alive} worker(s) survive"
         self._log.record(
-            EventKind.RESTART_FAILED if during_restart else EventKind.FAILURE,
+            EventKind.RESTART_FAILED if t.during_restart else EventKind.FAILURE,
             f"{number}: {record.describe()}{survive}",
             level=logging.WARNING,
             ranks=record.ranks,
             nodes=record.nodes,
             error=record.error,
-            num_workers_before=self._world_size(),
-            num_workers_after=alive,
+            num_workers_before=t.size,
+            num_workers_after=t.alive,
             preempted=record.preempted,
         )
         return record

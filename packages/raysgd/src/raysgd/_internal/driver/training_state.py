@@ -11,7 +11,7 @@ with a manifest; either loads whatever the strategy and the number of workers. A
 between the two kinds is the kind's (`state_kinds.StateKind`); nothing here asks which it is.
 
 Nothing here repairs or retries: the recovery loop calls `restore` inside a resize, and the
-trainer guards every other call (see `recovery.Recovery.guarded`).
+trainer guards every other call (see `controller.RunController.guarded`).
 """
 
 from __future__ import annotations
