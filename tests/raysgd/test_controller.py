@@ -9,6 +9,7 @@ stop at a step boundary for a drain or a spare, or the call's work is done).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -271,3 +272,24 @@ def test_a_policy_that_never_retries_gives_up_naming_the_loss() -> None:
     with pytest.raises(RuntimeError, match="rank"):
         run.run(call())
     assert run.phase is Phase.GAVE_UP and kinds(run) == ["failure", "decision"]
+
+
+def test_the_losses_of_a_call_count_against_one_budget_across_its_joins_and_moves() -> None:
+    group = TrainGroup(2, room=2, script=[])
+
+    def spare_up() -> str:
+        group.spares_starting, group.spares_up = 0, 1
+        return SPARE
+
+    # Lost, a replacement joins at a step boundary, lost again: two losses in one call.
+    group.script = [lambda: died(group, [1]), spare_up, lambda: died(group, [1]), None]
+    run, _ = controller(group, policy=ElasticPolicy())
+    with pytest.raises(
+        RuntimeError, match=re.escape("2 failure(s) in this train() call exceed max_retries=1")
+    ):
+        run.run(call(max_retries=1))
+    assert kinds(run)[-2:] == ["failure", "decision"] and run.phase is Phase.GAVE_UP
+    # The next call has a budget of its own.
+    group.script = [lambda: died(group, [1]), None]
+    run.run(call(max_retries=1))
+    assert run.failures == 3 and run.failures_this_call == 1

@@ -189,6 +189,7 @@ class RunController:
         self._next_grow_at = 0.0
         self._join_declined = False  # the scaling policy kept the size at a join: until next call
         self._guarding = False
+        self._in_call = False  # inside a train() call: its losses count against one budget
 
     # ---------------------------------------------------------------------------- observation
     def subscribe(self, observer: TransitionObserver) -> None:
@@ -238,7 +239,17 @@ class RunController:
             WorkerError: user code raised on a worker (not retried; the group is left usable).
             RuntimeError: the policy gave up; the message names every loss of this call.
         """
+        # Every loss from here to the end of the call counts against its `max_retries`: those
+        # of a grow, a move or the checkpoint before the attempts, and those after the workers
+        # stopped for a spare or a drain.
         self.maybe_grow()
+        self._in_call = True
+        try:
+            return self._run(call)
+        finally:
+            self._in_call = False
+
+    def _run(self, call: CallSpec) -> list[TrainAnswer]:
         self._drain_check()
         if call.checkpoint:
             self._enter(Phase.CHECKPOINTING)
@@ -247,8 +258,8 @@ class RunController:
             self.again_once(self._checkpoints.before_call, call.checkpoint)
             self._note(checkpoint_s=time.perf_counter() - started)
         self._call_id += 1
-        answers = self.run_attempts(
-            functools.partial(self._attempt, call, self._call_id), max_retries=call.max_retries
+        answers = self._attempts(
+            functools.partial(self._attempt, call, self._call_id), call.max_retries
         )
         self._state.after_train(
             max(answer.step for answer in answers), max(answer.epochs for answer in answers)
@@ -276,21 +287,29 @@ class RunController:
         )
 
     def run_attempts(self, attempt: Callable[[], T], *, max_retries: int) -> T:
-        """Return ``attempt()``, recovering from lost workers and redoing the attempt (RUNNING,
-        FAILED, WAITING, RESTARTING, GAVE_UP); when the workers stopped together at a step
-        boundary (an answer's `stopped_for`), let the spares join or move off the draining
-        nodes, and go on with another attempt. `max_retries` is handed to the policy, which
-        alone decides when it is exhausted; the losses are counted afresh after such a stop.
+        """Return ``attempt()`` as a call of its own (its losses counted from none): recovering
+        from lost workers and redoing the attempt (RUNNING, FAILED, WAITING, RESTARTING,
+        GAVE_UP); when the workers stopped together at a step boundary (an answer's
+        `stopped_for`), letting the spares join or moving off the draining nodes, and going on
+        with another attempt. `max_retries` is handed to the policy, which alone decides when it
+        is exhausted.
 
         Raises:
             WorkerError: user code raised on a worker (not retried; the group is left usable).
             RuntimeError: the policy gave up; the message names every loss of this call.
         """
+        return self._attempts(attempt, max_retries, new_count=True)
+
+    def _attempts(
+        self, attempt: Callable[[], T], max_retries: int, *, new_count: bool = False
+    ) -> T:
         detected_at: Optional[float] = None
         alive, reclaimable, fruitless = self._world_size(), 0, 0
         decision: Optional[Decision] = None
         # An earlier repair failed: the group must be re-formed before anything runs on it.
-        self._enter(Phase.FAILED if self._group.needs_recovery else Phase.RUNNING, new_count=True)
+        self._enter(
+            Phase.FAILED if self._group.needs_recovery else Phase.RUNNING, new_count=new_count
+        )
         while True:
             if self.phase is Phase.RUNNING:
                 try:
@@ -317,11 +336,9 @@ class RunController:
                     self.join_spares()
                 if DRAIN in stops:
                     self._drain_check(recovered_s=recovered_s)
-                # The rest of the call is a part of its own: its losses are counted afresh.
+                # The rest of the call, at the new size (a loss on the way left it to recover).
                 detected_at, alive, reclaimable, fruitless = None, self._world_size(), 0, 0
-                self._enter(
-                    Phase.FAILED if self._group.needs_recovery else Phase.RUNNING, new_count=True
-                )
+                self._enter(Phase.FAILED if self._group.needs_recovery else Phase.RUNNING)
             elif self.phase is Phase.FAILED:
                 decision = self._decide(
                     max_retries,
@@ -620,7 +637,8 @@ class RunController:
             return not self._group.needs_recovery
         lost = error if isinstance(error, WorkerDiedError) else None
         alive = None if lost is None else max(0, self._world_size() - len(lost.ranks))
-        self._enter(Phase.REPAIRING, new_count=True, lost=lost, alive=alive)
+        # A call of its own, unless it is part of a train() call (a checkpoint it writes).
+        self._enter(Phase.REPAIRING, new_count=not self._in_call, lost=lost, alive=alive)
         if not self._group.needs_recovery:
             return True
         repaired = self._resize(max(1, self._world_size()), "repair after a failed call").ok
