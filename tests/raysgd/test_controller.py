@@ -10,6 +10,7 @@ stop at a step boundary for a drain or a spare, or the call's work is done).
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Sequence
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -17,6 +18,7 @@ import pytest
 from tests._support.fakes import FakeCluster, FakeGroup, FakeState, died
 
 from raysgd._internal.driver.controller import CallSpec, RunController
+from raysgd._internal.driver.goodput import GoodputMeter
 from raysgd._internal.driver.phases import Phase, Transition
 from raysgd._internal.driver.restore_plan import RestoreOutcome
 from raysgd._internal.protocol import DRAIN, SPARE, TrainAnswer
@@ -272,6 +274,35 @@ def test_a_policy_that_never_retries_gives_up_naming_the_loss() -> None:
     with pytest.raises(RuntimeError, match="rank"):
         run.run(call())
     assert run.phase is Phase.GAVE_UP and kinds(run) == ["failure", "decision"]
+
+
+def test_goodput_charges_the_backoff_that_was_waited_and_no_grow_put_off() -> None:
+    group = TrainGroup(2, room=0, script=[])  # every worker lost with its node
+    group.script = [lambda: died(group, [0, 1]), None]
+    run, _ = controller(group, cluster=FakeCluster(nodes_alive=False))
+    meter = GoodputMeter()
+    run.log.subscribe(meter.take)
+    run.subscribe(meter.on_transition)
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:  # the room comes back during the backoff
+        slept.append(seconds)
+        group.room = 2
+        time.sleep(0.05)
+
+    run._sleep = sleep
+    run.run(call())
+    waits = [e for e in run.events if e.kind == "decision" and e.action == "wait"]
+    assert len(waits) == 1 and waits[0].duration_s == slept[0] == 0.5
+    waited = meter.report(failures=1)["lost_s"]["waiting"]
+    assert 0.05 <= waited < 0.5  # what the wait took, not what the policy said
+    # A grow that starts nobody puts the next grows off; that is no wait of the call's.
+    group.world_size, group.room = 1, 1
+    group.estimate_fitting = lambda: 1  # type: ignore[method-assign]  # room that is not real
+    run.run(call())
+    put_off = [e for e in run.events if e.kind == "decision" and e.action == "wait"][-1]
+    assert "not trying again for 30 s" in put_off.message
+    assert meter.report(failures=1)["lost_s"]["waiting"] == waited
 
 
 def test_the_losses_of_a_call_count_against_one_budget_across_its_joins_and_moves() -> None:

@@ -349,9 +349,10 @@ class RunController:
                 self._enter(NEXT_PHASE[decision.action])
             elif self.phase is Phase.WAITING:
                 assert decision is not None
+                started = time.monotonic()
                 self._sleep(decision.wait_s)
                 fruitless += 1
-                self._enter(Phase.FAILED)
+                self._enter(Phase.FAILED, waited_s=time.monotonic() - started)
             elif self.phase is Phase.RESTARTING:
                 assert decision is not None
                 losses = self.failures_this_call

@@ -2,8 +2,8 @@
 
 The trainer measures the time inside its calls (`wall_s`); the meter observes the run controller's
 events as they are recorded (`RecoveryLog.subscribe`: the events are the one source of what a
-resize cost) and its transitions (`RunController.subscribe`: what a checkpoint blocked, the step
-time a call ended with):
+resize cost) and its transitions (`RunController.subscribe`: what a checkpoint blocked, how long
+a backoff took, the step time a call ended with):
 
 - `detection`: from the moment the surviving workers last finished a step to the moment the loss
   was seen (a dead process: at once; a silent one: when its peers' bounded wait ran out);
@@ -68,6 +68,9 @@ class GoodputMeter:
     def on_transition(self, transition: Any) -> None:
         """Observe one transition of the run controller (`RunController.subscribe`)."""
         self.lose("checkpoint", transition.checkpoint_s)
+        # The seconds the backoff took, not the policy's number: an interrupted or skipped wait
+        # (a grow put off, say) is not lost time.
+        self.lose("waiting", transition.waited_s)
         if transition.step_s is not None:
             self.end_call(transition.step_s)
 
@@ -75,8 +78,6 @@ class GoodputMeter:
         """Observe one recovery event (`RecoveryLog.subscribe`)."""
         if event.kind in ("failure", "restart_failed") and self._failure_at is None:
             self._failure_at = event.timestamp
-        elif event.kind == "decision" and event.action == "wait":
-            self.lose("waiting", event.duration_s)
         elif event.kind == "resize":
             phases = event.phases or {}
             self.lose("start", sum(phases.get(name, 0.0) for name in _START_PHASES))

@@ -75,6 +75,7 @@ class Transition:
         checkpoint_s: Seconds a checkpoint blocked the call (`train(checkpoint=...)`, or the
             workers' periodic checkpoints in the call).
         step_s: The call's recent step time, when it ends.
+        waited_s: Seconds the failure policy's backoff took (leaving WAITING).
     """
 
     before: Phase
@@ -89,6 +90,7 @@ class Transition:
     nodes: frozenset[str] = frozenset()
     checkpoint_s: float = 0.0
     step_s: Optional[float] = None
+    waited_s: float = 0.0
 
 
 #: Called with every transition, in order.
