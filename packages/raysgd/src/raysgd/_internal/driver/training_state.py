@@ -34,8 +34,6 @@ from raysgd._internal.driver.worker_calls import WorkerCalls
 from raysgd._internal.protocol import LoadSource, RestorePlan
 from raysgd._internal.storage.format import (
     GATHERED_FORMAT,
-    WHOLE,
-    WHOLE_FILE,
     newest_complete,
     read_file,
     read_manifest,
@@ -173,11 +171,8 @@ class TrainingState:
         newest = newest_complete(self._checkpoint_root) if self._checkpoint_root else None
         if newest is not None:
             # The workers' own (`checkpoint_every`), written while the driver only waited.
-            location = newest.location
-            if newest.kind == WHOLE:
-                location = location.join(WHOLE_FILE)
             what = f"checkpoint {newest.location.url} at step {newest.step}"
-            options.append((newest.step, what, location))
+            options.append((newest.step, what, newest.state_location))
         if not options:
             limit_mb = self._copy.limit_bytes / 2**20
             raise StateLostError(
@@ -215,9 +210,7 @@ class TrainingState:
         step = None
         if location.is_folder():
             checkpoint = resolve_checkpoint(location)
-            location, step = checkpoint.location, checkpoint.step
-            if checkpoint.kind == WHOLE:
-                location = location.join(WHOLE_FILE)
+            location, step = checkpoint.state_location, checkpoint.step
         self._load(self._source(location))
         self.last_checkpoint = (location, self.step if step is None else step)
 

@@ -314,6 +314,12 @@ class Checkpoint:
         """The manifest's kind (what the parts are, for the loader)."""
         return self.manifest.kind
 
+    @property
+    def state_location(self) -> Storage:
+        """What a load reads: the folder of a sharded checkpoint, the one state file of a
+        whole one."""
+        return self.location.join(WHOLE_FILE) if self.kind == WHOLE else self.location
+
 
 def write_manifest(
     folder: Storage,
