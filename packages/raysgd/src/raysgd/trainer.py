@@ -556,7 +556,7 @@ class TorchTrainer:
 
     @property
     def recovery_events(self) -> list[Any]:
-        """What the recovery loop saw and did (failures, decisions, resizes)."""
+        """What the run controller saw and did (failures, decisions, resizes, moves)."""
         return list(self._controller.events)
 
     @property

@@ -1,4 +1,4 @@
-"""What the recovery loop saw and did: structured events, their log lines, the give-up message.
+"""What the run controller saw and did: structured events, their log lines, the give-up message.
 
 Every failure, decision and resize becomes one `RecoveryEvent` (kept on the trainer for tests, the
 fault demo and post-mortems) and one line on the ``raysgd.recovery`` logger. The events are the single

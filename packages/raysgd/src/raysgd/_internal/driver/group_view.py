@@ -16,7 +16,7 @@ logger = logging.getLogger("raysgd.recovery")
 
 
 class ElasticGroup(Protocol):
-    """What the recovery loop needs of a worker group; `raysgd_core.WorkerGroup` is one."""
+    """What the run controller needs of a worker group; `raysgd_core.WorkerGroup` is one."""
 
     @property
     def world_size(self) -> int:
@@ -67,7 +67,7 @@ class ElasticGroup(Protocol):
 
 
 class RestorableState(Protocol):
-    """What the recovery loop needs of the training state; `TrainingState` is one."""
+    """What the run controller needs of the training state; `TrainingState` is one."""
 
     def restore(self, report: RecoveryReport) -> Any:
         """After a resize (`report`: what the group did): make every worker of the re-formed

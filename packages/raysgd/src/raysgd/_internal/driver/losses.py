@@ -1,4 +1,4 @@
-"""The worker losses the recovery loop has seen: counted, each one an event of the recovery log,
+"""The worker losses the run controller has seen: counted, each one an event of the recovery log,
 named together when the loop gives up.
 
 A loss is counted per call (what the failure policy is told, what the give-up error lists) and over

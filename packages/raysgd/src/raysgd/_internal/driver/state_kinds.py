@@ -32,9 +32,11 @@ from raysgd._internal.driver.worker_calls import WorkerCalls
 from raysgd._internal.protocol import Holding, RestorePlan
 from raysgd._internal.storage.atomic_files import write_file
 from raysgd._internal.storage.format import (
+    AUTO_NAMES,
     GATHERED_FORMAT,
     MANIFEST_NAME,
     SHARDED,
+    WHOLE,
     state_from_bytes,
     write_manifest,
 )
@@ -44,8 +46,6 @@ from raysgd_core import WorkerGroup
 from raysgd_operator import SHARDED_STATE_IMPORTS, TrainingOptions
 
 __all__ = [
-    "AUTO_CHECKPOINT_NAME",
-    "AUTO_SHARDED_CHECKPOINT_NAME",
     "Replicated",
     "Sharded",
     "StateKind",
@@ -53,11 +53,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("raysgd")
-
-#: Name of the `train(checkpoint="auto")` checkpoint inside `checkpoint_dir`: a file...
-AUTO_CHECKPOINT_NAME = "raysgd_checkpoint.pt"
-#: ... or, for a sharded state, a folder.
-AUTO_SHARDED_CHECKPOINT_NAME = "raysgd_checkpoint"
 
 
 class StateKind(abc.ABC):
@@ -108,7 +103,7 @@ class StateKind(abc.ABC):
 class Replicated(StateKind):
     """Every worker holds the whole state: a survivor has all of it, a checkpoint is one file."""
 
-    checkpoint_name = AUTO_CHECKPOINT_NAME
+    checkpoint_name = AUTO_NAMES[WHOLE]
     keeps_driver_copy = True
 
     def plan(
@@ -161,7 +156,7 @@ class Sharded(StateKind):
     newest snapshot whose every part survived, a checkpoint is a folder of every worker's part
     with a manifest."""
 
-    checkpoint_name = AUTO_SHARDED_CHECKPOINT_NAME
+    checkpoint_name = AUTO_NAMES[SHARDED]
     # Never in one place: a copy would have to gather every part.
     keeps_driver_copy = False
     spare_imports = SHARDED_STATE_IMPORTS

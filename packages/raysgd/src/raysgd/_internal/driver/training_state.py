@@ -10,7 +10,7 @@ has the workers restore. Checkpoints are written and read by the workers themsel
 with a manifest; either loads whatever the strategy and the number of workers. All that differs
 between the two kinds is the kind's (`state_kinds.StateKind`); nothing here asks which it is.
 
-Nothing here repairs or retries: the recovery loop calls `restore` inside a resize, and the
+Nothing here repairs or retries: the run controller calls `restore` inside a resize, and the
 trainer guards every other call (see `controller.RunController.guarded`).
 """
 

@@ -22,6 +22,9 @@ to expect). A folder counts as a checkpoint only when its manifest is there and 
 is there with the size it lists; `newest_complete`, `resolve_checkpoint` and `prune` see nothing
 else.
 
+Names: a checkpoint of `checkpoint_every` is such a folder (`checkpoint_name`); the one
+`train(checkpoint="auto")` writes, replaced each time, has a fixed name (`AUTO_NAMES`, by kind).
+
 Reading never runs code from a checkpoint: states load with `torch.load(weights_only=True)`
 (`state_from_bytes`) and DCP's metadata through raysgd_operator's restricted reader.
 """
@@ -49,6 +52,7 @@ from raysgd_operator import load_failure_reason, read_dcp_metadata
 from raysgd_operator.sharded_files import METADATA_FILE
 
 __all__ = [
+    "AUTO_NAMES",
     "CHECKPOINT_KEYS",
     "GATHERED_FORMAT",
     "MANIFEST_NAME",
@@ -85,6 +89,9 @@ WHOLE_FILE = "raysgd_checkpoint.pt"
 #: Manifest kinds: the parts of a sharded state, or one whole state.
 SHARDED = "sharded"
 WHOLE = "whole"
+#: The name of the checkpoint `train(checkpoint="auto")` writes, and replaces, in `checkpoint_dir`,
+#: by kind: one file for a whole state, a folder for a sharded one.
+AUTO_NAMES = {WHOLE: "raysgd_checkpoint.pt", SHARDED: "raysgd_checkpoint"}
 #: `format` of the dict a sharded trainer's `state_dict()` returns (its folder's files as bytes).
 GATHERED_FORMAT = "raysgd-dcp"
 
