@@ -19,7 +19,10 @@ from raysgd._internal.storage.format import (
     MANIFEST_NAME,
     Manifest,
     checkpoint_name,
+    checkpoint_position,
     complete_checkpoints,
+    gathered,
+    gathered_files,
     newest_complete,
     prune,
     read_manifest,
@@ -524,3 +527,24 @@ def test_manifest_format():
     newer = manifest.to_bytes().replace(b'"version": 1', b'"version": 99')
     with pytest.raises(ValueError, match="newer raysgd"):
         Manifest.from_bytes(newer)
+
+
+def test_a_checkpoints_position_and_a_gathered_sharded_state_are_read_by_the_format(
+    tmp_path,
+) -> None:
+    # A file: its own counters; a folder: its manifest's.
+    whole = Storage(tmp_path / "whole")
+    write_state(whole, "ckpt.pt", {"models": [], "epoch": 2, "step": 17})
+    assert checkpoint_position(whole.join("ckpt.pt")) == (2, 17)
+    folder = attempt(Storage(tmp_path / "root"), 3, 40, {"part": b"x"})
+    write_manifest(folder, "sharded", 3, 40)
+    assert checkpoint_position(folder) == (3, 40)
+    # A sharded state in one process: its files round-trip; a whole state's dict is not one.
+    files = {"__0_0.distcp": b"a", ".metadata": b"b"}
+    assert gathered_files(gathered(files)) == files
+    assert gathered_files({"models": [], "epoch": 0}) is None
+    for bad in ("../escape", "sub/part", ".."):
+        with pytest.raises(ValueError, match="bad file name"):
+            gathered_files(gathered({bad: b"x"}))
+    with pytest.raises(ValueError, match="must hold"):
+        gathered_files({"format": gathered({})["format"], "files": {"part": "not bytes"}})

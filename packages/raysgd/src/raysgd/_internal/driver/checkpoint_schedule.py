@@ -31,7 +31,7 @@ from typing import Any, Optional, Union
 
 from raysgd._internal.driver.training_state import TrainingState
 from raysgd._internal.protocol import CheckpointPlan
-from raysgd._internal.storage.format import newest_complete
+from raysgd._internal.storage.format import checkpoint_position, newest_complete
 from raysgd._internal.storage.location import Storage, as_storage
 from raysgd_base import check_int
 
@@ -132,7 +132,7 @@ class Checkpoints:
             candidates.append(((newest.epoch, newest.step), newest.location))
         auto = self.root.join(self._state.checkpoint_name)
         if auto.exists():
-            candidates.append((self._state.position_of(auto), auto))
+            candidates.append((checkpoint_position(auto), auto))
         if not candidates:
             logger.info("resume: no complete checkpoint in %s: starting from scratch", self.root)
             return None

@@ -33,10 +33,10 @@ from raysgd._internal.protocol import Holding, RestorePlan
 from raysgd._internal.storage.atomic_files import write_file
 from raysgd._internal.storage.format import (
     AUTO_NAMES,
-    GATHERED_FORMAT,
     MANIFEST_NAME,
     SHARDED,
     WHOLE,
+    gathered,
     state_from_bytes,
     write_manifest,
 )
@@ -196,7 +196,7 @@ class Sharded(StateKind):
         return path
 
     def gather(self, workers: WorkerCalls, step: int) -> dict[str, Any]:
-        """The checkpoint folder's files as bytes (`GATHERED_FORMAT`)."""
+        """The checkpoint folder's files as bytes (`storage.format.gathered`)."""
         tmp = tempfile.mkdtemp(prefix="raysgd-state-")
         try:
             folder = as_storage(os.path.join(tmp, "state"))
@@ -206,7 +206,7 @@ class Sharded(StateKind):
             files = {name: folder.read_bytes(name) for name in folder.listdir()}
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        return {"format": GATHERED_FORMAT, "files": files}
+        return gathered(files)
 
     def hand_over(self, group: WorkerGroup, leaving: Sequence[int]) -> None:
         """A snapshot now, and each leaving worker's part given to a worker that stays. When

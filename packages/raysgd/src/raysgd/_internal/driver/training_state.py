@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 import ray
-import torch
 
 from raysgd._internal.driver.restore_plan import RestoreOutcome, StateLostError
 from raysgd._internal.driver.state_copy import DriverCopy
@@ -33,10 +32,8 @@ from raysgd._internal.driver.state_kinds import StateKind
 from raysgd._internal.driver.worker_calls import WorkerCalls
 from raysgd._internal.protocol import LoadSource, RestorePlan
 from raysgd._internal.storage.format import (
-    GATHERED_FORMAT,
+    gathered_files,
     newest_complete,
-    read_file,
-    read_manifest,
     read_sharded,
     resolve_checkpoint,
     state_to_bytes,
@@ -216,15 +213,11 @@ class TrainingState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what `state_dict()` returned (of either kind) into every worker."""
-        if state.get("format") == GATHERED_FORMAT:
-            files = state.get("files")
-            if not isinstance(files, dict) or not all(isinstance(v, bytes) for v in files.values()):
-                raise ValueError("a sharded state dict must hold {'files': {name: bytes}}")
+        files = gathered_files(state)
+        if files is not None:
             tmp = tempfile.mkdtemp(prefix="raysgd-state-")
             try:
                 for name, data in files.items():
-                    if os.path.basename(name) != name or name in (".", ".."):
-                        raise ValueError(f"bad file name in sharded state: {name!r}")
                     with open(os.path.join(tmp, name), "wb") as handle:
                         handle.write(data)
                 self._load(self._source(self.location(tmp)))
@@ -278,7 +271,7 @@ class TrainingState:
 
     def state_dict(self) -> dict[str, Any]:
         """The whole state in this process: a whole state's dict, or a sharded state's folder
-        as bytes (`GATHERED_FORMAT`), which `load_state_dict` takes back."""
+        as bytes (`storage.format.gathered`), which `load_state_dict` takes back."""
         return self._kind.gather(self._workers, self.step)
 
     def finish_uploads(self) -> None:
@@ -287,21 +280,6 @@ class TrainingState:
         for error in self._workers.group.execute(worker.finish_uploads):
             if error:
                 logger.warning("%s", error)
-
-    def position_of(self, location: Storage) -> tuple[int, int]:
-        """(epoch, step) of the checkpoint at `location`, to compare it with others."""
-        if location.is_folder():
-            manifest = read_manifest(location)
-            if manifest is not None:
-                return manifest.epoch, manifest.step
-            _, rest = read_sharded(location)
-            return int(rest.get("epoch", 0)), int(rest.get("step", 0))
-        if location.is_local:
-            # Mapped, not read: only the two counters are looked at.
-            state = torch.load(location.path, map_location="cpu", weights_only=True, mmap=True)
-        else:
-            state = read_file(location)[1]
-        return int(state.get("epoch", 0)), int(state.get("step", 0))
 
     # ------------------------------------------------------------------------- moves
     def hand_over(self, leaving: Sequence[int]) -> None:

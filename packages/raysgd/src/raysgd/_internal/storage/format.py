@@ -36,6 +36,7 @@ import hashlib
 import io
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -65,7 +66,10 @@ __all__ = [
     "Checkpoint",
     "Manifest",
     "checkpoint_name",
+    "checkpoint_position",
     "complete_checkpoints",
+    "gathered",
+    "gathered_files",
     "newest_complete",
     "prune",
     "read_file",
@@ -156,6 +160,42 @@ def read_file(location: Storage) -> tuple[bytes, dict[str, Any]]:
     """The bytes of a checkpoint file and the whole state they hold (validated, loaded safely)."""
     data = location.parent().read_bytes(location.name)
     return data, state_from_bytes(data, source=f"file {location.url!r}")
+
+
+def checkpoint_position(location: Storage) -> tuple[int, int]:
+    """(epoch, step) of the checkpoint at `location` (a file or a folder), to order it among
+    others; only its counters are read."""
+    if location.is_folder():
+        manifest = read_manifest(location)
+        if manifest is not None:
+            return manifest.epoch, manifest.step
+        _, rest = read_sharded(location)
+        return int(rest.get("epoch", 0)), int(rest.get("step", 0))
+    if location.is_local:
+        # Mapped, not read: only the two counters are looked at.
+        state = torch.load(location.path, map_location="cpu", weights_only=True, mmap=True)
+    else:
+        state = read_file(location)[1]
+    return int(state.get("epoch", 0)), int(state.get("step", 0))
+
+
+def gathered(files: Mapping[str, bytes]) -> dict[str, Any]:
+    """A sharded state in one process: its checkpoint folder's files as bytes."""
+    return {"format": GATHERED_FORMAT, "files": dict(files)}
+
+
+def gathered_files(state: Mapping[str, Any]) -> Optional[dict[str, bytes]]:
+    """The files of a state made by `gathered`, their names checked (plain file names only);
+    None for a whole state's dict."""
+    if state.get("format") != GATHERED_FORMAT:
+        return None
+    files = state.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, bytes) for v in files.values()):
+        raise ValueError("a sharded state dict must hold {'files': {name: bytes}}")
+    for name in files:
+        if not isinstance(name, str) or os.path.basename(name) != name or name in (".", ".."):
+            raise ValueError(f"bad file name in sharded state: {name!r}")
+    return files
 
 
 def read_sharded(folder: Storage) -> tuple[bytes, dict[str, Any]]:
