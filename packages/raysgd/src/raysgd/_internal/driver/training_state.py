@@ -32,6 +32,7 @@ from raysgd._internal.driver.state_kinds import StateKind
 from raysgd._internal.driver.worker_calls import WorkerCalls
 from raysgd._internal.protocol import LoadSource, RestorePlan
 from raysgd._internal.storage.format import (
+    checkpoints_past,
     gathered_files,
     newest_complete,
     read_sharded,
@@ -87,6 +88,9 @@ class TrainingState:
         #: Epochs the workers finished (the one in progress not counted).
         self.epochs = 0
         self.last_checkpoint: Optional[tuple[Storage, int]] = None
+        # The periodic checkpoints of a timeline a load went back from (their steps are past the
+        # loaded one): a fall-back never takes them, as it never takes the driver's copy of it.
+        self._left_behind: frozenset[str] = frozenset()
 
     @property
     def checkpoint_name(self) -> str:
@@ -165,7 +169,11 @@ class TrainingState:
             location, step = self.last_checkpoint
             if location.parent().exists(location.name):
                 options.append((step, f"checkpoint {location.url} at step {step}", location))
-        newest = newest_complete(self._checkpoint_root) if self._checkpoint_root else None
+        newest = (
+            newest_complete(self._checkpoint_root, skip=self._left_behind)
+            if self._checkpoint_root
+            else None
+        )
         if newest is not None:
             # The workers' own (`checkpoint_every`), written while the driver only waited.
             what = f"checkpoint {newest.location.url} at step {newest.step}"
@@ -248,6 +256,8 @@ class TrainingState:
         # `load_state_dict` offers, or the next refresh, is of the loaded state).
         self._copy.forget()
         self.step, self.epochs = int(answers[0].step), int(answers[0].epochs)
+        if self._checkpoint_root is not None:
+            self._left_behind = checkpoints_past(self._checkpoint_root, self.step)
         self._kind.settle(group)
 
     def _source(self, location: Storage) -> LoadSource:

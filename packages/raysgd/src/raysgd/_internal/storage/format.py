@@ -41,7 +41,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Optional, Union
 
@@ -67,6 +67,7 @@ __all__ = [
     "Manifest",
     "checkpoint_name",
     "checkpoint_position",
+    "checkpoints_past",
     "complete_checkpoints",
     "gathered",
     "gathered_files",
@@ -431,9 +432,13 @@ def complete_checkpoints(
 
 
 def newest_complete(
-    root: Union[Storage, PathLike], storage_options: Optional[Mapping[str, Any]] = None
+    root: Union[Storage, PathLike],
+    storage_options: Optional[Mapping[str, Any]] = None,
+    *,
+    skip: Collection[str] = (),
 ) -> Optional[Checkpoint]:
-    """The newest complete checkpoint folder directly under `root`, or None.
+    """The newest complete checkpoint folder directly under `root` whose name is not in `skip`,
+    or None.
 
     The order is training progress: the manifest's (epoch, step), which the folder's name
     repeats; between attempts at the same (epoch, step), the later `created`, then the larger
@@ -445,7 +450,8 @@ def newest_complete(
     root = as_storage(root, storage_options)
     by_key: dict[tuple[int, int], list[str]] = {}
     for name, key in _candidates(root):
-        by_key.setdefault(key, []).append(name)
+        if name not in skip:
+            by_key.setdefault(key, []).append(name)
     for key in sorted(by_key, reverse=True):
         found = [_inspect(root, name, key).checkpoint for name in by_key[key]]
         complete = [c for c in found if c is not None]
@@ -530,6 +536,12 @@ class _Attempt:
     #: Incomplete and ours to remove once older than a complete one (no manifest, or a manifest
     #: whose parts are not all there); False for a complete one and for a manifest we cannot read.
     stale: bool
+
+
+def checkpoints_past(root: Storage, step: int) -> frozenset[str]:
+    """The names of the checkpoint folders under `root` past `step` (complete or not), read from
+    their names alone."""
+    return frozenset(name for name, (_, at) in _candidates(root) if at > step)
 
 
 def _candidates(root: Storage) -> list[tuple[str, tuple[int, int]]]:
