@@ -98,14 +98,16 @@ def test_every_user_of_the_base_package_declares_it() -> None:
 
 
 def test_a_worker_imports_no_checkpoint_machinery_until_it_needs_it() -> None:
-    """Every new worker (at start and on each recovery) imports the trainer's worker functions and
-    the operator package; torch.distributed.checkpoint costs most of a second to import and only
-    sharded runs and sharded checkpoints use it, so it must stay out of that path."""
+    """Every new worker of a replicated run (at start and on each recovery) imports the trainer's
+    worker functions, its kind of state and the operator package; torch.distributed.checkpoint
+    costs most of a second to import and only sharded runs and sharded checkpoints use it, so it
+    must stay out of that path."""
     import subprocess
     import sys
 
     code = (
-        "import sys, raysgd._internal.worker.calls, raysgd_operator; "
+        "import sys, raysgd._internal.worker.calls, raysgd._internal.state.replicated, "
+        "raysgd_operator; "
         "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -207,10 +209,13 @@ def test_no_import_circle_between_modules() -> None:
 
 
 # Inside the meta package's `_internal`: which folders (and top-level modules) each may import.
-# The driver calls down into the workers' functions; the messages both sides exchange are in
-# `protocol`; storage is shared; the worker side never reaches up into the driver's.
+# The driver calls down into the workers' functions; the kinds of state (`state`: each with its
+# driver's and its workers' half) sit between them, used by the driver, using the workers'
+# machinery; the messages both sides exchange are in `protocol`; storage is shared; the worker
+# side never reaches up into the kinds or the driver's.
 INTERNAL_ALLOWED = {
-    "driver": {"driver", "protocol", "storage", "worker"},
+    "driver": {"driver", "protocol", "state", "storage", "worker"},
+    "state": {"state", "protocol", "storage", "worker"},
     "worker": {"worker", "protocol", "storage"},
     "storage": {"storage"},
     "protocol": {"storage"},
@@ -264,3 +269,34 @@ def test_only_the_run_controller_changes_the_group() -> None:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
     }
     assert calls >= GROUP_CHANGES
+
+
+#: What tells the kinds of state or their checkpoint formats apart: the strategy's flag, the
+#: format's names for them, and the tests of a checkpoint's shape.
+KIND_QUESTIONS = {"sharded", "WHOLE", "SHARDED", "is_folder", "gathered_files", "read_sharded"}
+
+
+def test_only_the_kinds_of_state_ask_which_kind_or_format() -> None:
+    """Each kind of state (`_internal/state/`) owns both its halves and its checkpoint format; the
+    driver, the workers' machinery and the trainer ask none of them which it is (the format's
+    own module, `storage/format.py`, names the formats)."""
+    root = PACKAGES / "raysgd" / "src" / "raysgd"
+    internal = root / "_internal"
+    sources = [root / "trainer.py", *(internal / "driver").glob("*.py")]
+    sources += [*(internal / "worker").glob("*.py"), internal / "protocol.py"]
+    asked = {}
+    for source in sources:
+        for node in ast.walk(ast.parse(source.read_text(), str(source))):
+            name = (
+                node.attr
+                if isinstance(node, ast.Attribute)
+                else node.id
+                if isinstance(node, ast.Name)
+                else None
+            )
+            if name in KIND_QUESTIONS:
+                asked.setdefault(str(source.relative_to(root)), []).append((name, node.lineno))
+    assert not asked, asked
+    # The check sees the kinds' own questions, so it is not looking at nothing.
+    pick = (internal / "state" / "pick.py").read_text()
+    assert "options.sharded" in pick and "is_folder" in pick

@@ -20,8 +20,8 @@ from tests._support.fakes import FakeCluster, FakeGroup, FakeState, died
 from raysgd._internal.driver.controller import CallSpec, RunController
 from raysgd._internal.driver.goodput import GoodputMeter
 from raysgd._internal.driver.phases import Phase, Transition
-from raysgd._internal.driver.restore_plan import RestoreOutcome
 from raysgd._internal.protocol import DRAIN, SPARE, TrainAnswer
+from raysgd._internal.state.plan import RestoreOutcome
 from raysgd_core import WorkerDiedError
 from raysgd_fault import DefaultPolicy, ElasticPolicy, FailurePolicy, NeverRetryPolicy
 

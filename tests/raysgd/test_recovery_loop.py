@@ -19,7 +19,7 @@ from tests._support.fakes import FakeCluster, FakeGroup, FakeState, Script, died
 from raysgd._internal.driver.controller import RunController
 from raysgd._internal.driver.goodput import GoodputMeter
 from raysgd._internal.driver.phases import Phase
-from raysgd._internal.driver.restore_plan import RestoreOutcome
+from raysgd._internal.state.plan import RestoreOutcome
 from raysgd_core import RecoveryReport, WorkerDiedError, WorkerError
 from raysgd_fault import (
     Action,

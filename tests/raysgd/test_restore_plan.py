@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from raysgd._internal.driver.restore_plan import plan_from_peers
 from raysgd._internal.protocol import Holding, RestorePlan
+from raysgd._internal.state.replicated import plan_from_peers
 from raysgd_operator import Progress
 
 
@@ -65,7 +65,7 @@ def _meters(batches: int) -> Any:
 
 
 def test_the_newest_snapshot_whose_every_part_survived_is_restored() -> None:
-    from raysgd._internal.driver.restore_plan import plan_from_snapshots
+    from raysgd._internal.state.sharded import plan_from_snapshots
     from raysgd_operator import CallRecord
 
     call = CallRecord(call_id=2, num_steps=None, start_step=4, steps=3, rows=48, loop_s=3.0)
@@ -88,7 +88,7 @@ def test_the_newest_snapshot_whose_every_part_survived_is_restored() -> None:
 
 
 def test_a_snapshot_of_the_call_before_brings_no_metrics_into_this_one() -> None:
-    from raysgd._internal.driver.restore_plan import plan_from_snapshots
+    from raysgd._internal.state.sharded import plan_from_snapshots
     from raysgd_operator import CallRecord
 
     # Taken at the last step of call 1, which is also the first step of call 2: call 1's
@@ -103,7 +103,7 @@ def test_a_snapshot_of_the_call_before_brings_no_metrics_into_this_one() -> None
 
 
 def test_without_every_part_there_is_nothing_to_restore_from() -> None:
-    from raysgd._internal.driver.restore_plan import missing_parts, plan_from_snapshots
+    from raysgd._internal.state.sharded import missing_parts, plan_from_snapshots
 
     held = _held(5, 2, {0: None})
     holdings = [Holding(_p(5), (held,)), Holding(None)]
@@ -112,7 +112,7 @@ def test_without_every_part_there_is_nothing_to_restore_from() -> None:
 
 
 def test_one_rule_picks_the_newest_step_every_part_of_which_a_live_worker_holds() -> None:
-    from raysgd._internal.driver.restore_plan import newest_held_step
+    from raysgd._internal.state.plan import newest_held_step
 
     # Ranks 0 and 1 each hold both parts of step 8 (their own and the peer's copy); rank 2 holds
     # one of three parts of step 10, which cannot be rebuilt. The lowest rank holds each part.

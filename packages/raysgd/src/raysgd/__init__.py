@@ -10,7 +10,7 @@ Importing raysgd does not import Ray Tune; the Tune names (``raysgd.torch.BaseTo
 load it when first used.
 """
 
-from raysgd._internal.driver.restore_plan import StateLostError
+from raysgd._internal.state.plan import StateLostError
 from raysgd.compat import PyTorchTrainer
 from raysgd.trainer import TorchTrainer
 from raysgd_operator import (

@@ -34,9 +34,9 @@ from raysgd._internal.driver.goodput import GoodputMeter
 from raysgd._internal.driver.keywords import route_keywords
 from raysgd._internal.driver.run_loggers import RunLoggers, trainer_options
 from raysgd._internal.driver.state_copy import DEFAULT_LIMIT_MB, DriverCopy
-from raysgd._internal.driver.state_kinds import for_options
 from raysgd._internal.driver.training_state import TrainingState
 from raysgd._internal.driver.worker_calls import RunnerRecipe, WorkerCalls
+from raysgd._internal.state.pick import kind_for
 from raysgd._internal.worker import calls as worker
 from raysgd._internal.worker.collective_bound import slow_bound
 from raysgd.loggers import Logger
@@ -235,7 +235,7 @@ class TorchTrainer:
             distributed=self._num_workers > 1,
         )
         # What the strategy's workers hold: all the driver does differently for a sharded state.
-        self._kind = for_options(self._options)
+        self._kind = kind_for(self._options)
         self._operator_cls = resolve_operator_cls(
             training_operator_cls,
             model_creator=model_creator,
@@ -302,6 +302,7 @@ class TorchTrainer:
                 options=self._options,
                 user_config=dict(config or {}),
                 datasets=DatasetSplitter(given_datasets),
+                state_class=self._kind.worker_state,
                 splits={self._num_workers: batch_split},
             )
             # The parts, built top-down: each gets what it calls, nothing calls back up.

@@ -10,20 +10,25 @@ the driver side:
   answer (`TrainAnswer`);
 - a restore after a resize: what each worker holds (`Holding`, with its `HeldSnapshot`s), and the
   plan every worker follows (`RestorePlan`, with its `SnapshotPlan` and `SlotMove`s), which the
-  driver's pure planners (`driver.restore_plan`) make;
-- a load: where the state is (`LoadSource`) and the answer (`LoadAnswer`).
+  kinds of state plan (`state.replicated`, `state.sharded`);
+- a load: what is loaded (a `LoadSource`: each kind of state sends its own) and the answer
+  (`LoadAnswer`).
 
 Everything here is small and plain (it is pickled with every call): no tensor of the model.
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Optional
 
 from raysgd._internal.storage.location import Storage
 from raysgd_operator import AverageMeterCollection, CallRecord, Progress, TrainingOptions
+
+if TYPE_CHECKING:
+    from raysgd_operator import OperatorRunner
 
 __all__ = [
     "DRAIN",
@@ -55,6 +60,9 @@ class RunnerArgs(NamedTuple):
     options: TrainingOptions
     #: Every rank's split of the datasets (`{name: DataIterator}` in rank order; empty without).
     dataset_splits: Sequence[Mapping[str, Any]]
+    #: The worker's half of the kind of state the strategy gives it (a `worker.state.WorkerState`
+    #: class; pickled by reference, so a worker imports only its own kind's module).
+    state_class: Any
 
 
 # ------------------------------------------------------------------------------ a train() call
@@ -265,23 +273,20 @@ class RestorePlan:
 
 
 # ------------------------------------------------------------------------------ a load
-@dataclass(frozen=True)
-class LoadSource:
-    """What every worker loads, and where its bytes are.
+class LoadSource(abc.ABC):
+    """What every worker loads: a checkpoint or a state, sent by the kind of state whose format it
+    is (`state.replicated.WholeSource`, `state.sharded.PartsSource`), which reads it into any
+    strategy and any number of workers."""
 
-    Attributes:
-        whole: A whole state: its bytes (or an ObjectRef of them), or the checkpoint file to
-            read (a `Storage` the worker can reach).
-        metadata: A sharded folder's DCP metadata.
-        state: A sharded folder's small rest of the state.
-        files: A sharded folder's parts: the folder (a `Storage` the worker can reach), or
-            ``{file name: ObjectRef of {file name: data}}`` shipped through the object store.
-    """
+    #: Whether a source that is not a checkpoint is found before anything changes (the worker
+    #: then answers why, `LoadAnswer.refused`, instead of raising: the group stays formed).
+    checked_first: ClassVar[bool] = False
 
-    whole: Any = None
-    metadata: Optional[bytes] = None
-    state: Optional[dict[str, Any]] = None
-    files: Any = None
+    @abc.abstractmethod
+    def load_into(self, runner: OperatorRunner, rank_source: Optional[int]) -> None:
+        """Load into `runner`, with the rank slot (`OperatorRunner.rank_slot`) saved for rank
+        `rank_source` (None: none, the runner's per-rank state starts afresh). A collective
+        where the source is read in parts."""
 
 
 class LoadAnswer(NamedTuple):

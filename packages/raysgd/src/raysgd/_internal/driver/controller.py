@@ -88,8 +88,8 @@ from raysgd._internal.driver.resize import (
     ResizeResult,
     found_lost_error,
 )
-from raysgd._internal.driver.restore_plan import RestoreOutcome, StateLostError
 from raysgd._internal.protocol import DRAIN, SPARE, TrainAnswer
+from raysgd._internal.state.plan import RestoreOutcome, StateLostError
 from raysgd._internal.worker import calls as worker
 from raysgd_base import check_number
 from raysgd_core import RecoveryReport, WorkerDiedError, WorkerError

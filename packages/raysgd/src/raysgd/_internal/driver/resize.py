@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from raysgd._internal.driver.restore_plan import RestoreOutcome
+from raysgd._internal.state.plan import RestoreOutcome
 from raysgd_core import RecoveryReport, WorkerDiedError
 
 __all__ = [

@@ -1,14 +1,15 @@
 """The training state as the driver handles it: where it is, how it is restored, saved and loaded.
 
-The state lives on the workers (`worker.state`: what each holds, chosen by the strategy). The
-driver keeps only what is small: the step the workers finished last, the last checkpoint written
-or loaded, and, for a whole state up to `state_copy_limit_mb`, a bounded copy (`DriverCopy`).
-After a resize it asks every worker what it holds, lets the kind of state plan the restore
-(`state_kinds`), falls back on the copy or the last checkpoint when no worker holds a state, and
-has the workers restore. Checkpoints are written and read by the workers themselves
-(`storage.format`): a whole state as one file (RaySGD's format), a sharded one as a folder of parts
-with a manifest; either loads whatever the strategy and the number of workers. All that differs
-between the two kinds is the kind's (`state_kinds.StateKind`); nothing here asks which it is.
+The state lives on the workers (what each holds is its kind's: `state.replicated`,
+`state.sharded`). The driver keeps only what is small: the step the workers finished last, the
+last checkpoint written or loaded, and, for a whole state up to `state_copy_limit_mb`, a bounded
+copy (`DriverCopy`). After a resize it asks every worker what it holds, lets the kind of state
+plan the restore, falls back on the copy or the last checkpoint when no worker holds a state, and
+has the workers restore. Checkpoints are written and read by the workers themselves, in the
+format of the kind that writes them (a whole state as one file, RaySGD's format; a sharded one as
+a folder of parts with a manifest); each loads whatever the strategy and the number of workers,
+read by the kind whose format it is (`state.pick`). All that differs between the two kinds is
+the kind's (`state.kind.StateKind`); nothing here asks which it is.
 
 Nothing here repairs or retries: the run controller calls `restore` inside a resize, and the
 trainer guards every other call (see `controller.RunController.guarded`).
@@ -19,26 +20,16 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
-import ray
-
-from raysgd._internal.driver.restore_plan import RestoreOutcome, StateLostError
 from raysgd._internal.driver.state_copy import DriverCopy
-from raysgd._internal.driver.state_kinds import StateKind
 from raysgd._internal.driver.worker_calls import WorkerCalls
 from raysgd._internal.protocol import LoadSource, RestorePlan
-from raysgd._internal.storage.format import (
-    checkpoints_past,
-    gathered_files,
-    newest_complete,
-    read_sharded,
-    resolve_checkpoint,
-    state_to_bytes,
-)
+from raysgd._internal.state.kind import StateKind
+from raysgd._internal.state.pick import reader_at, reader_of_state
+from raysgd._internal.state.plan import RestoreOutcome, StateLostError
+from raysgd._internal.storage.format import checkpoints_past, newest_complete, state_to_load
 from raysgd._internal.storage.location import Storage, as_storage
 from raysgd._internal.worker import calls as worker
 from raysgd_core import RecoveryReport, WorkerError
@@ -55,7 +46,7 @@ class TrainingState:
 
     Args:
         workers: The trainer's workers.
-        kind: The kind of state the strategy gives the workers (`state_kinds.for_options`).
+        kind: The kind of state the strategy gives the workers (`state.pick.kind_for`).
         copy: The driver's bounded copy of the state (a limit of 0: none is kept; never where
             the kind keeps none, nor with ``use_local``, where losing every worker loses the
             driver).
@@ -189,7 +180,7 @@ class TrainingState:
                 "state_copy_limit_mb."
             )
         step, what, held = max(options, key=lambda option: option[0])
-        source = LoadSource(whole=ray.put(held)) if isinstance(held, bytes) else self._source(held)
+        source = self._kind.copy_source(held) if isinstance(held, bytes) else self._source(held)
         # A lower bound: the steps the driver knows were finished since, plus the one in flight;
         # how far the interrupted call got died with its workers.
         redone = max(0, self.step - step) + 1
@@ -212,29 +203,16 @@ class TrainingState:
         location = self.location(path)
         if not location.exists():
             raise FileNotFoundError(errno.ENOENT, "no checkpoint there", location.url)
-        step = None
-        if location.is_folder():
-            checkpoint = resolve_checkpoint(location)
-            location, step = checkpoint.state_location, checkpoint.step
+        location, step = state_to_load(location)
         self._load(self._source(location))
         self.last_checkpoint = (location, self.step if step is None else step)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what `state_dict()` returned (of either kind) into every worker."""
-        files = gathered_files(state)
-        if files is not None:
-            tmp = tempfile.mkdtemp(prefix="raysgd-state-")
-            try:
-                for name, data in files.items():
-                    with open(os.path.join(tmp, name), "wb") as handle:
-                        handle.write(data)
-                self._load(self._source(self.location(tmp)))
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-            return
-        data = state_to_bytes(state)
-        self._load(LoadSource(whole=ray.put(data)))
-        if self._copy_wanted:
+        reader = reader_of_state(state)
+        with reader.state_source(state, self._workers.all_on_this_node()) as (source, data):
+            self._load(source)
+        if self._copy_wanted and data is not None:
             size = len(data)
             self._copy.offer(data if size <= self._copy.limit_bytes else None, size, self.step)
 
@@ -265,19 +243,7 @@ class TrainingState:
         read it (an object store; the local disk of workers on this node), else its bytes through
         the object store."""
         reachable = not location.is_local or self._workers.all_on_this_node()
-        if location.is_folder():
-            metadata, rest = read_sharded(location)
-            if reachable:
-                return LoadSource(metadata=metadata, state=rest, files=location)
-            files = {
-                name: ray.put({name: location.read_bytes(name)})
-                for name in location.listdir()
-                if name.endswith(".distcp")
-            }
-            return LoadSource(metadata=metadata, state=rest, files=files)
-        if reachable:
-            return LoadSource(whole=location)
-        return LoadSource(whole=ray.put(location.parent().read_bytes(location.name)))
+        return reader_at(location).source_at(location, reachable)
 
     def state_dict(self) -> dict[str, Any]:
         """The whole state in this process: a whole state's dict, or a sharded state's folder
@@ -297,7 +263,7 @@ class TrainingState:
         spares join (`leaving` empty), with every worker at the same step boundary: make the
         state of this boundary restorable without the leaving workers. A whole state already is
         (the workers that stay hold it); a sharded one is snapshotted now and each leaving
-        worker's part given to a worker that stays (`state_kinds`)."""
+        worker's part given to a worker that stays (`StateKind.hand_over`)."""
         self._kind.hand_over(self._workers.group, leaving)
 
 

@@ -39,12 +39,14 @@ class RunnerRecipe:
         options: The workers' `TrainingOptions`.
         user_config: The config as the user gave it.
         datasets: Splits `datasets=` over the group (a split belongs to the group it was made for).
+        state_class: The workers' half of the kind of state (`StateKind.worker_state`).
     """
 
     operator_ref: Any
     options: TrainingOptions
     user_config: dict[str, Any]
     datasets: DatasetSplitter
+    state_class: type
     #: The batch split of each group size met so far: computed (and warned about, when it does
     #: not divide) once per size, whether a start, a resize or `TorchTrainer.config` asks.
     splits: dict[int, BatchSplit] = field(default_factory=dict)
@@ -60,7 +62,13 @@ class RunnerRecipe:
     def args(self, size: int) -> RunnerArgs:
         """The runners' arguments for a group of `size`."""
         worker_config = self.split(size).worker_config(self.user_config)
-        return RunnerArgs(self.operator_ref, worker_config, self.options, self.datasets.split(size))
+        return RunnerArgs(
+            self.operator_ref,
+            worker_config,
+            self.options,
+            self.datasets.split(size),
+            self.state_class,
+        )
 
     def config_for(self, size: int) -> dict[str, Any]:
         """The trainer's config for a group of `size` (`TorchTrainer.config`): `config[BATCH_SIZE]`

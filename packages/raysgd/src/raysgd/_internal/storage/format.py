@@ -79,6 +79,7 @@ __all__ = [
     "resolve_checkpoint",
     "state_from_bytes",
     "state_to_bytes",
+    "state_to_load",
     "write_manifest",
     "write_state",
 ]
@@ -486,6 +487,17 @@ def resolve_checkpoint(
         "is there or directly under it",
         location.url,
     )
+
+
+def state_to_load(location: Storage) -> tuple[Storage, Optional[int]]:
+    """Where the state to load from `location` is, and its step when the format says it without
+    reading the state: a file is the state itself (its step is known once loaded); a folder is a
+    checkpoint, or holds them (`resolve_checkpoint`), and the checkpoint's state location is
+    read (`Checkpoint.state_location`)."""
+    if not location.is_folder():
+        return location, None
+    checkpoint = resolve_checkpoint(location)
+    return checkpoint.state_location, checkpoint.step
 
 
 def prune(

@@ -2,7 +2,7 @@
 
 Each worker keeps one long-lived `OperatorRunner` and its `WorkerState` in its `WorkerSlot`
 (`slot`), so every call after construction ships only its own arguments. The training state stays on the workers: it reaches the driver only when
-the user asks for it (`state_bytes`, `get_models`) or for the bounded copy (`state_copy`).
+the user asks for it (`get_models`) or for the bounded copy (`state_copy`).
 These functions are module-level and importable on the workers (raysgd is installed there), so
 Ray pickles them by reference. An operator class arrives as a top-level argument: Ray resolves
 its object-store reference on every rank (the driver's own rank gets the class itself).
@@ -26,8 +26,6 @@ from raysgd._internal.protocol import (
     TrainAnswer,
     WatchSpec,
 )
-from raysgd._internal.storage.format import state_to_bytes, write_state
-from raysgd._internal.storage.location import Storage
 from raysgd._internal.worker.runner import (
     build_runner,
     current_runner,
@@ -36,43 +34,32 @@ from raysgd._internal.worker.slot import (
     bound_for,
     keep,
     periodic_for,
-    replicas_for,
     this_worker,
     uploads,
     watch_for,
     worker_state,
 )
 from raysgd._internal.worker.state import (
-    RANK_SLOTS,
     WorkerState,
-    gather_rank_slots,
     state_within,
 )
 from raysgd_core import get_context
-from raysgd_operator import OperatorRunner, TrainingOptions
+from raysgd_operator import TrainingOptions
 
 __all__ = [
-    "adopt_parts",
     "apply_fn",
     "apply_operator",
-    "capture",
     "create_runner",
     "drop_runner",
     "epoch",
     "finish_uploads",
     "get_models",
     "get_operator",
-    "hand_over_slots",
     "holding",
     "load",
     "models_nbytes",
     "remove_file",
-    "replicate_slots",
     "restore",
-    "save",
-    "save_file",
-    "state_bytes",
-    "state_class",
     "state_copy",
     "train_epoch",
     "update_scheduler",
@@ -81,24 +68,13 @@ __all__ = [
 ]
 
 
-def state_class(sharded: bool) -> type[WorkerState]:
-    """The `WorkerState` kind of a strategy that does (or does not) shard the model."""
-    if sharded:
-        # Imported on first use: a replicated run never needs the snapshot machinery.
-        from raysgd._internal.worker.sharded import ShardedState
-
-        return ShardedState
-    from raysgd._internal.worker.replicated import ReplicatedState
-
-    return ReplicatedState
-
-
 # ------------------------------------------------------------------------------ the runner
 def create_runner(
     operator_cls: type,
     config: Mapping[str, Any],
     options: TrainingOptions,
-    dataset_splits: Sequence[Mapping[str, Any]] = (),
+    dataset_splits: Sequence[Mapping[str, Any]],
+    state_class: type[WorkerState],
     copy_limit_bytes: int = 0,
 ) -> Optional[tuple[Optional[bytes], int]]:
     """Build this worker's runner (which runs the user's `setup`) and the state it holds.
@@ -107,8 +83,10 @@ def create_runner(
     (`WorkerState.copy_for_driver`: ``(state bytes, state size)``, the bytes only when the state
     is at most `copy_limit_bytes`), so that the copy starts current.
     """
-    runner = build_runner(RunnerArgs(operator_cls, dict(config), options, dataset_splits))
-    state = keep(state_class(options.sharded)(runner))
+    runner = build_runner(
+        RunnerArgs(operator_cls, dict(config), options, dataset_splits, state_class)
+    )
+    state = keep(state_class(runner))
     ctx = get_context()
     this_worker().slot_of = (ctx.world_rank, ctx.generation)
     if ctx.world_rank != 0 or copy_limit_bytes <= 0:
@@ -142,50 +120,13 @@ def restore(
     config: Mapping[str, Any],
     options: TrainingOptions,
     dataset_splits: Sequence[Mapping[str, Any]],
+    state_class: type[WorkerState],
     plan: RestorePlan,
 ) -> None:
     """After a resize: make this worker ready to go on training where `plan` says (see
     `WorkerState.restore`)."""
-    args = RunnerArgs(operator_cls, dict(config), options, dataset_splits)
-    state_class(options.sharded).restore(args, plan)
-
-
-def hand_over_slots(leaving: Sequence[int]) -> None:
-    """Before the workers of `leaving` leave on purpose: each gives its rank slot to a worker
-    that stays (a replicated state; every worker calls it at once): see `rank_replicas`."""
-    replicas_for(current_runner()).adopt(leaving)
-
-
-def replicate_slots() -> None:
-    """Give this worker's rank slot to its ring peer and keep its predecessor's, now (a
-    replicated state; every worker calls it at once): see `rank_replicas`."""
-    replicas_for(current_runner()).exchange()
-
-
-def capture() -> int:
-    """Snapshot a sharded state now on every worker (a collective); the snapshot's step."""
-    return worker_state().capture()
-
-
-def adopt_parts(step: int, moves: Sequence[tuple[int, int, int]]) -> None:
-    """Move copies of leaving workers' parts of the snapshot at `step` to workers that stay: each
-    ``(part, holder, receiver)`` of `moves` (a collective: every worker calls it)."""
-    worker_state().adopt_parts(step, moves)
-
-
-def save(folder: Storage) -> Optional[dict[str, Any]]:
-    """Write this worker's part of the state into the checkpoint `folder` (see
-    `WorkerState.save`)."""
-    return worker_state().save(folder)
-
-
-def save_file(location: Storage, writer: int) -> None:
-    """Rank `writer` writes the whole state as one checkpoint file at `location`, atomically,
-    with every rank's per-rank state (every worker calls this: the latter is a collective)."""
-    runner = current_runner()
-    rank_slots = gather_rank_slots(runner, writer)
-    if get_context().world_rank == writer:
-        write_state(location.parent(), location.name, _with_rank_slots(runner, rank_slots))
+    args = RunnerArgs(operator_cls, dict(config), options, dataset_splits, state_class)
+    state_class.restore(args, plan)
 
 
 def load(source: LoadSource) -> LoadAnswer:
@@ -196,7 +137,7 @@ def load(source: LoadSource) -> LoadAnswer:
     try:
         worker_state().load(source)
     except ValueError as exc:
-        if source.whole is None:
+        if not source.checked_first:
             raise
         return LoadAnswer(runner.step, runner.finished_epochs, str(exc))
     return LoadAnswer(runner.step, runner.finished_epochs)
@@ -209,23 +150,6 @@ def finish_uploads() -> Optional[str]:
         return None
     periodic.finish()
     return periodic.error
-
-
-def state_bytes() -> Optional[bytes]:
-    """The whole state, serialised, with every rank's per-rank state, on rank 0 (None on the
-    others; every worker calls this: asked for by the user, `state_dict`, `save`)."""
-    runner = current_runner()
-    rank_slots = gather_rank_slots(runner, 0)
-    if get_context().world_rank != 0:
-        return None
-    return state_to_bytes(_with_rank_slots(runner, rank_slots))
-
-
-def _with_rank_slots(runner: OperatorRunner, rank_slots: Optional[list]) -> dict[str, Any]:
-    state = runner.state_dict()
-    if rank_slots is not None:
-        state[RANK_SLOTS] = rank_slots
-    return state
 
 
 def state_copy(limit_bytes: int) -> tuple[Optional[bytes], int, int, float]:

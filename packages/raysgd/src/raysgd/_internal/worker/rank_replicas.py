@@ -21,7 +21,7 @@ which are the only ranks that wait on it.
 
 A worker lost before its slot reached its peer (in the moment between its last step and the
 exchange) leaves its slot unreplicated: the restore plan then says the replacement's random
-numbers may differ (`restore_plan`).
+numbers may differ (`state.replicated.plan_from_peers`).
 """
 
 from __future__ import annotations

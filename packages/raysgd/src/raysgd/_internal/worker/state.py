@@ -1,35 +1,24 @@
-"""What one worker holds of the training state, and how it moves: one interface, chosen by the
-strategy.
+"""What one worker holds of the training state: the interface the worker's machinery (its calls,
+its periodic checkpoints) asks of it, whatever the kind.
 
-- `ReplicatedState` (``ddp``, ``none``; `worker.replicated`): every worker holds the whole state.
-  After a resize the survivor furthest along sends it to the workers that need it.
-- `ShardedState` (``fsdp``; `worker.sharded`): each worker holds its part of the model and
-  optimizers, and keeps in-memory snapshots (tensors) of its part and of a peer's. After a resize
-  every worker is rebuilt from the newest snapshot whose every part survived.
-
-Every method runs on a worker; the driver's `training_state.TrainingState` decides (with the pure
-planners of `driver.restore_plan`) and calls them through `calls`, which picks the kind
-(`worker.state_class`). Loading a checkpoint (`load_into`)
-is the same for both: a whole state loads into any strategy, a sharded folder into any strategy
-and size (DCP reshards it).
+The kinds themselves, each with its driver's half, are the `state` folder's (`ReplicatedState`
+for ``ddp`` and ``none``, `ShardedState` for ``fsdp``): the driver hands each worker the class
+of its kind (`RunnerArgs.state_class`), so that nothing here asks which it is. What differs from
+rank to rank (a rank's *slot*: the operator's per-rank state, the random generators, the loader's
+seed of the epoch) is saved and applied alike for both (`gather_rank_slots`, `apply_rank_slot`).
 """
 
 from __future__ import annotations
 
 import abc
-import os
-import shutil
-import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Callable, ClassVar, Optional
 
-import ray
-
 from raysgd._internal.protocol import Holding, LoadSource, RestorePlan, RunnerArgs
-from raysgd._internal.storage.format import METADATA_FILE, state_from_bytes, state_to_bytes
+from raysgd._internal.storage.format import state_to_bytes
 from raysgd._internal.storage.location import Storage
 from raysgd._internal.worker.transfer import flatten
-from raysgd_core import get_context, scratch_dir
+from raysgd_core import get_context
 from raysgd_operator import OperatorRunner
 
 __all__ = [
@@ -38,7 +27,6 @@ __all__ = [
     "WorkerState",
     "apply_rank_slot",
     "gather_rank_slots",
-    "load_into",
     "state_within",
 ]
 
@@ -66,7 +54,8 @@ class WorkerState(abc.ABC):
         runner: The worker's runner, whose models, optimizers and position are the state.
     """
 
-    #: The checkpoint kind `save` writes into a folder (`storage.format.WHOLE` or `SHARDED`).
+    #: The kind a checkpoint folder of this state names in its manifest (`storage.format.WHOLE`
+    #: or `SHARDED`).
     kind: ClassVar[str]
 
     def __init__(self, runner: OperatorRunner) -> None:
@@ -81,12 +70,6 @@ class WorkerState(abc.ABC):
     def restore(cls, args: RunnerArgs, plan: RestorePlan) -> WorkerState:
         """After a resize: make this worker's runner (kept, re-bound or built from `args`) hold
         the state `plan` says, at its position and in the call it belongs to (a collective)."""
-
-    @abc.abstractmethod
-    def save(self, folder: Storage) -> Optional[dict[str, Any]]:
-        """Write this worker's part of the state now into the checkpoint `folder` (a collective
-        for a sharded state). Returns the files this worker could not reach the folder with,
-        for the driver to write (``{name: ObjectRef of {name: bytes}}``), else None."""
 
     @abc.abstractmethod
     def copy_to_host(self) -> Optional[HostCopy]:
@@ -106,20 +89,9 @@ class WorkerState(abc.ABC):
     def parts(cls, world_size: int) -> list[str]:
         """The files of a checkpoint folder of this kind written by `world_size` workers."""
 
-    def adopt_parts(self, step: int, moves: Sequence[tuple[int, int, int]]) -> None:
-        """Move copies of leaving workers' parts of the snapshot at `step` (a move off a draining
-        node): each ``(part, holder, receiver)`` of `moves`, sent by the holder and kept by the
-        receiver (a collective). Nothing to move when every worker holds the whole state."""
-        return None
-
     def load(self, source: LoadSource) -> None:
-        """Load a checkpoint (either format) into this worker's runner."""
-        load_into(self.runner, source)
-
-    def capture(self) -> int:
-        """Make the state of this step restorable from the workers' memory now (every worker
-        calls it at the same step); the step. A state every worker holds whole already is."""
-        return self.runner.step
+        """Load a checkpoint (of either kind) into this worker's runner, with this rank's slot."""
+        source.load_into(self.runner, get_context().world_rank)
 
     def copy_for_driver(self, limit_bytes: int) -> Optional[tuple[Optional[bytes], int]]:
         """``(bytes, size)`` of the state for the driver's bounded copy (the bytes only when the
@@ -158,60 +130,6 @@ def apply_rank_slot(
         slots = [{"state": state} for state in saved[_RANK_STATES]]
     have = slots is not None and source is not None and 0 <= source < len(slots)
     runner.load_rank_slot(slots[source] if have else None)  # type: ignore[index]
-
-
-def load_into(runner: OperatorRunner, source: LoadSource, rank_source: Optional[int] = -1) -> None:
-    """Load `source` into `runner`: a whole state into any strategy (each worker keeps its part
-    when sharded), a sharded folder into any strategy and size (a collective). The operator's
-    rank slot (`OperatorRunner.rank_slot`) is the one saved for rank `rank_source` (-1: this worker's rank; None: none,
-    it starts afresh)."""
-    if rank_source == -1:
-        rank_source = get_context().world_rank
-    if source.whole is not None:
-        whole = source.whole
-        if isinstance(whole, Storage):
-            data = whole.parent().read_bytes(whole.name)
-            where = f"file {whole.url!r}"
-        else:
-            data = ray.get(whole) if isinstance(whole, ray.ObjectRef) else whole
-            where = "state"
-        state = state_from_bytes(data, source=where)
-        runner.load_state_dict(state)
-        apply_rank_slot(runner, state, rank_source)
-        return
-    assert source.metadata is not None and source.state is not None
-    files = source.files
-    if isinstance(files, Storage) and files.is_local and os.path.isdir(files.path):
-        runner.load_sharded(files.path, source.state)
-        apply_rank_slot(runner, source.state, rank_source)
-        return
-    # Fetch only the files holding parts of this worker's new shard (all when it cannot tell).
-    names = set(files) if isinstance(files, dict) else set(files.listdir())
-    needed = runner.needed_parts(source.metadata) or {n for n in names if n.endswith(".distcp")}
-    directory = tempfile.mkdtemp(prefix="load-", dir=scratch_dir())
-    try:
-        _write(directory, METADATA_FILE, source.metadata)
-        bundles: dict[int, dict[str, Any]] = {}
-        for name in sorted(needed):
-            if name not in names:
-                raise RuntimeError(f"checkpoint part {name!r} is missing")
-            if isinstance(files, dict):
-                ref = files[name]
-                data = bundles.setdefault(id(ref), ray.get(ref))[name]
-            else:
-                data = files.read_bytes(name)
-            _write(directory, name, data)
-        runner.load_sharded(directory, source.state)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    apply_rank_slot(runner, source.state, rank_source)
-
-
-def _write(directory: str, name: str, data: Any) -> None:
-    import torch
-
-    with open(os.path.join(directory, name), "wb") as handle:
-        handle.write(memoryview(data.numpy()) if isinstance(data, torch.Tensor) else data)
 
 
 def state_within(runner: OperatorRunner, limit_bytes: int) -> tuple[Optional[bytes], int]:
