@@ -300,3 +300,28 @@ def test_only_the_kinds_of_state_ask_which_kind_or_format() -> None:
     # The check sees the kinds' own questions, so it is not looking at nothing.
     pick = (internal / "state" / "pick.py").read_text()
     assert "options.sharded" in pick and "is_folder" in pick
+
+
+def test_every_checkpoint_the_run_writes_or_loads_goes_through_checkpoints() -> None:
+    """`save()`, `load()`, `load_state_dict()`, "auto", a notice's checkpoint and `resume=True`
+    all go through `Checkpoints` (`driver/checkpoint_schedule.py`), which finishes the periodic
+    upload in flight first: nothing else asks the training state to write or load one."""
+    root = PACKAGES / "raysgd" / "src" / "raysgd"
+    schedule = root / "_internal" / "driver" / "checkpoint_schedule.py"
+    calls = {"save", "load", "load_state_dict"}
+    elsewhere, seen = {}, 0
+    for source in [root / "trainer.py", *(root / "_internal" / "driver").glob("*.py")]:
+        for node in ast.walk(ast.parse(source.read_text(), str(source))):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in calls
+                and "_state" in ast.unparse(node.func.value)
+            ):
+                continue
+            if source == schedule:
+                seen += 1
+            else:
+                elsewhere.setdefault(str(source.relative_to(root)), []).append(node.lineno)
+    assert not elsewhere, elsewhere
+    assert seen >= 3  # the check sees Checkpoints' own calls

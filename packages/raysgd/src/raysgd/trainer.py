@@ -421,21 +421,20 @@ class TorchTrainer:
                 f"state must be a dict from TorchTrainer.state_dict(), got {type(state)}"
             )
         with self._controller.guarded():
-            self._state.load_state_dict(state)
+            self._checkpoints.load_state_dict(state)
 
     def save(self, path: Union[str, os.PathLike]) -> str:
         """Write the state to `path` atomically; returns the absolute path. A worker on this
         machine writes it, so the state does not pass through the driver."""
         self._check_alive()
-        return self._controller.again_once(self._save_now, path)
+        return self._controller.again_once(self._checkpoints.save, path)
 
     def load(self, path: Union[str, os.PathLike]) -> None:
         """Load a checkpoint written by `save` into every worker. Never runs code from the file; a
         file that is not a checkpoint raises ValueError and leaves the trainer as it was."""
         self._check_alive()
         with self._controller.guarded():
-            self._checkpoints.finish()
-            self._state.load(path)
+            self._checkpoints.load(path)
 
     def get_model(self, to_cpu: bool = False) -> Any:
         """The trained model(s), without wrappers (one model bare, several as a list).
@@ -579,11 +578,6 @@ class TorchTrainer:
                 # cause's own frames do not survive the trip back from the worker).
                 raise exc.__cause__ from exc
             raise in_one_form(exc)  # noqa: B904 (its cause is the user's exception)
-
-    def _save_now(self, path: Union[str, os.PathLike]) -> str:
-        """`save(path)` once; a periodic checkpoint still uploading is finished first."""
-        self._checkpoints.finish()
-        return self._state.save(path)
 
     def _results(
         self, kind: str, results: list[dict], call_rows: Optional[int], reduce_results: bool

@@ -1,6 +1,10 @@
-"""The trainer's checkpoints in `checkpoint_dir`: when they are written, where, and how a run
-goes on from them.
+"""The trainer's checkpoints: every one a run writes or loads goes through `Checkpoints`, which
+says when, where, and how a run goes on from them.
 
+- `save(path)` writes the state to `path`, `load(path)` and `load_state_dict` load one; a
+  checkpoint of `checkpoint_every` still uploading is finished first, so that the two never
+  overlap (an upload of the state a load replaced, landing after it, would be taken for this
+  run's newest checkpoint).
 - `train(checkpoint="auto")` writes the state from before the call to `checkpoint_dir` (a file for
   a whole state, a folder for a sharded one, replaced each time); `train(checkpoint=path)` to
   `path`. Without a `checkpoint_dir`, "auto" makes a temporary folder, says where, and removes it
@@ -15,8 +19,11 @@ goes on from them.
 - A preemption notice that rank 0 cannot move from (it runs in the driver's process) writes one at
   once, when there is a `checkpoint_dir`.
 
-The writing itself is the workers' (`TrainingState`, `worker.periodic_checkpoints`): the state does not pass
-through the driver. `checkpoint_dir` may be a path or any fsspec URL (with `storage_options`); it
+The writing itself is the workers', in the format of their kind of state: at once, with the
+driver waiting (`TrainingState.save`: `save`, "auto", a notice), or in the background
+(`worker.periodic_checkpoints`: `checkpoint_every`); the state does not pass through the driver.
+Either way the names, the manifest written last and the pruning are the format's
+(`storage.format`). `checkpoint_dir` may be a path or any fsspec URL (with `storage_options`); it
 is checked before any worker starts.
 """
 
@@ -89,6 +96,22 @@ class Checkpoints:
         self.every = every
         self.keep = keep
         self._scratch: Optional[str] = None  # the temporary folder "auto" made, if it made one
+
+    def save(self, path: PathLike) -> str:
+        """`TorchTrainer.save`: write the state to `path` once the upload in flight is done."""
+        self.finish()
+        return self._state.save(path)
+
+    def load(self, path: PathLike) -> None:
+        """`TorchTrainer.load`: load the checkpoint at `path` once the upload in flight is done
+        (it would otherwise land after the load, a checkpoint of the state replaced)."""
+        self.finish()
+        self._state.load(path)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """`TorchTrainer.load_state_dict`: as `load`, from a state in this process."""
+        self.finish()
+        self._state.load_state_dict(state)
 
     def before_call(self, checkpoint: PathLike) -> str:
         """`train(checkpoint=...)`: write the state now to `checkpoint` or, for "auto", into
