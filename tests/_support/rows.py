@@ -33,3 +33,8 @@ def rows_by_epoch(folder: Union[str, Path]) -> dict[int, list[int]]:
             epoch, row = token.split(":")
             rows[int(epoch)].append(int(row))
     return dict(rows)
+
+
+def writers(folder: Union[str, Path]) -> set[int]:
+    """The ids of the processes that recorded rows under `folder`."""
+    return {int(path.stem.split("-", 1)[1]) for path in Path(folder).glob("rows-*.txt")}

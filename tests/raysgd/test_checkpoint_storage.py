@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 import ray
 import torch
-from tests._support.rows import record_rows, rows_by_epoch
+from tests._support.rows import record_rows, rows_by_epoch, writers
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -331,6 +332,22 @@ DRIVER = textwrap.dedent(
 )
 
 
+def _all_exited(pids: set[int], timeout_s: float) -> bool:
+    """Whether every process of `pids` is gone, waiting up to `timeout_s` for it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = set()
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.add(pid)
+            except ProcessLookupError:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return not alive
+        time.sleep(0.1)
+
+
 def _kill_driver(folder: Path, marks: Path, kill_after: int) -> subprocess.CompletedProcess:
     """Run a driver with `_run_args` in its own process, killed once `kill_after` rows of its
     second epoch are recorded."""
@@ -377,6 +394,9 @@ def test_a_run_whose_driver_was_killed_goes_on_at_its_row(
     # Its workers go on for a moment (a step, an upload finishing) until Ray stops them: what
     # the next run finds is what they left.
     assert wait_for_cpus(free, timeout_s=60) >= free, "the killed driver's workers never stopped"
+    # Ray frees their CPUs once it has told them to stop; a worker may still be finishing a step
+    # (its rows) or an upload then: what they left is read once their processes are gone.
+    assert _all_exited(writers(marks), timeout_s=60), "the killed driver's workers never exited"
     every, first_epoch = 3, ROWS // GLOBAL_BATCH  # the driver's checkpoint_every; 8 steps
     newest = newest_complete(Storage(tmp_path / "ckpt"))
     assert newest is not None and newest.epoch == 2 and newest.step > first_epoch

@@ -167,7 +167,9 @@ def test_the_split_of_each_group_size_is_made_and_warned_about_once(
     from raysgd._internal.driver.worker_calls import RunnerRecipe
     from raysgd_operator import TrainingOptions
 
-    recipe = RunnerRecipe(None, TrainingOptions(), {BATCH_SIZE: 16, "lr": 1}, DatasetSplitter({}))
+    recipe = RunnerRecipe(
+        None, TrainingOptions(), {BATCH_SIZE: 16, "lr": 1}, DatasetSplitter({}), state_class=None
+    )
     assert recipe.args(4).config == {BATCH_SIZE: 4, "lr": 1}
     assert recipe.args(3).config == {BATCH_SIZE: 5, "lr": 1}
     assert recipe.config_for(3) == {BATCH_SIZE: 15, "lr": 1}
