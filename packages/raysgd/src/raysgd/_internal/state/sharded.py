@@ -11,7 +11,7 @@ The workers' (`ShardedState`): after a resize every worker is rebuilt from the p
 the holders send each part to the workers whose new shard overlaps it and that lack it
 (`gather_parts`), and DCP loads it resharded to the new size, slice by slice from memory. A
 checkpoint at a snapshot's step is written as a DCP folder from that snapshot's host copy, in the
-checkpoint's writer thread (`copy_to_host`); `save` writes one from the live parts, straight into
+checkpoint's writer thread (`copy_to_host`); `save_parts` writes one from the live parts, straight into
 its folder.
 """
 

@@ -18,8 +18,9 @@ At most one upload is in flight per worker: a checkpoint that falls due while th
 still being written waits for it (the loop is blocked only when storage cannot keep up; the time
 is counted in `blocked_s`), so every checkpoint asked for is written. A worker whose part fails
 leaves a marker in the folder, so that rank 0 gives the checkpoint up at once instead of waiting
-for it. `finish` waits for the upload in flight: the trainer calls it before `save()`, `load()`
-and `shutdown()`, so a clean exit never loses the last checkpoint.
+for it. `finish` waits for the upload in flight: the trainer calls it before `save()`, `load()`,
+`load_state_dict()` and `shutdown()`, so a clean exit never loses the last checkpoint and no
+upload of a replaced state lands after a load.
 """
 
 from __future__ import annotations

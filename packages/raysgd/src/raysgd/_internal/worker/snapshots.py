@@ -18,7 +18,7 @@ at the same step boundary:
 So a snapshot is tensors in host memory from end to end: no file, no serialisation. A lost
 worker's part is gone only when its peer is lost too. The parts of the last two finished
 snapshots are kept, so a snapshot interrupted by a failure never leaves a worker without the one
-before it. How a snapshot restores the state, and becomes a checkpoint: `sharded`.
+before it. How a snapshot restores the state, and becomes a checkpoint: `state.sharded`.
 """
 
 from __future__ import annotations
