@@ -302,7 +302,7 @@ class TorchTrainer:
                 options=self._options,
                 user_config=dict(config or {}),
                 datasets=DatasetSplitter(given_datasets),
-                state_class=self._kind.worker_state,
+                state_class=self._kind.worker_class,
                 splits={self._num_workers: batch_split},
             )
             # The parts, built top-down: each gets what it calls, nothing calls back up.

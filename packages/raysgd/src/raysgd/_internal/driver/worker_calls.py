@@ -39,7 +39,7 @@ class RunnerRecipe:
         options: The workers' `TrainingOptions`.
         user_config: The config as the user gave it.
         datasets: Splits `datasets=` over the group (a split belongs to the group it was made for).
-        state_class: The workers' half of the kind of state (`StateKind.worker_state`).
+        state_class: The workers' half of the kind of state (`StateKind.worker_class`).
     """
 
     operator_ref: Any

@@ -6,7 +6,7 @@ is one module with both halves (`replicated`, `sharded`): the driver's, behind `
 restore is planned, what settles the workers once their state changed as a whole, how a
 checkpoint is written, read and the state gathered into one process, how a move hands the state
 over, what a fall-back says), and the workers', the `worker.state.WorkerState` class it names
-(`StateKind.worker_state`), which the driver hands to every worker it starts or restores. The
+(`StateKind.worker_class`), which the driver hands to every worker it starts or restores. The
 driver's `TrainingState` holds one kind (`pick.kind_for`) and asks no question about it.
 """
 
@@ -40,7 +40,7 @@ class StateKind(abc.ABC):
     """What the driver does with one kind of state (see the module docstring)."""
 
     #: The workers' half: what each worker holds of this kind of state, and how it moves.
-    worker_state: ClassVar[type[WorkerState]]
+    worker_class: ClassVar[type[WorkerState]]
     #: Name of the `train(checkpoint="auto")` checkpoint inside `checkpoint_dir`.
     checkpoint_name: str
     #: Whether the driver may keep a bounded copy of the state (`DriverCopy`).

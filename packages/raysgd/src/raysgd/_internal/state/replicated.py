@@ -255,7 +255,7 @@ class Replicated(StateKind):
     """Every worker holds the whole state: a survivor has all of it, a checkpoint is one file."""
 
     checkpoint_name = AUTO_NAMES[WHOLE]
-    worker_state = ReplicatedState
+    worker_class = ReplicatedState
     keeps_driver_copy = True
 
     def plan(

@@ -368,7 +368,7 @@ class Sharded(StateKind):
     # Never in one place: a copy would have to gather every part.
     keeps_driver_copy = False
     spare_imports = SHARDED_STATE_IMPORTS
-    worker_state = ShardedState
+    worker_class = ShardedState
     gathers_models = True
 
     def plan(
