@@ -22,6 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from raysgd import StateLostError, TorchTrainer, TrainingOperator
+from raysgd._internal.storage.format import abandoned, complete_checkpoints, newest_complete
+from raysgd._internal.storage.location import Storage
 from raysgd.utils import BATCH_SIZE
 from raysgd_core import WorkerDiedError, WorkerError, get_context
 
@@ -455,15 +457,21 @@ def test_every_worker_lost_after_a_load_that_went_back_restores_the_loaded_state
     tmp_path: Path,
 ) -> None:
     # The driver keeps a copy of the state after each call, and the workers write a checkpoint
-    # every 16 steps. Trained on past a save, both are of later steps; loading the save goes
-    # back, and what was kept of the state the load replaced must go with it: every worker lost
-    # in the next call restores the loaded checkpoint or one written since (this run's newest
-    # states), never the later copy nor a periodic checkpoint of the timeline left behind.
+    # every 16 steps, keeping the newest two. Trained on past a save, both are of later steps;
+    # loading the save goes back, and what was kept of the state the load replaced must go with
+    # it: every worker lost in the next call restores a periodic checkpoint written since the
+    # load (this run's newest state), never the later copy nor a checkpoint of the timeline left
+    # behind, and the pruning keeps this timeline's checkpoints, not that one's.
     _, clean_weights = _clean_run(tmp_path)
     for rank in range(2):  # the exits are armed only once the load went back
         (tmp_path / f"exited-{rank}").touch()
+    root = tmp_path / "ckpts"
     trainer = _make(
-        AllExitOnceOperator, tmp_path, checkpoint_dir=str(tmp_path / "ckpts"), checkpoint_every=16
+        AllExitOnceOperator,
+        tmp_path,
+        checkpoint_dir=str(root),
+        checkpoint_every=16,
+        keep_checkpoints=2,
     )
     try:
         trainer.train(num_steps=8)
@@ -477,12 +485,19 @@ def test_every_worker_lost_after_a_load_that_went_back_restores_the_loaded_state
         resize = next(e for e in trainer.recovery_events if e.kind == "resize")
         assert resize.source is not None and resize.source.startswith("checkpoint "), resize
         step = int(resize.source.rsplit("at step ", 1)[1])
-        assert 8 <= step <= 40, resize.source  # this timeline's, not the one left behind
+        assert 16 <= step <= 40, resize.source  # this timeline's, not the one left behind
         trainer.train()
         for name, value in _weights(trainer).items():
             torch.testing.assert_close(value, clean_weights[name])
     finally:
         trainer.shutdown()
+    # The replaced timeline's two checkpoints stay, abandoned; the newest complete one is this
+    # timeline's last (what `resume=True` would load), beside the one before it.
+    left = abandoned(Storage(root))
+    assert len(left) == 2 and all(name in os.listdir(root) for name in left)
+    kept = [c for c in complete_checkpoints(Storage(root)) if c.location.name not in left]
+    assert [c.step for c in kept] == [112, 128]
+    assert newest_complete(Storage(root)).location.name == kept[-1].location.name
 
 
 @pytest.mark.timeout(150)

@@ -16,8 +16,11 @@ import pytest
 
 from raysgd._internal.storage.errors import redact
 from raysgd._internal.storage.format import (
+    ABANDONED_NAME,
     MANIFEST_NAME,
     Manifest,
+    abandon,
+    abandoned,
     checkpoint_name,
     checkpoint_position,
     complete_checkpoints,
@@ -511,6 +514,28 @@ def test_prune(root):
     assert prune(root, keep=2) == []
     with pytest.raises(ValueError, match="keep must be a positive int"):
         prune(root, keep=0)
+
+
+def test_a_load_that_went_back_abandons_the_checkpoints_past_it(root, caplog):
+    # A run reached step 40, then a load went back to step 20 and wrote one checkpoint since.
+    before = [write_checkpoint(root, 0, step) for step in (10, 20, 30, 40)]
+    assert abandon(root, 20) == {before[2].name, before[3].name}
+    since = write_checkpoint(root, 0, 25)
+    assert newest_complete(root) == since  # not step 40, of the timeline the load replaced
+    assert resolve_checkpoint(root) == since
+    assert resolve_checkpoint(before[3].location) == before[3]  # still loads by its path
+    # Pruning counts this timeline's alone, and leaves the abandoned where they are.
+    assert prune(root, keep=1) == sorted([before[0].name, before[1].name])
+    assert set(root.listdir()) >= {since.name, before[2].name, before[3].name}
+    # A second load that goes back adds to what was abandoned before.
+    assert abandon(root, 10) == {since.name, before[2].name, before[3].name}
+    assert abandoned(root) == {since.name, before[2].name, before[3].name}
+    assert newest_complete(root) is None
+    # A list that cannot be read abandons nothing, and says so.
+    root.write_bytes(ABANDONED_NAME, b"{not a list")
+    with caplog.at_level(logging.WARNING, logger="raysgd"):
+        assert abandoned(root) == frozenset()
+    assert ABANDONED_NAME in caplog.text and newest_complete(root) == before[3]
 
 
 def test_manifest_format():

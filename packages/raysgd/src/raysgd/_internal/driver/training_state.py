@@ -29,7 +29,7 @@ from raysgd._internal.protocol import LoadSource, RestorePlan
 from raysgd._internal.state.kind import StateKind
 from raysgd._internal.state.pick import reader_at, reader_of_state
 from raysgd._internal.state.plan import RestoreOutcome, StateLostError
-from raysgd._internal.storage.format import checkpoints_past, newest_complete, state_to_load
+from raysgd._internal.storage.format import abandon, newest_complete, state_to_load
 from raysgd._internal.storage.location import Storage, as_storage
 from raysgd._internal.worker import calls as worker
 from raysgd_core import RecoveryReport, WorkerError
@@ -79,9 +79,6 @@ class TrainingState:
         #: Epochs the workers finished (the one in progress not counted).
         self.epochs = 0
         self.last_checkpoint: Optional[tuple[Storage, int]] = None
-        # The periodic checkpoints of a timeline a load went back from (their steps are past the
-        # loaded one): a fall-back never takes them, as it never takes the driver's copy of it.
-        self._left_behind: frozenset[str] = frozenset()
 
     @property
     def checkpoint_name(self) -> str:
@@ -160,11 +157,7 @@ class TrainingState:
             location, step = self.last_checkpoint
             if location.parent().exists(location.name):
                 options.append((step, f"checkpoint {location.url} at step {step}", location))
-        newest = (
-            newest_complete(self._checkpoint_root, skip=self._left_behind)
-            if self._checkpoint_root
-            else None
-        )
+        newest = newest_complete(self._checkpoint_root) if self._checkpoint_root else None
         if newest is not None:
             # The workers' own (`checkpoint_every`), written while the driver only waited.
             what = f"checkpoint {newest.location.url} at step {newest.step}"
@@ -235,7 +228,9 @@ class TrainingState:
         self._copy.forget()
         self.step, self.epochs = int(answers[0].step), int(answers[0].epochs)
         if self._checkpoint_root is not None:
-            self._left_behind = checkpoints_past(self._checkpoint_root, self.step)
+            # The periodic checkpoints past the loaded step are of the timeline the load
+            # replaced: no fall-back, `resume=True` or pruning may take them for this run's.
+            abandon(self._checkpoint_root, self.step)
         self._kind.settle(group)
 
     def _source(self, location: Storage) -> LoadSource:

@@ -20,7 +20,8 @@ that a retry never writes into the folder of an interrupted attempt; its parts c
 worker writes its own) and the manifest last (`write_manifest`, which checks the parts it was told
 to expect). A folder counts as a checkpoint only when its manifest is there and every part it lists
 is there with the size it lists; `newest_complete`, `resolve_checkpoint` and `prune` see nothing
-else.
+else, nor the checkpoints a load that went back abandoned (`abandon`: those of the timeline it
+replaced, named in `ABANDONED_NAME`).
 
 Names: a checkpoint of `checkpoint_every` is such a folder (`checkpoint_name`); the one
 `train(checkpoint="auto")` writes, replaced each time, has a fixed name (`AUTO_NAMES`, by kind).
@@ -41,7 +42,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Optional, Union
 
@@ -53,6 +54,7 @@ from raysgd_operator import load_failure_reason, read_dcp_metadata
 from raysgd_operator.sharded_files import METADATA_FILE
 
 __all__ = [
+    "ABANDONED_NAME",
     "AUTO_NAMES",
     "CHECKPOINT_KEYS",
     "GATHERED_FORMAT",
@@ -65,9 +67,10 @@ __all__ = [
     "WHOLE_FILE",
     "Checkpoint",
     "Manifest",
+    "abandon",
+    "abandoned",
     "checkpoint_name",
     "checkpoint_position",
-    "checkpoints_past",
     "complete_checkpoints",
     "gathered",
     "gathered_files",
@@ -224,6 +227,8 @@ def read_sharded(folder: Storage) -> tuple[bytes, dict[str, Any]]:
 
 #: The file that makes a folder a checkpoint; written after every part.
 MANIFEST_NAME = "raysgd-manifest.json"
+#: The file under a root of checkpoints that names the abandoned ones (`abandon`).
+ABANDONED_NAME = "raysgd-abandoned.json"
 #: The manifest format this code writes; it reads this one and older ones.
 MANIFEST_VERSION = 1
 #: `format` of every manifest, to tell it from another JSON file of the same name.
@@ -433,26 +438,22 @@ def complete_checkpoints(
 
 
 def newest_complete(
-    root: Union[Storage, PathLike],
-    storage_options: Optional[Mapping[str, Any]] = None,
-    *,
-    skip: Collection[str] = (),
+    root: Union[Storage, PathLike], storage_options: Optional[Mapping[str, Any]] = None
 ) -> Optional[Checkpoint]:
-    """The newest complete checkpoint folder directly under `root` whose name is not in `skip`,
-    or None.
+    """The newest complete checkpoint folder directly under `root`, or None; an abandoned one
+    (`abandon`) never.
 
     The order is training progress: the manifest's (epoch, step), which the folder's name
     repeats; between attempts at the same (epoch, step), the later `created`, then the larger
     name. Training progress rather than time, so that clocks of different machines never
-    matter; a run started again from an older checkpoint should therefore write under a new
-    root. Only folders named by `checkpoint_name` are considered, newest name first, so that
-    the manifests of older ones are not read.
+    matter; a run that went back to an older checkpoint abandons those past it, so that they
+    are not taken for its progress. Only folders named by `checkpoint_name` are considered,
+    newest name first, so that the manifests of older ones are not read.
     """
     root = as_storage(root, storage_options)
     by_key: dict[tuple[int, int], list[str]] = {}
-    for name, key in _candidates(root):
-        if name not in skip:
-            by_key.setdefault(key, []).append(name)
+    for name, key in _candidates(root, skip_abandoned=True):
+        by_key.setdefault(key, []).append(name)
     for key in sorted(by_key, reverse=True):
         found = [_inspect(root, name, key).checkpoint for name in by_key[key]]
         complete = [c for c in found if c is not None]
@@ -512,13 +513,15 @@ def prune(
     manifest, or a part missing) at an (epoch, step) before the newest complete one's. Kept, at
     all times: the newest `keep` complete checkpoints; incomplete folders at the newest complete
     one's (epoch, step) or later (they may be uploads still in flight); folders whose manifest
-    this raysgd cannot read (a newer raysgd's); anything not named by `checkpoint_name`. Nothing
-    is removed while no checkpoint is complete. A folder's manifest goes first, so that a removal
+    this raysgd cannot read (a newer raysgd's); abandoned ones (`abandon`: the pruning of the
+    timeline a load went back from would otherwise count them as the newest and remove the new
+    timeline's); anything not named by `checkpoint_name`. Nothing is removed while no checkpoint
+    is complete. A folder's manifest goes first, so that a removal
     cut short leaves an invisible folder, never a torn checkpoint.
     """
     check_int("keep", keep)
     root = as_storage(root, storage_options)
-    attempts = _attempts(root)
+    attempts = _attempts(root, skip_abandoned=True)
     complete = sorted(
         (a for a in attempts if a.checkpoint is not None), key=lambda a: _order(a.checkpoint)
     )
@@ -550,27 +553,52 @@ class _Attempt:
     stale: bool
 
 
-def checkpoints_past(root: Storage, step: int) -> frozenset[str]:
-    """The names of the checkpoint folders under `root` past `step` (complete or not), read from
-    their names alone."""
-    return frozenset(name for name, (_, at) in _candidates(root) if at > step)
+def abandon(root: Storage, step: int) -> frozenset[str]:
+    """A load went back to `step`: abandon the checkpoint folders under `root` past it (complete
+    or not, read from their names alone), which hold the timeline the load replaced. They stay
+    where they are and load by their path, but are never taken for the newest checkpoint
+    (`newest_complete`, a fall-back, `resume=True`) nor counted or removed by `prune`. Their names
+    are kept in `ABANDONED_NAME` under `root`, beside those abandoned before; returns the names
+    abandoned now."""
+    names = frozenset(name for name, (_, at) in _candidates(root) if at > step)
+    if names:
+        marked = abandoned(root) | names
+        root.write_bytes(ABANDONED_NAME, json.dumps(sorted(marked)).encode())
+    return names
 
 
-def _candidates(root: Storage) -> list[tuple[str, tuple[int, int]]]:
+def abandoned(root: Storage) -> frozenset[str]:
+    """The names of the checkpoint folders abandoned under `root` (`abandon`)."""
+    try:
+        data = root.read_bytes(ABANDONED_NAME)
+    except FileNotFoundError:
+        return frozenset()
+    try:
+        names = json.loads(data)
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError("not a list of names")
+    except ValueError as exc:
+        logger.warning("ignoring %s: %s", root.display(ABANDONED_NAME), exc)
+        return frozenset()
+    return frozenset(names)
+
+
+def _candidates(root: Storage, skip_abandoned: bool = False) -> list[tuple[str, tuple[int, int]]]:
     try:
         entries = root.entries()
     except FileNotFoundError:
         return []
+    skip = abandoned(root) if skip_abandoned else frozenset()
     out = []
     for name, is_folder in entries:
         match = _NAME.match(name)
-        if is_folder and match:
+        if is_folder and match and name not in skip:
             out.append((name, (int(match.group(1)), int(match.group(2)))))
     return out
 
 
-def _attempts(root: Storage) -> list[_Attempt]:
-    return [_inspect(root, name, key) for name, key in _candidates(root)]
+def _attempts(root: Storage, skip_abandoned: bool = False) -> list[_Attempt]:
+    return [_inspect(root, name, key) for name, key in _candidates(root, skip_abandoned)]
 
 
 def _inspect(root: Storage, name: str, key: tuple[int, int]) -> _Attempt:
