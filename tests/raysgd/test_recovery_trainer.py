@@ -22,7 +22,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from raysgd import StateLostError, TorchTrainer, TrainingOperator
-from raysgd._internal.storage.format import abandoned, complete_checkpoints, newest_complete
+from raysgd._internal.storage.format import (
+    AUTO_NAMES,
+    WHOLE,
+    abandoned,
+    complete_checkpoints,
+    newest_complete,
+)
 from raysgd._internal.storage.location import Storage
 from raysgd.utils import BATCH_SIZE
 from raysgd_core import WorkerDiedError, WorkerError, get_context
@@ -476,7 +482,8 @@ def test_every_worker_lost_after_a_load_that_went_back_restores_the_loaded_state
     try:
         trainer.train(num_steps=8)
         saved = trainer.save(tmp_path / "step8.pt")
-        trainer.train(), trainer.train()  # the copy is of step 64 or later from here on
+        # The copy is of step 64 or later from here on; "auto" writes a checkpoint at step 32.
+        trainer.train(), trainer.train(checkpoint="auto")
         trainer.load(saved)
         for rank in range(2):
             (tmp_path / f"exited-{rank}").unlink()
@@ -491,10 +498,12 @@ def test_every_worker_lost_after_a_load_that_went_back_restores_the_loaded_state
             torch.testing.assert_close(value, clean_weights[name])
     finally:
         trainer.shutdown()
-    # The replaced timeline's two checkpoints stay, abandoned; the newest complete one is this
-    # timeline's last (what `resume=True` would load), beside the one before it.
+    # The replaced timeline's two periodic checkpoints and its "auto" one stay, abandoned; the
+    # newest complete one is this timeline's last (what `resume=True` would load), beside the
+    # one before it.
     left = abandoned(Storage(root))
-    assert len(left) == 2 and all(name in os.listdir(root) for name in left)
+    assert AUTO_NAMES[WHOLE] in left and len(left) == 3, left
+    assert all(name in os.listdir(root) for name in left)
     kept = [c for c in complete_checkpoints(Storage(root)) if c.location.name not in left]
     assert [c.step for c in kept] == [112, 128]
     assert newest_complete(Storage(root)).location.name == kept[-1].location.name

@@ -29,6 +29,7 @@ from raysgd._internal.storage.format import (
     newest_complete,
     prune,
     read_manifest,
+    reclaim,
     resolve_checkpoint,
     write_manifest,
     write_state,
@@ -531,6 +532,14 @@ def test_a_load_that_went_back_abandons_the_checkpoints_past_it(root, caplog):
     assert abandon(root, 10) == {since.name, before[2].name, before[3].name}
     assert abandoned(root) == {since.name, before[2].name, before[3].name}
     assert newest_complete(root) is None
+    # A checkpoint outside the periodic names (the "auto" one) is abandoned by its own
+    # counters, past the step only, until it is written anew.
+    write_state(root, "auto.pt", {"models": [], "epoch": 0, "step": 50})
+    assert abandon(root, 50, also=("auto.pt", "absent.pt")) == frozenset()
+    assert abandon(root, 45, also=("auto.pt", "absent.pt")) == {"auto.pt"}
+    assert "auto.pt" in abandoned(root)
+    reclaim(root, "auto.pt")
+    assert abandoned(root) == {since.name, before[2].name, before[3].name}
     # A list that cannot be read abandons nothing, and says so.
     root.write_bytes(ABANDONED_NAME, b"{not a list")
     with caplog.at_level(logging.WARNING, logger="raysgd"):

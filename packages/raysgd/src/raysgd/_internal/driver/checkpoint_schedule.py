@@ -13,7 +13,7 @@ says when, where, and how a run goes on from them.
   folder under `checkpoint_dir` with its manifest last (`worker.periodic_checkpoints`), keeping the newest
   `keep_checkpoints` complete ones.
 - `resume=True` loads, before the first call, the newest complete checkpoint in `checkpoint_dir`
-  (the auto one included): the models, optimizers, schedulers, the precision backend's state, the
+  (the auto one included; never one that a load going back abandoned): the models, optimizers, schedulers, the precision backend's state, the
   random generators, the epoch, the step and the place in the epoch, so that the run goes on at the
   row after the checkpoint's step, on any number of workers.
 - A preemption notice that rank 0 cannot move from (it runs in the driver's process) writes one at
@@ -38,7 +38,12 @@ from typing import Any, Optional, Union
 
 from raysgd._internal.driver.training_state import TrainingState
 from raysgd._internal.protocol import CheckpointPlan
-from raysgd._internal.storage.format import checkpoint_position, newest_complete
+from raysgd._internal.storage.format import (
+    abandoned,
+    checkpoint_position,
+    newest_complete,
+    reclaim,
+)
 from raysgd._internal.storage.location import Storage, as_storage
 from raysgd_base import check_int
 
@@ -117,7 +122,7 @@ class Checkpoints:
         """`train(checkpoint=...)`: write the state now to `checkpoint` or, for "auto", into
         `checkpoint_dir`."""
         if checkpoint == "auto":
-            return self._state.save(self._auto_location())
+            return self._save_auto()
         return self._state.save(checkpoint)
 
     def plan(self) -> Optional[CheckpointPlan]:
@@ -143,7 +148,7 @@ class Checkpoints:
         `checkpoint_dir`."""
         if self.root is None:
             return None
-        return self._state.save(self._auto_location())
+        return self._save_auto()
 
     def resume(self) -> Optional[str]:
         """Load the newest complete checkpoint of `checkpoint_dir` (the periodic ones and the
@@ -153,8 +158,9 @@ class Checkpoints:
         newest = newest_complete(self.root)
         if newest is not None:
             candidates.append(((newest.epoch, newest.step), newest.location))
-        auto = self.root.join(self._state.checkpoint_name)
-        if auto.exists():
+        name = self._state.checkpoint_name
+        auto = self.root.join(name)
+        if auto.exists() and name not in abandoned(self.root):
             candidates.append((checkpoint_position(auto), auto))
         if not candidates:
             logger.info("resume: no complete checkpoint in %s: starting from scratch", self.root)
@@ -168,6 +174,14 @@ class Checkpoints:
             step,
         )
         return location.url
+
+    def _save_auto(self) -> str:
+        """Write the "auto" checkpoint (of this timeline, even where a load that went back
+        abandoned the one it replaces)."""
+        url = self._state.save(self._auto_location())
+        assert self.root is not None
+        reclaim(self.root, self._state.checkpoint_name)
+        return url
 
     def _auto_location(self) -> Storage:
         if self.root is None:

@@ -228,9 +228,10 @@ class TrainingState:
         self._copy.forget()
         self.step, self.epochs = int(answers[0].step), int(answers[0].epochs)
         if self._checkpoint_root is not None:
-            # The periodic checkpoints past the loaded step are of the timeline the load
-            # replaced: no fall-back, `resume=True` or pruning may take them for this run's.
-            abandon(self._checkpoint_root, self.step)
+            # The checkpoints past the loaded step (the periodic ones, the "auto" one) are of
+            # the timeline the load replaced: no fall-back, `resume=True` or pruning may take
+            # them for this run's.
+            abandon(self._checkpoint_root, self.step, also=(self.checkpoint_name,))
         self._kind.settle(group)
 
     def _source(self, location: Storage) -> LoadSource:

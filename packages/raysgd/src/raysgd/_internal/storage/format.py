@@ -42,7 +42,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Optional, Union
 
@@ -79,6 +79,7 @@ __all__ = [
     "read_file",
     "read_manifest",
     "read_sharded",
+    "reclaim",
     "resolve_checkpoint",
     "state_from_bytes",
     "state_to_bytes",
@@ -553,18 +554,35 @@ class _Attempt:
     stale: bool
 
 
-def abandon(root: Storage, step: int) -> frozenset[str]:
+def abandon(root: Storage, step: int, also: Sequence[str] = ()) -> frozenset[str]:
     """A load went back to `step`: abandon the checkpoint folders under `root` past it (complete
     or not, read from their names alone), which hold the timeline the load replaced. They stay
     where they are and load by their path, but are never taken for the newest checkpoint
-    (`newest_complete`, a fall-back, `resume=True`) nor counted or removed by `prune`. Their names
-    are kept in `ABANDONED_NAME` under `root`, beside those abandoned before; returns the names
-    abandoned now."""
-    names = frozenset(name for name, (_, at) in _candidates(root) if at > step)
+    (`newest_complete`, a fall-back, `resume=True`) nor counted or removed by `prune`. `also`
+    names other checkpoints under `root`, a file or a folder each (the one `train(checkpoint=
+    "auto")` rewrites), abandoned alike when their own counters are past `step`, until one is
+    written anew (`reclaim`). The names are kept in `ABANDONED_NAME` under `root`, beside those
+    abandoned before; returns the names abandoned now."""
+    names = {name for name, (_, at) in _candidates(root) if at > step}
+    for name in also:
+        location = root.join(name)
+        if location.exists() and checkpoint_position(location)[1] > step:
+            names.add(name)
     if names:
-        marked = abandoned(root) | names
-        root.write_bytes(ABANDONED_NAME, json.dumps(sorted(marked)).encode())
-    return names
+        _write_abandoned(root, abandoned(root) | names)
+    return frozenset(names)
+
+
+def reclaim(root: Storage, name: str) -> None:
+    """The checkpoint `name` under `root` was written anew: it is this run's again, no longer
+    abandoned (`abandon`'s `also`)."""
+    marked = abandoned(root)
+    if name in marked:
+        _write_abandoned(root, marked - {name})
+
+
+def _write_abandoned(root: Storage, names: frozenset[str]) -> None:
+    root.write_bytes(ABANDONED_NAME, json.dumps(sorted(names)).encode())
 
 
 def abandoned(root: Storage) -> frozenset[str]:
