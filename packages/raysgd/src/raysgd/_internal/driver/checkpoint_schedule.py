@@ -13,9 +13,10 @@ says when, where, and how a run goes on from them.
   folder under `checkpoint_dir` with its manifest last (`worker.periodic_checkpoints`), keeping the newest
   `keep_checkpoints` complete ones.
 - `resume=True` loads, before the first call, the newest complete checkpoint in `checkpoint_dir`
-  (the auto one included; never one that a load going back abandoned): the models, optimizers, schedulers, the precision backend's state, the
-  random generators, the epoch, the step and the place in the epoch, so that the run goes on at the
-  row after the checkpoint's step, on any number of workers.
+  (the auto one included; never one that a load going back abandoned): the models, optimizers,
+  schedulers, the precision backend's state, the random generators, the epoch, the step and the
+  place in the epoch, so that the run goes on at the row after the checkpoint's step, on any
+  number of workers.
 - A preemption notice that rank 0 cannot move from (it runs in the driver's process) writes one at
   once, when there is a `checkpoint_dir`.
 
