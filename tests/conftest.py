@@ -21,6 +21,10 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# The tests start hundreds of trainers one after another, each needing worker processes of the
+# same kind: a stopped group's workers are kept (`raysgd_core`'s RAYSGD_KEEP_WORKERS_S) for the
+# next one instead of starting new processes (seconds of CPU each, most of the suite's).
+os.environ.setdefault("RAYSGD_KEEP_WORKERS_S", "10")
 
 LOCAL_CPUS = 4
 _mode: dict[str, str | None] = {"kind": None}

@@ -7,7 +7,7 @@ import os
 import pytest
 import ray
 
-from raysgd_core import WorkerGroup, get_context
+from raysgd_core import KEEP_WORKERS_ENV, WorkerGroup, get_context, release_kept_workers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,8 +36,17 @@ def _use_scaler(scaler: Scaler) -> int:
     return scaler.apply(get_context().world_rank)
 
 
+@pytest.fixture
+def nothing_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers are not kept between groups (the default; the suite's conftest keeps them)."""
+    monkeypatch.setenv(KEEP_WORKERS_ENV, "0")
+    release_kept_workers()
+
+
 @pytest.mark.parametrize("n", [1, 4])
-def test_formation_context_shipping_and_shutdown(ray_local, wait_no_leftovers, wait_for_cpus, n):
+def test_formation_context_shipping_and_shutdown(
+    ray_local, nothing_kept, wait_no_leftovers, wait_for_cpus, n
+):
     def hook() -> None:
         os.environ["HOOK_RAN"] = "yes"
 
@@ -151,7 +160,9 @@ def test_start_makes_its_own_ray_even_where_another_cluster_left_its_address():
     assert "ranks [7]" in out.stdout
 
 
-def test_cpus_are_free_right_after_shutdown_with_rank_0_in_this_process(ray_local, wait_for_cpus):
+def test_cpus_are_free_right_after_shutdown_with_rank_0_in_this_process(
+    ray_local, nothing_kept, wait_for_cpus
+):
     # As right after the `with` block of test_formation_context_shipping_and_shutdown (where
     # every rank is an actor), with rank 0 in this process holding one of the CPUs.
     free_before = wait_for_cpus(4)

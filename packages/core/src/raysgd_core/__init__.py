@@ -18,6 +18,7 @@ from raysgd_core.errors import (
 from raysgd_core.gpu import require_cluster_gpus, resolve_use_gpu
 from raysgd_core.group import WorkerGroup
 from raysgd_core.info import RecoveryReport, WorkerInfo
+from raysgd_core.kept import KEEP_WORKERS_ENV, release_kept_workers
 from raysgd_core.options import (
     DEFAULT_PEER_GRACE_S,
     GroupOptions,
@@ -31,6 +32,7 @@ from raysgd_core.shipping import ship_by_value, shipped_by_value
 __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_PEER_GRACE_S",
+    "KEEP_WORKERS_ENV",
     "WORKER_PRELOAD_MODULES",
     "GroupOptions",
     "RecoveryReport",
@@ -47,6 +49,7 @@ __all__ = [
     "get_context",
     "local_ray_options",
     "preempted_nodes",
+    "release_kept_workers",
     "require_cluster_gpus",
     "resolve_backend",
     "resolve_timeout",

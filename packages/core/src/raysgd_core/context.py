@@ -30,12 +30,15 @@ class WorkerContext:
         backend: the `torch.distributed` backend ("gloo" or "nccl").
         timeout_s: the process group's timeout: the longest one collective waits for a peer,
             unless the caller bounds it tighter with `raysgd_core.set_collective_timeout`.
-        store: a dict that lives as long as the worker process (kept across `WorkerGroup.recover`);
-            frameworks keep their per-worker objects here.
-        generation: which of the `WorkerGroup`'s process groups this is (it counts the groups
-            formed, the same on every rank): what tells this group apart from an earlier one in
-            which a kept worker may have had another rank (name a `DeviceMesh` by it, so that
-            nothing cached for the old group's mesh is used for the new one).
+        store: a dict that lives as long as the worker's `WorkerGroup` (kept across
+            `WorkerGroup.recover`): frameworks keep their per-worker objects here. A process
+            kept for a later group (`KEEP_WORKERS_ENV`) starts it empty, and first calls
+            `close()` on each value that has one.
+        generation: which process group this is: the same on every rank, never the same for
+            two process groups of one driver (a re-formed group, another `WorkerGroup`). It
+            tells this group apart from an earlier one in which the process may have had
+            another rank (name a `DeviceMesh` by it, so that nothing cached for the old group's
+            mesh is used for the new one).
     """
 
     world_rank: int

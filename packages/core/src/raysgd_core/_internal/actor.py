@@ -68,6 +68,10 @@ class WorkerActor:
         control thread, beside a call that may be blocked in one of them."""
         return self._runtime.abort(generation)
 
+    def reset(self) -> dict:
+        """Ready this kept process for another group; its `describe()`."""
+        return self._runtime.reset()
+
     def ping(self) -> int:
         return os.getpid()
 

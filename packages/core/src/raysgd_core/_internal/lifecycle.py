@@ -6,12 +6,14 @@ import logging
 import time
 from typing import Any
 
+from raysgd_core import kept
 from raysgd_core._internal import host_memory, spares
 from raysgd_core._internal.local import LocalWorker
 from raysgd_core._internal.placement import (
     SlotPool,
     describe_free_resources,
     describe_request,
+    nodes_that_fit,
     wait_removed,
 )
 from raysgd_core._internal.running import RunningGroup
@@ -51,12 +53,18 @@ def start(running: RunningGroup, num_workers: int, borrowed: Any) -> None:
             if pg is not None:
                 waits.append(pg.ready())
     request = describe_request(num_workers, spec.bundle, spec.options.placement_strategy)
-    slots = pool.create_main(n_remote, spec.options.start_timeout_s) if n_remote else []
+    if borrowed is not None or nodes_that_fit(spec.bundle) != 1:
+        # The group's placement is chosen for it (a borrowed group, the strategy's pick among
+        # nodes): kept workers of earlier groups cannot serve, and their room may be needed.
+        kept.release_kept_workers()
+    reused = kept.take_for(running, n_remote)
+    n_new = n_remote - len(reused)
+    slots = pool.create_main(n_new, spec.options.start_timeout_s) if n_new else []
     placed, slots = slots is not None, slots or []
     waits += [slot.pg.ready() for slot in slots if slot.owned]
     # Actors are created before their groups are ready: Ray starts each one the moment its
     # bundle is reserved, with no round trip in between.
-    spawned = spawn(slots, spec.actor)
+    spawned = reused + spawn(slots, spec.actor)
     running.workers += spawned
     if not placed or not wait_ready(waits, spec.options.start_timeout_s):
         raise ResourcesUnavailableError(
@@ -95,6 +103,21 @@ def start(running: RunningGroup, num_workers: int, borrowed: Any) -> None:
     )
 
 
+def _keep(running: RunningGroup, stopped: list[Worker]) -> list[Worker]:
+    """Keep the workers that left their process group cleanly for the next group (see
+    `kept.py`); returns the others."""
+    seconds = kept.keep_seconds()
+    if not seconds or running.pool is None or running.pool.borrowed is not None:
+        return running.workers
+    keepable = [w for w in stopped if w.slot is not None and w.slot.owned and not w.unresponsive]
+    for worker in keepable:
+        assert worker.slot is not None
+        if worker.slot.pg in running.pool.owned_pgs:
+            running.pool.owned_pgs.remove(worker.slot.pg)
+    kept.keep(keepable, kept.key_of(running.spec), seconds)
+    return [w for w in running.workers if w not in keepable]
+
+
 def teardown(running: RunningGroup, force: bool) -> None:
     """Stop every worker and remove the placement groups; returns once Ray reports them removed
     (bounded by `REMOVE_WAIT_S`), so that their resources are free when the caller goes on."""
@@ -109,10 +132,12 @@ def teardown(running: RunningGroup, force: bool) -> None:
             running.local = None
         return
     remote = [w for w in running.workers if w.actor is not None and w.alive]
+    to_kill = running.workers
     if not force and remote:
-        refs = [w.actor.destroy_process_group.remote() for w in remote]
-        ray.wait(refs, num_returns=len(refs), timeout=5.0)
-    for w in running.workers:
+        refs = {w.actor.destroy_process_group.remote(): w for w in remote}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=5.0)
+        to_kill = _keep(running, [refs[ref] for ref in ready if _left_cleanly(ref)])
+    for w in to_kill:
         kill_worker(w)
     running.workers = []
     spares.discard(running)
@@ -123,3 +148,14 @@ def teardown(running: RunningGroup, force: bool) -> None:
         removed += running.local.close()
         running.local = None
     wait_removed(removed, REMOVE_WAIT_S)
+
+
+def _left_cleanly(ref: Any) -> bool:
+    """Whether a worker's `destroy_process_group` call returned (rather than raised: it died)."""
+    import ray
+
+    try:
+        ray.get(ref, timeout=0)
+    except Exception:
+        return False
+    return True

@@ -34,6 +34,7 @@ __all__ = [
     "estimate_fitting",
     "format_resources",
     "make_bundle",
+    "nodes_that_fit",
     "wait_removed",
 ]
 
@@ -118,7 +119,7 @@ class SlotPool:
         if self.borrowed is not None:
             return [Slot(self.borrowed, -1, owned=False) for _ in range(count)]
         nodes: list[Optional[str]] = [None] * count
-        if count > 1 and _nodes_that_fit(self.bundle) != 1:
+        if count > 1 and nodes_that_fit(self.bundle) != 1:
             placed = self._reserve(count, timeout_s)
             if placed is None:
                 return None
@@ -220,7 +221,7 @@ def _wait_free(amounts: dict[str, float], timeout_s: float) -> None:
         time.sleep(0.005)
 
 
-def _nodes_that_fit(bundle: dict) -> int:
+def nodes_that_fit(bundle: dict) -> int:
     """How many live nodes could hold `bundle` when empty."""
     import ray
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 
+from raysgd_core import kept
 from raysgd_core._internal import spares
 from raysgd_core._internal.failures import Outcome, collect, raise_for
 from raysgd_core._internal.running import RunningGroup
@@ -162,11 +163,15 @@ def _drop_stuck(running: RunningGroup, worker: Worker) -> None:
 
 
 def _spawn(running: RunningGroup, count: int) -> list[Worker]:
-    """Create `count` new actors without waiting for them (`_await_new` collects them)."""
+    """`count` new workers without waiting for them (`_await_new` collects them): kept
+    processes of an earlier group first (see `kept.py`), else new actors."""
     if count <= 0:
         return []
     assert running.pool is not None
-    return spawn([running.pool.acquire() for _ in range(count)], running.spec.actor)
+    reused = kept.take_for(running, count)
+    return reused + spawn(
+        [running.pool.acquire() for _ in range(count - len(reused))], running.spec.actor
+    )
 
 
 def _await_new(running: RunningGroup, spawned: list[Worker], deadline: float) -> list[Worker]:

@@ -6,6 +6,7 @@ so that `recover.py` needs neither the group class nor its private fields.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -21,6 +22,11 @@ from raysgd_core._internal.workers import (
 from raysgd_core.options import GroupOptions
 
 __all__ = ["FORMATION_TIMEOUT_S", "GroupSpec", "RunningGroup"]
+
+#: Numbers the process groups this driver forms, across all its groups: a kept worker (see
+#: `kept.py`) must never see a group's number twice, or it would take what it cached for its old
+#: group (a `DeviceMesh` named by the number) for the new one's.
+_GENERATIONS = itertools.count(1)
 
 #: The longest the rendezvous of a new process group may take (see `GroupSpec.formation_timeout_s`).
 FORMATION_TIMEOUT_S = 10.0
@@ -79,7 +85,7 @@ class RunningGroup:
     broken: bool = False
     #: Started (or starting) workers outside the process group (see `spares.py`).
     spares: list[Worker] = field(default_factory=list)
-    #: Counts the process groups formed; names the current one (see `abort_workers`).
+    #: Names the current process group (see `abort_workers`); unique among this driver's groups.
     generation: int = 0
 
     @property
@@ -89,7 +95,7 @@ class RunningGroup:
 
     def form(self) -> None:
         """Form a new process group over `workers` (rank = position); the group is usable again."""
-        self.generation += 1
+        self.generation = next(_GENERATIONS)
         form_group(
             self.workers,
             backend=self.spec.backend,

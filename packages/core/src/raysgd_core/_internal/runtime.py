@@ -206,6 +206,27 @@ class WorkerRuntime:
             self._connections = None
             return _pg.destroy_process_group()
 
+    def reset(self) -> dict:
+        """Ready this process for another group (it was kept, see `kept.py`): out of any
+        process group, an empty store, no context. Returns `describe()`."""
+        self.destroy()
+        # What a framework kept here ends with the group it was made for (its threads above
+        # all): a value with a close() is closed.
+        for name, value in self.store.items():
+            close = getattr(value, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception:
+                    logger.warning("closing the worker store's %r failed", name, exc_info=True)
+        self.store = {}
+        self.context = None
+        self.rank = -1
+        self._master_store = None
+        if _in_actor():
+            _ctx._process_default[0] = None
+        return self.describe()
+
     def abort(self, generation: Optional[int] = None) -> bool:
         """Abort the process group's collectives (see `abort.py`): the ones waiting here raise
         at once, and so do the peers' that wait on this process. `generation`: only if the

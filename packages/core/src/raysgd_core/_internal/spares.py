@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import logging
 
+from raysgd_core import kept
 from raysgd_core._internal.placement import (
     describe_free_resources,
     estimate_fitting,
@@ -59,6 +60,8 @@ def start(running: RunningGroup, missing: int) -> None:
     if missing <= 0 or running.pool is None:
         return
     try:
+        new = kept.take_for(running, missing)
+        missing -= len(new)
         room = estimate_fitting(running.spec.bundle, running.pool)
         if room < missing:
             logger.warning(
@@ -67,7 +70,7 @@ def start(running: RunningGroup, missing: int) -> None:
                 format_resources(running.spec.bundle),
                 describe_free_resources(),
             )
-        new = spawn([running.pool.acquire() for _ in range(missing)], running.spec.actor)
+        new += spawn([running.pool.acquire() for _ in range(missing)], running.spec.actor)
         for w in new:
             w.info["warm_ref"] = w.actor.run.remote(warm_up, running.spec.options.spare_imports)
         running.spares += new

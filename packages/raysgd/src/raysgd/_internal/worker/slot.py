@@ -66,6 +66,16 @@ class WorkerSlot:
     replicas: Optional[RankReplicas] = None
     slot_of: Optional[tuple[int, int]] = None
 
+    def close(self) -> None:
+        """End what the slot's parts keep running (the checkpoint writer's thread, the state's
+        snapshots, the runner's data iterators): the process is kept for another group."""
+        if self.uploads is not None:
+            self.uploads.close()
+        if self.state is not None:
+            self.state.close()
+        if self.runner is not None:
+            self.runner.shutdown()
+
 
 def this_worker() -> WorkerSlot:
     """This worker's slot (made empty on first use)."""
