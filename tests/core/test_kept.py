@@ -54,34 +54,22 @@ def test_kept_workers_serve_the_next_group_of_their_kind_and_nothing_else(
         assert {pid for pid, _, _ in got} == kept
         assert [(seen, rank) for _, seen, rank in got] == [(0, 0), (0, 1)]
         assert second.execute(_sum_of_ranks) == [1.0, 1.0]
-        # A group of three takes the two and starts one.
-    with WorkerGroup(3) as third:
-        pids = _pids(third)
-        assert len(pids & kept) == 2 and len(pids) == 3
-        assert third.execute(_sum_of_ranks) == [3.0] * 3
-    # A kept process that died meanwhile is replaced by a new one; the group forms as ever.
-    os.kill(next(iter(kept)), signal.SIGKILL)
-    with WorkerGroup(3) as fourth:
-        after = _pids(fourth)
-        assert len(after & pids) == 2 and len(after) == 3
-        assert fourth.execute(_sum_of_ranks) == [3.0] * 3
     # Workers started otherwise (here: other environment variables) are new processes; the kept
-    # ones are released to make room for them.
-    with WorkerGroup(2, env_vars={"RAYSGD_TEST_VAR": "1"}) as other:
-        assert not (_pids(other) & after)
-        assert _free_cpus() == free - 2
-    # A forced shutdown keeps nothing.
-    release_kept_workers()
-    group = WorkerGroup(2).start()
-    forced = _pids(group)
-    group.shutdown(force=True)
+    # ones are released to make room for them. A forced shutdown keeps nothing.
+    other = WorkerGroup(2, env_vars={"RAYSGD_TEST_VAR": "1"}).start()
+    assert not (_pids(other) & kept)
+    assert _free_cpus() == free - 2
+    other.shutdown(force=True)
     assert wait_for_cpus(free) == free
-    with WorkerGroup(2) as fresh:
-        assert not (_pids(fresh) & forced)
-    # Released on demand, and when their time is up.
-    release_kept_workers()
-    assert wait_for_cpus(free) == free
-    monkeypatch.setenv(KEEP_WORKERS_ENV, "0.5")
-    with WorkerGroup(2):
-        pass
+    with WorkerGroup(3) as third:
+        kept = _pids(third)
+    # A kept process that died meanwhile is replaced by a new one; the group forms as ever.
+    dead = kept.pop()
+    os.kill(dead, signal.SIGKILL)
+    with WorkerGroup(3) as fourth:
+        pids = _pids(fourth)
+        assert kept < pids and dead not in pids and len(pids) == 3
+        assert fourth.execute(_sum_of_ranks) == [3.0] * 3
+        # Kept only as long as the driver's setting says when the group shuts down.
+        monkeypatch.setenv(KEEP_WORKERS_ENV, "0.5")
     assert wait_for_cpus(free) == free

@@ -184,10 +184,13 @@ def test_resume_on_fewer_workers_and_an_elastic_run_trains_on_while_a_replacemen
         assert result["epoch"] == step + 1 and result["num_samples"] == ROWS
         assert trainer.failures == 1
         # The survivor went on alone while the replacement started as a spare; it joins at a step
-        # boundary once it is up or, when the epoch ends first (as here), at the next call.
+        # boundary once it is up or, when the epoch ends first, at the next call. (A process
+        # kept from the six-worker trainer, see RAYSGD_KEEP_WORKERS_S, is up at once: it may
+        # have joined already.)
         first_resize = _resizes(trainer)[0]
         assert (first_resize.num_workers_before, first_resize.num_workers_after) == (2, 1)
-        _wait_for_spare(trainer)
+        if trainer.num_workers < 2:
+            _wait_for_spare(trainer)
         assert trainer.train()["num_samples"] == ROWS and trainer.num_workers == 2
         rows = rows_by_epoch(tmp_path / "rows")
         assert sorted(rows[step + 1]) == sorted(rows[step + 2]) == list(range(ROWS))

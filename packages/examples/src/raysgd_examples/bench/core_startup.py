@@ -5,6 +5,8 @@
 - torchrun: ``torchrun --nproc_per_node=2`` on a script that only forms the gloo group and
   all-reduces once; the whole process time.
 - ray_train: Ray Train `TorchTrainer.fit()` on the same trivial job, to its first reported step.
+- raysgd_kept: as raysgd, for the second group of a driver that keeps a stopped group's workers
+  (`RAYSGD_KEEP_WORKERS_S`): the first group is started and shut down off the clock.
 
 The figures, with the machine they were taken on, are in the root README's Benchmarks table.
 `--steps` is accepted for uniformity and ignored (one all-reduce).
@@ -24,7 +26,7 @@ from raysgd_examples.bench import _common
 
 __all__ = ["SIDES", "main", "measure"]
 
-SIDES = ("raysgd", "torchrun", "ray_train")
+SIDES = ("raysgd", "torchrun", "ray_train", "raysgd_kept")
 _MODULE = "raysgd_examples.bench.core_startup"
 
 
@@ -48,10 +50,14 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
             timeout=args.timeout,
         )
         return {"first_allreduce_s": seconds}
-    if side == "raysgd":
-        from raysgd_core import WorkerGroup
+    if side in ("raysgd", "raysgd_kept"):
+        from raysgd_core import KEEP_WORKERS_ENV, WorkerGroup, release_kept_workers
 
         with _common.local_ray(settle=True, raysgd=True):
+            if side == "raysgd_kept":
+                os.environ[KEEP_WORKERS_ENV] = "60"
+                with WorkerGroup(args.workers, num_cpus_per_worker=1, backend="gloo") as first:
+                    first.execute(_all_reduce_once)
             start = time.perf_counter()
             group = WorkerGroup(args.workers, num_cpus_per_worker=1, backend="gloo")
             try:
@@ -60,6 +66,7 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
                 seconds = time.perf_counter() - start
             finally:
                 group.shutdown()
+                release_kept_workers()
         if sums != [float(args.workers)] * args.workers:
             raise RuntimeError(f"all-reduce gave {sums}")
         return {"first_allreduce_s": seconds}
@@ -91,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         False,
         runs,
         "first_allreduce_s",
-        note="raysgd: warm cluster; torchrun: whole process; Ray Train: fit() to first step",
+        note="raysgd: warm cluster; torchrun: whole process; Ray Train: fit() to first step; "
+        "raysgd_kept: a driver's second group, on the first one's kept workers",
     )
     _common.print_metric(m)
     _common.write_results(args.out, "core_startup", [m], args)
