@@ -124,6 +124,8 @@ class WorkerGroup:
         Without `force`, workers first leave the process group cleanly (bounded wait); then the
         actors are killed and the placement groups removed. It returns once Ray reports the groups
         removed (bounded wait), so their resources are back in `ray.available_resources()`.
+        Where the driver keeps workers for its next group (`KEEP_WORKERS_ENV`), those that left
+        the process group cleanly live on instead, each in its own placement group.
         """
         lifecycle.teardown(self._running, force=force)
         self._started = False

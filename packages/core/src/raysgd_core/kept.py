@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from raysgd_core._internal.placement import nodes_that_fit
+from raysgd_core._internal.placement import nodes_that_fit, wait_removed
 from raysgd_core._internal.running import GroupSpec, RunningGroup
 from raysgd_core._internal.workers import Worker, await_started, kill_worker
 
@@ -36,6 +36,8 @@ logger = logging.getLogger("raysgd_core")
 KEEP_WORKERS_ENV = "RAYSGD_KEEP_WORKERS_S"
 #: How long a kept worker may take to ready itself for a new group before a new one is started.
 RESET_WAIT_S = 10.0
+#: How long a release waits for the kept workers' placement groups to give their room back.
+REMOVE_WAIT_S = 10.0
 
 
 @dataclass(eq=False)
@@ -68,7 +70,8 @@ def keep_seconds() -> float:
 
 
 def key_of(spec: GroupSpec) -> tuple:
-    """What two groups' workers must share for one's to serve the other: the cluster and job,
+    """What two groups' workers must share for one's to serve the other: the cluster (first:
+    `_release` reads it) and job,
     how the process was started (resources, environment) and the room it holds."""
     import ray
 
@@ -110,7 +113,7 @@ def take_for(running: RunningGroup, count: int) -> list[Worker]:
     key = key_of(running.spec)
     with _lock:
         mine = [k for k in _kept if k.key == key]
-        others = [k.worker for k in _kept if k.key != key]
+        others = [k for k in _kept if k.key != key]
         taken = [k.worker for k in mine[:count]]
         _kept[:] = mine[count:]
     _release(others)
@@ -122,7 +125,10 @@ def take_for(running: RunningGroup, count: int) -> list[Worker]:
         worker.info = {"describe_ref": worker.actor.reset.remote()}
     ready, gone = await_started(taken, RESET_WAIT_S)
     for worker in gone:  # died since it was kept (killed, its node lost): a new one instead
-        running.drop(worker)
+        kill_worker(worker)
+        # Removed, not left free in the pool: a group starting now places its new workers in
+        # groups of their own, and a free one would hold room they may need.
+        running.pool.release(worker.slot, reuse=False)
     hook = running.spec.actor.init_hook
     for worker in ready:
         worker.info = {"describe_ref": worker.actor.describe.remote()}
@@ -136,9 +142,9 @@ def release_kept_workers() -> None:
     """Release every worker kept for a later group (see `KEEP_WORKERS_ENV`) now: its process
     ends and its resources go back to the cluster."""
     with _lock:
-        workers = [k.worker for k in _kept]
+        released = list(_kept)
         _kept.clear()
-    _release(workers)
+    _release(released)
 
 
 def _release_expired() -> None:
@@ -147,23 +153,30 @@ def _release_expired() -> None:
         expired = [k for k in _kept if k.until <= now]
         for k in expired:
             _kept.remove(k)
-    _release([k.worker for k in expired])
+    _release(expired)
 
 
-def _release(workers: list[Worker]) -> None:
-    if not workers:
-        return
+def _release(released: list[_Kept]) -> None:
+    """Kill the workers of `released` and remove their placement groups, waiting (bounded) until
+    their room is free; those of a cluster Ray no longer runs here went with it."""
     import ray
 
-    if not ray.is_initialized():  # Ray stopped: its actors and groups went with it
+    if not released or not ray.is_initialized():
         return
     from ray.util.placement_group import remove_placement_group
 
-    for worker in workers:
-        kill_worker(worker)
-        pg: Optional[Any] = worker.slot.pg if worker.slot is not None else None
+    current = ray.get_runtime_context().gcs_address
+    removed = []
+    for k in released:
+        if k.key[0] != current:
+            continue
+        kill_worker(k.worker)
+        pg: Optional[Any] = k.worker.slot.pg if k.worker.slot is not None else None
         if pg is not None:
             try:
                 remove_placement_group(pg)
-            except Exception:  # another cluster's, or gone already: nothing left to free
+                removed.append(pg)
+            except Exception:  # gone already: nothing left to free
                 logger.debug("remove_placement_group failed", exc_info=True)
+    # As a group's shutdown does: a group started right after finds the room free.
+    wait_removed(removed, REMOVE_WAIT_S)

@@ -492,8 +492,9 @@ class TorchTrainer:
         return self._controller.call(worker.apply_operator, fn)
 
     def shutdown(self, force: bool = False) -> None:
-        """Stop the workers and release their resources. Calling it again does nothing; any other
-        method then raises RuntimeError. `force=True` kills the workers without a graceful stop."""
+        """Stop the workers and release their resources (unless the driver keeps them for its next
+        trainer: `RAYSGD_KEEP_WORKERS_S`). Calling it again does nothing; any other method then
+        raises RuntimeError. `force=True` kills the workers without a graceful stop."""
         if self._shut_down:
             return
         self._shut_down = True

@@ -109,6 +109,8 @@ def _keep(running: RunningGroup, stopped: list[Worker]) -> list[Worker]:
     seconds = kept.keep_seconds()
     if not seconds or running.pool is None or running.pool.borrowed is not None:
         return running.workers
+    if nodes_that_fit(running.spec.bundle) != 1:  # no later group could take them (`take_for`)
+        return running.workers
     keepable = [w for w in stopped if w.slot is not None and w.slot.owned and not w.unresponsive]
     for worker in keepable:
         assert worker.slot is not None
