@@ -100,16 +100,23 @@ def keep(workers: list[Worker], key: tuple, seconds: float) -> None:
     timer.start()
 
 
+def serves(running: RunningGroup) -> bool:
+    """Whether kept workers can serve `running` (and its own be kept for a later group): its
+    slots are its own (not a borrowed group's), on a cluster of one node that fits a worker
+    (on several, the placement strategy chooses the nodes)."""
+    pool = running.pool
+    return pool is not None and pool.borrowed is None and nodes_that_fit(running.spec.bundle) == 1
+
+
 def take_for(running: RunningGroup, count: int) -> list[Worker]:
     """Up to `count` kept workers of `running`'s kind, given to its slot pool, each readied for
     the group (asked to leave what it held, then queued like a newly spawned worker: its
     `describe_ref`, and the group's init hook). Kept workers of other kinds are released (their
     room is for this group); extra ones of this kind stay kept. None on a cluster of several
     nodes, where the slot pool chooses the node."""
-    if count <= 0 or running.pool is None or running.pool.borrowed is not None:
+    if count <= 0 or not serves(running):
         return []
-    if nodes_that_fit(running.spec.bundle) != 1:
-        return []
+    assert running.pool is not None
     key = key_of(running.spec)
     with _lock:
         mine = [k for k in _kept if k.key == key]

@@ -13,7 +13,6 @@ from raysgd_core._internal.placement import (
     SlotPool,
     describe_free_resources,
     describe_request,
-    nodes_that_fit,
     wait_removed,
 )
 from raysgd_core._internal.running import RunningGroup
@@ -53,7 +52,7 @@ def start(running: RunningGroup, num_workers: int, borrowed: Any) -> None:
             if pg is not None:
                 waits.append(pg.ready())
     request = describe_request(num_workers, spec.bundle, spec.options.placement_strategy)
-    if borrowed is not None or nodes_that_fit(spec.bundle) != 1:
+    if not kept.serves(running):
         # The group's placement is chosen for it (a borrowed group, the strategy's pick among
         # nodes): kept workers of earlier groups cannot serve, and their room may be needed.
         kept.release_kept_workers()
@@ -107,10 +106,9 @@ def _keep(running: RunningGroup, stopped: list[Worker]) -> list[Worker]:
     """Keep the workers that left their process group cleanly for the next group (see
     `kept.py`); returns the others."""
     seconds = kept.keep_seconds()
-    if not seconds or running.pool is None or running.pool.borrowed is not None:
+    if not seconds or not kept.serves(running):
         return running.workers
-    if nodes_that_fit(running.spec.bundle) != 1:  # no later group could take them (`take_for`)
-        return running.workers
+    assert running.pool is not None
     keepable = [w for w in stopped if w.slot is not None and w.slot.owned and not w.unresponsive]
     for worker in keepable:
         assert worker.slot is not None
