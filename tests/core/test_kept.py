@@ -54,6 +54,12 @@ def test_kept_workers_serve_the_next_group_of_their_kind_and_nothing_else(
         assert {pid for pid, _, _ in got} == kept
         assert [(seen, rank) for _, seen, rank in got] == [(0, 0), (0, 1)]
         assert second.execute(_sum_of_ranks) == [1.0, 1.0]
+        probe = WorkerGroup(1, env_vars={"RAYSGD_TEST_VAR": "1"}).start()
+    # Kept workers hold room, yet a group counts it as room it has (the failure policy sizes a
+    # recovery by this): those of its kind it takes, those of another it releases.
+    assert _free_cpus() == free - 3
+    assert probe.estimate_fitting() == free - 1
+    probe.shutdown(force=True)
     # Workers started otherwise (here: other environment variables) are new processes; the kept
     # ones are released to make room for them. A forced shutdown keeps nothing.
     other = WorkerGroup(2, env_vars={"RAYSGD_TEST_VAR": "1"}).start()

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional
 
 from raysgd_base import check_int
+from raysgd_core import kept
 from raysgd_core._internal import lifecycle, spares
 from raysgd_core._internal.failures import Outcome, collect, raise_for
 from raysgd_core._internal.placement import estimate_fitting
@@ -386,7 +387,11 @@ class WorkerGroup:
 
     def estimate_fitting(self) -> int:
         """A cheap guess of how many more workers the cluster has room for right now (spares that
-        are up count: `recover` promotes them)."""
-        return estimate_fitting(self._spec.bundle, self._running.pool) + len(
-            spares.ready(self._running)
+        are up count: `recover` promotes them; so do workers kept by an earlier group that
+        `recover` takes, and the room of kept ones it releases: see `raysgd_core.kept`)."""
+        ready, freeable = kept.room_for(self._running)
+        return (
+            estimate_fitting(self._spec.bundle, self._running.pool, freeable)
+            + len(spares.ready(self._running))
+            + ready
         )

@@ -46,6 +46,11 @@ class _Kept:
     worker: Worker
     until: float
 
+    @property
+    def bundle(self) -> dict[str, float]:
+        """The room its placement group holds (the last part of `key_of`)."""
+        return dict(self.key[-1])
+
 
 _lock = threading.Lock()
 _kept: list[_Kept] = []
@@ -106,6 +111,23 @@ def serves(running: RunningGroup) -> bool:
     (on several, the placement strategy chooses the nodes)."""
     pool = running.pool
     return pool is not None and pool.borrowed is None and nodes_that_fit(running.spec.bundle) == 1
+
+
+def room_for(running: RunningGroup) -> tuple[int, dict[str, float]]:
+    """What the kept workers hold for `running`: how many of its kind `take_for` would give it,
+    and the resources held by those of other kinds (released when it takes workers). Nothing
+    where kept workers cannot serve it: they are released when such a group starts."""
+    if not serves(running):
+        return 0, {}
+    key = key_of(running.spec)
+    freeable: dict[str, float] = {}
+    with _lock:
+        mine = sum(1 for k in _kept if k.key == key)
+        for k in _kept:
+            if k.key != key:
+                for resource, amount in k.bundle.items():
+                    freeable[resource] = freeable.get(resource, 0.0) + amount
+    return mine, freeable
 
 
 def take_for(running: RunningGroup, count: int) -> list[Worker]:

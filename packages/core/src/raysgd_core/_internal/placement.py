@@ -298,12 +298,18 @@ def _gone(table: Any, free: dict, pg: Any) -> bool:
     return not any(key.endswith(suffix) for key in free)
 
 
-def estimate_fitting(bundle: dict, pool: Optional[SlotPool]) -> int:
-    """How many more `bundle`s fit: free cluster resources (or the borrowed group's), plus the
-    groups of our workers that are gone and wait for the next one. One reading of a changing number: a guess, not a promise."""
+def estimate_fitting(
+    bundle: dict, pool: Optional[SlotPool], freeable: Optional[dict[str, float]] = None
+) -> int:
+    """How many more `bundle`s fit: free cluster resources (or the borrowed group's) plus
+    `freeable` (held by something the group releases when it needs room), plus the groups of our
+    workers that are gone and wait for the next one. One reading of a changing number: a guess,
+    not a promise."""
     import ray
 
-    available = ray.available_resources()
+    available = dict(ray.available_resources())
+    for key, amount in (freeable or {}).items():
+        available[key] = available.get(key, 0.0) + amount
     suffix = ""
     if pool is not None and pool.borrowed is not None:
         # Resources reserved by a placement group show up as "<name>_group_<id>".
