@@ -563,14 +563,20 @@ def test_manifest_format():
         Manifest.from_bytes(newer)
 
 
+@pytest.mark.parametrize("root", BACKENDS, indirect=True)
 def test_a_checkpoints_position_and_a_gathered_sharded_state_are_read_by_the_format(
-    tmp_path,
+    root: Storage,
 ) -> None:
-    # A file: its own counters; a folder: its manifest's.
-    whole = Storage(tmp_path / "whole")
-    write_state(whole, "ckpt.pt", {"models": [], "epoch": 2, "step": 17})
-    assert checkpoint_position(whole.join("ckpt.pt")) == (2, 17)
-    folder = attempt(Storage(tmp_path / "root"), 3, 40, {"part": b"x"})
+    import torch
+
+    # A file: its own counters (its tensors' bytes are not read); a folder: its manifest's.
+    weights = {"w": torch.arange(4096, dtype=torch.float32)}
+    write_state(root, "ckpt.pt", {"models": [weights], "epoch": 2, "step": 17})
+    assert checkpoint_position(root.join("ckpt.pt")) == (2, 17)
+    root.write_bytes("junk.pt", b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a raysgd checkpoint"):
+        checkpoint_position(root.join("junk.pt"))
+    folder = attempt(root, 3, 40, {"part": b"x"})
     write_manifest(folder, "sharded", 3, 40)
     assert checkpoint_position(folder) == (3, 40)
     # A sharded state in one process: its files round-trip; a whole state's dict is not one.

@@ -177,11 +177,17 @@ def checkpoint_position(location: Storage) -> tuple[int, int]:
             return manifest.epoch, manifest.step
         _, rest = read_sharded(location)
         return int(rest.get("epoch", 0)), int(rest.get("step", 0))
-    if location.is_local:
-        # Mapped, not read: only the two counters are looked at.
-        state = torch.load(location.path, map_location="cpu", weights_only=True, mmap=True)
-    else:
-        state = read_file(location)[1]
+    # The tensors land on the meta device, so their bytes are never read: on an object store the
+    # file is read by ranges (the archive's index and its pickle), not downloaded whole.
+    try:
+        with location.fs.open(location.path, "rb") as file:
+            state = torch.load(file, map_location="meta", weights_only=True)
+    except Exception as exc:  # unpickling errors come in many types; all mean "not a checkpoint"
+        raise ValueError(
+            f"file {location.url!r} is not a raysgd checkpoint: {load_failure_reason(exc)}"
+        ) from None
+    if not isinstance(state, dict):
+        raise ValueError(f"file {location.url!r} is not a raysgd checkpoint")
     return int(state.get("epoch", 0)), int(state.get("step", 0))
 
 
