@@ -76,8 +76,8 @@ def keep_seconds() -> float:
 
 def key_of(spec: GroupSpec) -> tuple:
     """What two groups' workers must share for one's to serve the other: the cluster (first:
-    `_release` reads it) and job,
-    how the process was started (resources, environment) and the room it holds."""
+    `_release` reads it) and job, how the process was started (resources, environment) and the
+    room it holds (last: `_Kept.bundle` reads it)."""
     import ray
 
     context = ray.get_runtime_context()
