@@ -121,14 +121,29 @@ class SlowAloneExitOnceOperator(ExitOnceOperator):
 
 
 class AllExitOnceOperator(LinearOperator):
-    """Every rank `os._exit`s at global step DIE_AT_STEP, on the first attempt only."""
+    """Every rank `os._exit`s at global step DIE_AT_STEP, on the first attempt only. With
+    `config["exit_after_checkpoint"]` (a checkpoint_dir and a step) it exits once the periodic
+    checkpoint of that step is complete there: its writer thread runs at the lowest priority, and
+    on a busy machine the few fast steps up to DIE_AT_STEP can outrun it."""
 
     def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
         if batch_info["global_step"] == DIE_AT_STEP and _first_time(
             self.config, f"exited-{self.world_rank}"
         ):
+            if "exit_after_checkpoint" in self.config:
+                _await_checkpoint(*self.config["exit_after_checkpoint"])
             os._exit(1)
         return super().train_batch(batch, batch_info)
+
+
+def _await_checkpoint(root: str, step: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        newest = newest_complete(root)
+        if newest is not None and newest.step >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no complete checkpoint of step {step} under {root} in {timeout_s} s")
 
 
 class TornOnceOperator(LinearOperator):
@@ -214,11 +229,13 @@ class RaiseOnceOperator(LinearOperator):
         return super().train_batch(batch, batch_info)
 
 
-def _make(op_cls: type, tmp_path: Path, **kwargs: Any) -> TorchTrainer:
+def _make(
+    op_cls: type, tmp_path: Path, config: dict[str, Any] | None = None, **kwargs: Any
+) -> TorchTrainer:
     kwargs.setdefault("num_workers", 2)
     return TorchTrainer(
         training_operator_cls=op_cls,
-        config={BATCH_SIZE: GLOBAL_BATCH, "marker_dir": str(tmp_path)},
+        config={BATCH_SIZE: GLOBAL_BATCH, "marker_dir": str(tmp_path), **(config or {})},
         timeout_s=60,  # safety net only: no test depends on it
         **kwargs,
     )
@@ -440,6 +457,7 @@ def test_every_worker_lost_at_once_restores_a_checkpoint_or_says_what_was_lost(
     trainer = _make(
         AllExitOnceOperator,
         periodic,
+        {"exit_after_checkpoint": (str(periodic / "checkpoints"), 32)},
         state_copy_limit_mb=0,
         checkpoint_dir=str(periodic / "checkpoints"),
         checkpoint_every=16,
