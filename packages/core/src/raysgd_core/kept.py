@@ -134,9 +134,12 @@ def take_for(running: RunningGroup, count: int) -> list[Worker]:
     """Up to `count` kept workers of `running`'s kind, given to its slot pool, each readied for
     the group (asked to leave what it held, then queued like a newly spawned worker: its
     `describe_ref`, and the group's init hook). Kept workers of other kinds are released (their
-    room is for this group); extra ones of this kind stay kept. None on a cluster of several
-    nodes, where the slot pool chooses the node."""
-    if count <= 0 or not serves(running):
+    room is for this group); extra ones of this kind stay kept. Where kept workers cannot serve
+    `running` (see `serves`), none: all are released, since their room may be needed."""
+    if not serves(running):
+        release_kept_workers()
+        return []
+    if count <= 0:
         return []
     assert running.pool is not None
     key = key_of(running.spec)

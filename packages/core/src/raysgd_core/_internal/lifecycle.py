@@ -52,10 +52,6 @@ def start(running: RunningGroup, num_workers: int, borrowed: Any) -> None:
             if pg is not None:
                 waits.append(pg.ready())
     request = describe_request(num_workers, spec.bundle, spec.options.placement_strategy)
-    if not kept.serves(running):
-        # The group's placement is chosen for it (a borrowed group, the strategy's pick among
-        # nodes): kept workers of earlier groups cannot serve, and their room may be needed.
-        kept.release_kept_workers()
     reused = kept.take_for(running, n_remote)
     n_new = n_remote - len(reused)
     slots = pool.create_main(n_new, spec.options.start_timeout_s) if n_new else []
