@@ -224,8 +224,28 @@ def _bound_then_rank1_stops(bound_s: float) -> float:
     return _all_reduce_sum()
 
 
-def test_a_stuck_peer_is_killed_after_grace_and_a_silent_one_is_lost(ray_local):
-    with WorkerGroup(2) as group:
+def _rank1_stops_after_its_part(folder: str) -> int:
+    """Rank 1 stops once rank 0 has returned (`entering`): no collective waits for it, only the
+    driver for its result."""
+    if get_context().world_rank == 1:
+        wait_for_peers(folder, [0])  # and a moment: rank 0's result is on its way
+        os.kill(os.getpid(), signal.SIGSTOP)
+    entering(folder)
+    return get_context().world_rank
+
+
+def _rank1_stops_rank0_waits_unbounded() -> float:
+    """Rank 1 stops; rank 0 waits for it in an all-reduce bounded by the group's own timeout
+    (30 minutes by default): only the driver's probes can let it out."""
+    if get_context().world_rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return _all_reduce_sum()
+
+
+def test_a_stuck_peer_is_killed_after_grace_and_a_silent_one_is_lost(ray_local, tmp_path):
+    # The probes' bound is above the collectives' 2 s below: the first silent peer is found from
+    # its peer's bounded wait; the last two phases have nothing but the probes.
+    with WorkerGroup(2, liveness_timeout_s=4.0) as group:
         with _phase("a peer stuck after a user error is killed after the grace and replaced"):
             stuck_pid = group.workers[0].pid
             with pytest.raises(WorkerError) as info:
@@ -253,3 +273,25 @@ def test_a_stuck_peer_is_killed_after_grace_and_a_silent_one_is_lost(ray_local):
             assert pids[1] not in [w.pid for w in group.workers]
             # The new group's collectives wait for the group's own timeout again.
             assert group.execute(_all_reduce_sum) == [3.0, 3.0]
+
+        for name, fn, args in [
+            ("stopped after its peer returned", _rank1_stops_after_its_part, (str(tmp_path),)),
+            (
+                "stopped with its peer in an unbounded all-reduce",
+                _rank1_stops_rank0_waits_unbounded,
+                (),
+            ),
+        ]:
+            with _phase(f"a worker {name} is found by the driver's probes"):
+                pids = [w.pid for w in group.workers]
+                with pytest.raises(WorkerDiedError) as died:
+                    group.execute(fn, *args)
+                assert died.value.ranks == [1] and died.value.silent == [1]
+                assert "stopped answering" in str(died.value)
+                report = group.recover(2, timeout_s=60)
+                # Rank 0 was let out of its wait and kept, with its process.
+                assert report.kept == {0: 0} and report.lost == [1]
+                assert group.workers[0].pid == pids[0]
+                assert group.execute(_all_reduce_sum) == [3.0, 3.0]
+                for marker in tmp_path.iterdir():
+                    marker.unlink()

@@ -10,6 +10,7 @@ from raysgd_base import check_int
 from raysgd_core import kept
 from raysgd_core._internal import lifecycle, spares
 from raysgd_core._internal.failures import Outcome, collect, raise_for
+from raysgd_core._internal.liveness import Liveness, watch_while
 from raysgd_core._internal.placement import estimate_fitting
 from raysgd_core._internal.recover import recover as _recover
 from raysgd_core._internal.running import GroupSpec, RunningGroup
@@ -229,9 +230,16 @@ class WorkerGroup:
         remote = [w for w in self._running.workers if w.local is None]
         pending = {w.actor.run.remote(fn, *args, **kwargs): w.rank for w in remote}
         outcome = Outcome()
+        liveness = self._running.liveness()
         if self._running.local is not None:
-            self._run_local(outcome, fn, args, kwargs)
-        self._finish(pending, outcome)
+            # The remote ranks are probed meanwhile: a silent one lets the local rank out of
+            # the collectives that wait for it.
+            stop = watch_while(liveness, pending.values, self._abort_all_but)
+            try:
+                self._run_local(outcome, fn, args, kwargs)
+            finally:
+                stop()
+        self._finish(pending, outcome, liveness)
         return [outcome.results[r] for r in range(len(self._running.workers))]
 
     def put(self, value: Any, *, by_value: tuple[Any, ...] = ()) -> Any:
@@ -266,7 +274,7 @@ class WorkerGroup:
             self._run_local(outcome, fn, args, kwargs)
         else:
             pending = {worker.actor.run.remote(fn, *args, **kwargs): rank}
-        self._finish(pending, outcome)
+        self._finish(pending, outcome, self._running.liveness())
         return outcome.results[rank]
 
     def execute_async(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
@@ -317,7 +325,10 @@ class WorkerGroup:
         kwargs = {k: resolve(v) for k, v in kwargs.items()}
         record_local(outcome, 0, self._running.local.runtime.run(fn, args, kwargs))
 
-    def _finish(self, pending: dict, outcome: Outcome) -> None:
+    def _abort_all_but(self, silent: list[int]) -> None:
+        self._running.abort([r for r in range(self._running.world_size) if r not in silent])
+
+    def _finish(self, pending: dict, outcome: Outcome, liveness: Optional[Liveness]) -> None:
         by_rank = {w.rank: w for w in self._running.workers}
         collect(
             pending,
@@ -325,6 +336,7 @@ class WorkerGroup:
             kill=lambda r: kill_worker(by_rank[r], unresponsive=True),
             grace_s=self._options.peer_grace_s,
             abort=self._running.abort,
+            liveness=liveness,
         )
         if not outcome.ok:
             self._running.broken = True

@@ -20,6 +20,7 @@ from raysgd_base import check_int, check_number, check_option_names
 
 __all__ = [
     "BACKENDS",
+    "DEFAULT_LIVENESS_TIMEOUT_S",
     "DEFAULT_PEER_GRACE_S",
     "DEFAULT_TIMEOUT_S",
     "PLACEMENT_STRATEGIES",
@@ -77,6 +78,10 @@ def resolve_timeout(timeout_s: Union[float, timedelta, None]) -> Union[float, ti
 #: machine.
 DEFAULT_PEER_GRACE_S = 5.0
 
+#: `GroupOptions.liveness_timeout_s` by default: a live process answers a probe in milliseconds;
+#: this leaves room for a machine loaded far past its cores.
+DEFAULT_LIVENESS_TIMEOUT_S = 30.0
+
 
 @dataclass(frozen=True)
 class GroupOptions:
@@ -118,6 +123,12 @@ class GroupOptions:
             least T, so that a rank waiting for a lost peer raises, keeps its state and is never
             killed for waiting. Once a rank reports a collective that waited out its bound, the
             ranks still silent a few seconds later are killed without waiting longer.
+        liveness_timeout_s: how long a remote worker may leave the driver's liveness probes
+            unanswered while a call waits for it before it counts as silent (a stopped process,
+            a frozen or cut-off node) and is killed and reported lost (`WorkerDiedError.silent`),
+            whatever the call was doing: a collective, a copy, a checkpoint, a restore. Probes
+            run on a thread of the worker's own, so a busy worker answers them; None: no probes
+            (a silent worker is then found only by its peers' collective bounds).
         keep_freed_memory: raise each worker's malloc thresholds (glibc only) so the memory a
             step frees is reused by the next one instead of being returned to the OS and faulted
             back in (what that costs: the raysgd-core README). Applied to the calling process too
@@ -142,6 +153,7 @@ class GroupOptions:
     spare_workers: int = 0
     spare_imports: Sequence[str] = ()
     peer_grace_s: float = DEFAULT_PEER_GRACE_S
+    liveness_timeout_s: Optional[float] = DEFAULT_LIVENESS_TIMEOUT_S
     keep_freed_memory: bool = True
 
     def __post_init__(self) -> None:
@@ -162,6 +174,8 @@ class GroupOptions:
         check_number("timeout_s", timeout, above=0)
         check_number("start_timeout_s", self.start_timeout_s, above=0)
         check_number("peer_grace_s", self.peer_grace_s, above=0)
+        if self.liveness_timeout_s is not None:
+            check_number("liveness_timeout_s", self.liveness_timeout_s, above=0)
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(
                 f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
@@ -192,6 +206,9 @@ class GroupOptions:
             "timeout_s": float(timeout),
             "start_timeout_s": float(self.start_timeout_s),
             "peer_grace_s": float(self.peer_grace_s),
+            "liveness_timeout_s": None
+            if self.liveness_timeout_s is None
+            else float(self.liveness_timeout_s),
             "resources_per_worker": dict(self.resources_per_worker or {}),
             "env_vars": {str(k): str(v) for k, v in (self.env_vars or {}).items()},
             "spare_imports": tuple(self.spare_imports),

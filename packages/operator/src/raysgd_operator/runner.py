@@ -148,7 +148,10 @@ class OperatorRunner:
         self._train = BatchStream(self.components, "train", listener=self)
         self._val = BatchStream(self.components, "validation")
         self.operator = operator_cls(config, components=self.components)
-        self.journal = StepJournal(self.components.optimizers, self.components.models)
+        self._before_step_hooks: list[Callable[[], None]] = []
+        self.journal = StepJournal(
+            self.components.optimizers, self.components.models, before_step=self._before_step
+        )
         #: Validation calls since the window start (see `progress`).
         self._validations_in_window = 0
         self._window = self._mark_window_start()
@@ -355,23 +358,28 @@ class OperatorRunner:
             "global_step": self.operator.global_step,
         }
 
-    def _mark_window_start(self) -> WindowStart:
-        """This moment as the start of a window (see `window`): what going back to it restores."""
-        parts, meters = self.components, self._meters
+    def _rank_slot_now(self) -> RankSlot:
+        """This rank's own part as it is now (see `RankSlot`)."""
         rank_state = (
             same_device_copy(self.operator.rank_state_dict()) if self.has_rank_state else None
         )
+        return RankSlot(
+            state=rank_state,
+            rng=rng_state(),
+            pass_seed=self._train.pass_seed if self._train.is_open() else None,
+        )
+
+    def _mark_window_start(self) -> WindowStart:
+        """This moment as the start of a window (see `window`): what going back to it restores."""
+        parts, meters = self.components, self._meters
+        rank = self._rank_slot_now()
         self.journal.commit()
         self._validations_in_window = 0
         return WindowStart(
             position=self._live_position(),
             call=self._call,
             meters=(meters, meters.mark()) if meters is not None else None,
-            rank=RankSlot(
-                state=rank_state,
-                rng=rng_state(),
-                pass_seed=self._train.pass_seed if self._train.is_open() else None,
-            ),
+            rank=rank,
             optimizer_steps=parts.optimizer_steps,
         )
 
@@ -398,6 +406,22 @@ class OperatorRunner:
                 meters, mark = window.meters
                 meters.rewind(mark)
                 self._meters = meters
+
+    def add_before_step_hook(self, hook: Callable[[], None]) -> None:
+        """Call `hook()` just before each optimizer step (so at the end of an accumulation
+        window, once its gradients are whole), on the training thread. `upcoming_rank_slot` is
+        then what the window start after this batch will hold, unless the loop changes the
+        generators or the per-rank state after the step."""
+        self._before_step_hooks.append(hook)
+
+    def _before_step(self) -> None:
+        for hook in self._before_step_hooks:
+            hook()
+
+    def upcoming_rank_slot(self) -> dict[str, Any]:
+        """This rank's slot as it is now (see `rank_slot`), plain, on the CPU: from a
+        before-step hook, that of the window start this batch ends at (`step` + 1)."""
+        return self._rank_slot_now().to_plain()
 
     def add_step_hook(self, hook: Callable[[], None]) -> None:
         """Call `hook()` every time a training step is finished (after the counters moved and,
@@ -774,7 +798,9 @@ class OperatorRunner:
             _swap_references(self.operator, replaced)
             # The journal copies the running statistics of the models' normalisation layers.
             self.journal.close()
-            self.journal = StepJournal(self.components.optimizers, self.components.models)
+            self.journal = StepJournal(
+                self.components.optimizers, self.components.models, before_step=self._before_step
+            )
         # The pass in progress was split for the old group: the next one re-splits from the same
         # place (the caller then adopts the position the restore chose).
         self._set_position(self._live_position(), pass_seed=self._train.pass_seed)

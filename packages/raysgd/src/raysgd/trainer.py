@@ -131,8 +131,10 @@ class TorchTrainer:
         snapshot_every: with "fsdp", every how many steps each worker snapshots its part in
             memory, with a copy on a peer; "auto": as often as keeps their measured cost under
             3% of the training time.
-        peer_timeout_s: the shortest time a worker waits for a peer in a training step's
-            collective before treating it as silent (the bound grows with the step time).
+        peer_timeout_s: how long a worker may go without answering the driver's probes (a stopped
+            process, a frozen or cut-off node) before it is killed and replaced, in any phase;
+            also the shortest time a worker waits for a peer in a training step's collective
+            (that bound grows with the step time).
         flops_per_sample: the model's FLOPs in one training step per unit of `num_samples`
             (per row, or per token when `train_batch` counts tokens; see
             `raysgd_operator.measure_flops_per_sample`): `train()` then reports `flops_per_s`
@@ -258,6 +260,9 @@ class TorchTrainer:
                 **group_fields,
                 timeout_s=slow_s,
                 peer_grace_s=slow_s + DEFAULT_PEER_GRACE_S,
+                # A stopped worker is found by the driver's probes within this, whatever the
+                # phase: the collectives' slow bound is for hung processes that still answer.
+                liveness_timeout_s=self._options.peer_timeout_s,
                 num_cpus_per_worker=num_cpus_per_worker,
                 num_gpus_per_worker=resolve_gpus_per_worker(
                     num_gpus_per_worker, self._options.use_gpu

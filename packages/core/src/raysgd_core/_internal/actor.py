@@ -75,6 +75,12 @@ class WorkerActor:
     def ping(self) -> int:
         return os.getpid()
 
+    def alive(self) -> int:
+        """Answer a liveness probe (see `liveness.py`). Runs on a thread of its own, beside a
+        call and an abort, so that only a process that is stopped (or a node that is frozen or
+        cut off) leaves it unanswered."""
+        return os.getpid()
+
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run `fn`; a user exception comes back as a `Failure` value (see runtime.py)."""
         return self._runtime.run(fn, args, kwargs)
@@ -92,6 +98,8 @@ class WorkerActor:
 
 #: The actor's second thread: calls that must run while a call of the default thread is blocked.
 CONTROL = "control"
+#: The actor's third thread: liveness probes, answered whatever the other two are doing.
+LIVENESS = "liveness"
 
 _remote_class: list[Any] = []
 
@@ -104,11 +112,12 @@ def remote_worker_class() -> Any:
         # `abort` on a thread of its own; every other call runs on the one default thread, in
         # the order it was sent (a sync actor with one default thread keeps that order).
         ray.method(concurrency_group=CONTROL)(WorkerActor.abort)
+        ray.method(concurrency_group=LIVENESS)(WorkerActor.alive)
         # No retries: a worker that dies is reported and replaced by `recover`, never silently
         # restarted with its state lost.
         _remote_class.append(
-            ray.remote(max_restarts=0, max_task_retries=0, concurrency_groups={CONTROL: 1})(
-                WorkerActor
-            )
+            ray.remote(
+                max_restarts=0, max_task_retries=0, concurrency_groups={CONTROL: 1, LIVENESS: 1}
+            )(WorkerActor)
         )
     return _remote_class[0]

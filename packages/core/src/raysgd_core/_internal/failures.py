@@ -8,7 +8,9 @@ once, at any group size, and keep their process and state. They get a grace to f
 their own, for work that is not a collective (a checkpoint being written, say). Once a rank
 reports that a collective waited out its bound, the ranks that still have not answered a short
 while later are the silent ones: they are killed and reported lost, without waiting for Ray to
-notice (a frozen node stays "alive" for as long as its health checks take).
+notice (a frozen node stays "alive" for as long as its health checks take). A wait given a
+`Liveness` also probes the ranks it waits for (`liveness.py`): one that answers no probe within
+its bound is silent too, whatever it was doing, and is killed the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
+from raysgd_core._internal.liveness import Liveness
 from raysgd_core._internal.runtime import Failure, is_collateral, is_peer_timeout
 from raysgd_core.errors import WorkerDiedError, WorkerError
 from raysgd_core.options import DEFAULT_PEER_GRACE_S
@@ -60,27 +63,43 @@ def collect(
     kill: Callable[[int], None],
     grace_s: float = GRACE_S,
     abort: Optional[Callable[[list[int]], None]] = None,
+    liveness: Optional[Liveness] = None,
 ) -> Outcome:
     """Wait for every ref in `pending` (ref -> rank) and record results and failures in `outcome`.
 
     At the first failure, `abort(ranks)` is called with the ranks still running (see the module
     docstring); they get `grace_s`; after a rank reports a peer timeout, at most `GRACE_S` more.
-    Those left are killed: `kill(rank)`."""
+    Those left are killed: `kill(rank)`. With `liveness`, a rank found silent by its probes
+    (including one found before this call, in `liveness.silent`) is killed at once."""
     import ray
     from ray.exceptions import RayActorError
 
     pending = dict(pending)
     deadline: Optional[float] = None if outcome.ok else time.monotonic() + grace_s
     aborted = False
+    # A rank reported that a collective waited out its bound: the peer it waited for is silent.
+    waited_out = False
     while pending:
+        if liveness is not None:
+            _kill_silent(pending, outcome, liveness, kill)
+            if not pending:
+                break
         if not aborted and not outcome.ok and abort is not None:
             aborted = True
             abort(sorted(pending.values()))
+        if deadline is None and not outcome.ok:
+            deadline = time.monotonic() + grace_s
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if liveness is not None:
+            timeout = (
+                liveness.every_s / 2 if timeout is None else min(timeout, liveness.every_s / 2)
+            )
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+        if not ready and (deadline is None or time.monotonic() < deadline):
+            continue  # only a liveness poll is due
         if not ready:
             for rank in pending.values():
-                if outcome.silent:
+                if waited_out:
                     logger.warning(
                         "rank %d did not answer: a peer's collective waited out its bound for "
                         "it; killing it",
@@ -92,6 +111,7 @@ def collect(
                     )
                 kill(rank)
                 outcome.killed.append(rank)
+            outcome.silent = outcome.silent or waited_out
             break
         timed_out = own = False
         for ref in ready:
@@ -119,7 +139,8 @@ def collect(
             # User code raised: that rank is alive and holds the state, and its peers were let out
             # of their collectives (the abort): they are not waited for past the short grace.
             deadline = min(deadline, now + min(grace_s, GRACE_S))
-        if (timed_out or outcome.silent) and not outcome.died:
+        waited_out = waited_out or timed_out
+        if waited_out and not outcome.died:
             # The peers waiting in the same collective time out within moments of this one;
             # whoever is still running after that is the peer they were waiting for, and so is
             # the last rank left. Not so once a rank is known to be gone: the waits were for
@@ -130,6 +151,28 @@ def collect(
             last = len(pending) == 1
             deadline = now if last else min(deadline, now + min(grace_s, GRACE_S))
     return outcome
+
+
+def _kill_silent(
+    pending: dict[Any, int],
+    outcome: Outcome,
+    liveness: Liveness,
+    kill: Callable[[int], None],
+) -> None:
+    """Kill the ranks of `pending` that `liveness` finds silent (and those it found before)."""
+    liveness.poll(pending.values())
+    for ref, rank in list(pending.items()):
+        if rank in liveness.silent:
+            logger.warning(
+                "rank %d answered no liveness probe for %.1fs (stopped, frozen or cut off): "
+                "killing it",
+                rank,
+                liveness.silent[rank],
+            )
+            kill(rank)
+            del pending[ref]
+            outcome.killed.append(rank)
+            outcome.silent = True
 
 
 def failure_to_error(failure: Failure, lost_ranks: Sequence[int] = ()) -> WorkerError:
@@ -186,7 +229,8 @@ def raise_for(outcome: Outcome, member: Callable[[int], Optional[_Member]]) -> N
         ]
         if outcome.killed and outcome.silent:
             parts.append(
-                f"ranks {sorted(outcome.killed)} stopped answering (their peers waited out a "
+                f"ranks {sorted(outcome.killed)} stopped answering (a stopped process, a frozen "
+                "or cut-off node: no answer to the driver's probes, or their peers waited out a "
                 "collective's bound for them) and were killed"
             )
         elif outcome.killed:

@@ -82,7 +82,11 @@ def start(running: RunningGroup, num_workers: int, borrowed: Any) -> None:
         )
     t_actors = time.monotonic()
     run_hooks(
-        started, running.local, spec.actor.init_hook, first_rank=running.world_size - len(started)
+        started,
+        running.local,
+        spec.actor.init_hook,
+        first_rank=running.world_size - len(started),
+        liveness_timeout_s=spec.options.liveness_timeout_s,
     )
     running.form()
     t_done = time.monotonic()

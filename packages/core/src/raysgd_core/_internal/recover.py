@@ -19,6 +19,7 @@ import time
 from raysgd_core import kept
 from raysgd_core._internal import spares
 from raysgd_core._internal.failures import Outcome, collect, raise_for
+from raysgd_core._internal.liveness import probes
 from raysgd_core._internal.running import RunningGroup
 from raysgd_core._internal.workers import (
     Worker,
@@ -112,7 +113,15 @@ def _keep_healthy(
         outcome = Outcome()
         if running.local is not None:
             running.local.runtime.destroy()
-        collect(refs, outcome, kill=lambda i: _drop_stuck(running, survivors[i]))
+        collect(
+            refs,
+            outcome,
+            kill=lambda i: _drop_stuck(running, survivors[i]),
+            liveness=probes(
+                {i: w.actor for i, w in enumerate(survivors)},
+                running.spec.options.liveness_timeout_s,
+            ),
+        )
         raise_for(outcome, survivors.__getitem__)
         timings["leave_s"] = time.monotonic() - t_spawn
         running.workers = survivors
@@ -186,7 +195,13 @@ def _await_new(running: RunningGroup, spawned: list[Worker], deadline: float) ->
     if missing:
         logger.info("%d of %d new workers did not start in time", len(missing), len(spawned))
     try:
-        run_hooks(started, None, running.spec.actor.init_hook, first_rank=running.world_size)
+        run_hooks(
+            started,
+            None,
+            running.spec.actor.init_hook,
+            first_rank=running.world_size,
+            liveness_timeout_s=running.spec.options.liveness_timeout_s,
+        )
     except BaseException:
         for w in started:
             running.drop(w)

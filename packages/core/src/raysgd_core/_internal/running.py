@@ -10,6 +10,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
+from raysgd_core._internal.liveness import Liveness, probes
 from raysgd_core._internal.local import LocalWorker
 from raysgd_core._internal.placement import SlotPool, make_bundle
 from raysgd_core._internal.workers import (
@@ -103,13 +104,21 @@ class RunningGroup:
             formation_timeout_s=self.spec.formation_timeout_s,
             remote_gpu_index=0 if self.spec.actor.num_gpus else None,
             generation=self.generation,
+            liveness_timeout_s=self.spec.options.liveness_timeout_s,
         )
         self.broken = False
 
     def abort(self, ranks: list[int]) -> None:
-        """Abort the current group's collectives on the remote workers of `ranks` (a peer failed:
-        they are let out of the collectives that wait for it)."""
-        abort_workers([self.workers[r] for r in ranks if r < len(self.workers)], self.generation)
+        """Abort the current group's collectives on the workers of `ranks` (a peer failed: they
+        are let out of the collectives that wait for it), the local rank's included."""
+        chosen = [self.workers[r] for r in ranks if r < len(self.workers)]
+        abort_workers(chosen, self.generation)
+        if self.local is not None and any(w.local is not None for w in chosen):
+            self.local.runtime.abort(self.generation)
+
+    def liveness(self) -> Optional[Liveness]:
+        """The probes of one wait on the remote workers (None when the options ask for none)."""
+        return probes({w.rank: w.actor for w in self.workers}, self.spec.options.liveness_timeout_s)
 
     def drop(self, worker: Worker) -> None:
         """Kill a remote worker and give its slot back (the local rank is never killed); the

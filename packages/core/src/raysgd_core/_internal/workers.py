@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 
 from raysgd_core._internal.actor import remote_worker_class
 from raysgd_core._internal.failures import GRACE_S, Outcome, collect, raise_for
+from raysgd_core._internal.liveness import probes
 from raysgd_core._internal.local import LocalWorker
 from raysgd_core._internal.placement import Slot
 
@@ -107,17 +108,27 @@ def await_started(workers: list[Worker], wait_s: float) -> tuple[list[Worker], l
 
 
 def run_hooks(
-    workers: list[Worker], local: Optional[LocalWorker], hook: Any, first_rank: int
+    workers: list[Worker],
+    local: Optional[LocalWorker],
+    hook: Any,
+    first_rank: int,
+    liveness_timeout_s: Optional[float] = None,
 ) -> None:
     """Wait for the init hooks queued by `spawn` (and run it on the local rank, rank 0); raise on
-    error. `first_rank` is the rank `workers[0]` will get (errors name that rank)."""
+    error. `first_rank` is the rank `workers[0]` will get (errors name that rank). A worker that
+    answers no liveness probe for `liveness_timeout_s` is killed (None: not probed)."""
     outcome = Outcome()
     if local is not None and hook is not None:
         result = local.runtime.run(hook, (), {})
         record_local(outcome, 0, result)
     by_index = {first_rank + i: w for i, w in enumerate(workers)}
     pending = {w.info.pop("hook_ref"): i for i, w in by_index.items() if "hook_ref" in w.info}
-    collect(pending, outcome, kill=lambda i: kill_worker(by_index[i], unresponsive=True))
+    collect(
+        pending,
+        outcome,
+        kill=lambda i: kill_worker(by_index[i], unresponsive=True),
+        liveness=probes({i: w.actor for i, w in by_index.items()}, liveness_timeout_s),
+    )
     raise_for(outcome, by_index.get)
 
 
@@ -129,9 +140,11 @@ def form_group(
     formation_timeout_s: float,
     remote_gpu_index: Optional[int],
     generation: int = 0,
+    liveness_timeout_s: Optional[float] = None,
 ) -> None:
     """Form a new process group over `workers` (rank = position), replacing any old one;
-    `generation` names it (an abort meant for an older group is void)."""
+    `generation` names it (an abort meant for an older group is void). A worker that answers
+    no liveness probe for `liveness_timeout_s` meanwhile is killed (None: not probed)."""
 
     world_size = len(workers)
     if world_size == 0:
@@ -153,6 +166,7 @@ def form_group(
             {head.actor.open_store.remote(world_size, formation_timeout_s): 0},
             outcome,
             kill=lambda r: kill_worker(workers[r], unresponsive=True),
+            liveness=probes({0: head.actor}, liveness_timeout_s),
         )
         raise_for(outcome, member)
         host, port = outcome.results[0]
@@ -194,6 +208,7 @@ def form_group(
         kill=lambda r: kill_worker(workers[r], unresponsive=True),
         grace_s=formation_timeout_s + GRACE_S,
         abort=lambda ranks: abort_workers([workers[r] for r in ranks], generation),
+        liveness=probes({w.rank: w.actor for w in workers}, liveness_timeout_s),
     )
     raise_for(outcome, member)
     for w in workers:

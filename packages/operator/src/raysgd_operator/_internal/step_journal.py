@@ -23,8 +23,8 @@ restored with them as they are.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -48,8 +48,12 @@ class StepJournal:
         self,
         optimizers: Sequence[torch.optim.Optimizer],
         models: Sequence[torch.nn.Module] = (),
+        before_step: Optional[Callable[[], None]] = None,
     ) -> None:
+        """`before_step()`, when given, is called before every optimizer step, once the
+        journal has taken what it keeps (see `OperatorRunner.add_before_step_hook`)."""
         self.optimizers = list(optimizers)
+        self._before_step = before_step
         #: (buffer, its copy at the last finished batch) of every running statistic.
         self._statistics = [(buffer, buffer.detach().clone()) for buffer in _running_stats(models)]
         #: Copies are kept only when a batch may step several optimizers.
@@ -67,17 +71,24 @@ class StepJournal:
 
     def _before(self, index: int) -> Any:
         def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-            if not self.keeps_copies or index in self._saved:
-                return
-            params = self._params(index)
-            with torch.no_grad():
-                copies = [p.detach().clone() for p in params]
-            states = [
-                _copy_state(optimizer.state[p]) if p in optimizer.state else _ABSENT for p in params
-            ]
-            self._saved[index] = (copies, states)
+            self._keep(index, optimizer)
+            if self._before_step is not None:
+                self._before_step()
 
         return hook
+
+    def _keep(self, index: int, optimizer: Any) -> None:
+        """Copy optimizer `index`'s parameters and state before its first step in the batch
+        (only when a batch may step several optimizers)."""
+        if not self.keeps_copies or index in self._saved:
+            return
+        params = self._params(index)
+        with torch.no_grad():
+            copies = [p.detach().clone() for p in params]
+        states = [
+            _copy_state(optimizer.state[p]) if p in optimizer.state else _ABSENT for p in params
+        ]
+        self._saved[index] = (copies, states)
 
     def _after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.dirty = True
