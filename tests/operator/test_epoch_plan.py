@@ -275,7 +275,7 @@ def test_a_call_restored_to_an_earlier_epoch_first_finishes_that_epoch() -> None
     runner = OperatorRunner(_Regression, {}, world_size=2, distributed=True)
     runner.train_epoch(num_steps=4, call_id=1)
     snapshot = runner.state_dict()
-    runner.train_epoch(call_id=1)  # the rest of epoch 1 (a later call of its own)
+    runner.train_epoch(call_id=3)  # the rest of epoch 1 (a later call of its own)
     stops = [8]  # once: stopped within epoch 2, the call in progress
     runner.add_step_hook(lambda: runner.step in stops and (stops.clear() or runner.request_stop()))
     runner.train_epoch(call_id=2)

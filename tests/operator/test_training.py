@@ -334,6 +334,7 @@ def test_a_runner_without_a_train_loader_has_a_state_and_validates() -> None:
         "step": 0,
         "global_step": 0,
         "trained_to": 0,
+        "epoch_ended": 0,
     }
     state = runner.state_dict()
     assert (state["position"], state["in_epoch"], state["step"]) == (0, False, 0)

@@ -40,7 +40,10 @@ class DrawingOperator(TrainingOperator):
         gen = torch.Generator().manual_seed(3)
         x = torch.randn(72, 6, generator=gen)  # 18 batches of 4: windows of 4 span epochs
         y = torch.randn(72, 2, generator=gen)
-        self.register_data(train_loader=DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True))
+        self.register_data(
+            train_loader=DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True),
+            validation_loader=DataLoader(TensorDataset(x[:8], y[:8]), batch_size=4, shuffle=True),
+        )
         self.carried = torch.zeros(2)
         self.fail_at = config.get("fail_at", [])
 
@@ -61,6 +64,10 @@ class DrawingOperator(TrainingOperator):
         if (self.global_step + 1) % k == 0:
             self.optimizer_step()
         return {"train_loss": loss.detach(), NUM_SAMPLES: len(target)}
+
+    def validate_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        features, target = batch  # a regression: no accuracy
+        return {"val_loss": self.criterion(self.model(features), target), NUM_SAMPLES: len(target)}
 
     def rank_state_dict(self) -> Any:
         return {"carried": self.carried}
@@ -187,3 +194,59 @@ def test_a_worker_a_window_ahead_of_the_source_goes_back_with_it_counting_each_b
     _equal(clean, ahead)
     assert result["num_samples"] == expected["num_samples"] == 72
     assert result["batch_count"] == expected["batch_count"] == 18
+
+
+def _next_draw() -> float:
+    """The next number torch's generator would give, without drawing it."""
+    return float(torch.rand(1, generator=torch.Generator().set_state(torch.get_rng_state())))
+
+
+def test_epoch_ends_belong_to_the_state_once_per_epoch_whatever_the_calls() -> None:
+    # One epoch is 18 batches; windows of 4. The uninterrupted job: one call per epoch with a
+    # validation after each. The other: calls of 5 batches (an epoch's end inside a call, and
+    # calls ending inside an epoch), a validation where the first job had one, and a peer lost
+    # at the end of a call, which the call is then asked to go on with.
+    clean = _runner()
+    for _ in range(2):
+        clean.train_epoch()
+        clean.validate()
+    # "epoch" schedulers stepped once per epoch, not once per call.
+    assert clean.operator.scheduler.last_epoch == 2
+
+    split = _runner()
+    steps = 0
+    for call_id, num_steps in enumerate([5, 5, 5, 3, 5, 5, 5, 3]):
+        split.train_epoch(num_steps=num_steps, call_id=call_id)
+        steps += num_steps
+        assert split.operator.scheduler.last_epoch == steps // 18
+        if steps % 18 == 0:
+            split.validate()
+    _equal(clean, split)
+    # The validation's draws (its loader's seed) are in the window start it ran at: a state
+    # saved now, or a peer's copy of this rank's slot, holds them.
+    assert _next_draw() == pytest.approx(
+        float(torch.rand(1, generator=_generator_of(split.rank_slot())))
+    )
+
+
+def _generator_of(slot: dict[str, Any]) -> torch.Generator:
+    from raysgd_operator._internal.rng import set_generator_state
+
+    generator = torch.Generator()
+    set_generator_state(generator, slot["rng"]["torch"])
+    return generator
+
+
+def test_a_call_asked_again_after_it_ended_trains_and_draws_nothing() -> None:
+    # A peer lost once this worker was done with the call (its result on the way): the driver
+    # asks for the same call again. Nothing is left of it: no batch, and no new pass (which
+    # would draw its loader's seed from torch's generator).
+    # Without accumulation: the epoch's end is a window's (a call that ended inside a window
+    # goes back to the window's start and does its batches again).
+    runner = _runner(own_k=1)
+    first = runner.train_epoch(call_id=0)
+    runner.progress()
+    before = (_next_draw(), runner.step, runner.epoch)
+    again = runner.train_epoch(call_id=0)
+    assert (_next_draw(), runner.step, runner.epoch) == before == (before[0], 18, 1)
+    assert again["batch_count"] == first["batch_count"] == 18

@@ -432,37 +432,44 @@ def test_a_killed_driver_resumed_and_a_smaller_group_keep_the_result(tmp_path: P
         assert difference <= 1e-5, f"{name} differs by {difference}"
 
 
-def test_a_worker_lost_just_after_a_windows_step_is_one_loss_and_said_to_be_inexact(
-    tmp_path: Path,
-) -> None:
+def test_a_worker_lost_just_after_a_windows_step_is_one_exact_loss(tmp_path: Path) -> None:
     # Rank 1 dies just after the optimizer step that ends a window at a checkpoint's step (8),
-    # before its slot of the new window start reached its ring peer: the replacement cannot
-    # have its generators, and the resize says so. Its ring successor fails in that exchange
-    # before the checkpoint, rank 0 after starting it; the group keeps its size and the
-    # survivors their runners. They must still agree where the next checkpoint falls (taking
-    # one takes every worker), or the one that takes it alone waits for the others until they
-    # declare it silent: a second, spurious loss.
+    # its train_batch not yet returned. Every rank hands its ring successor its slot of the
+    # window start a step leads to before stepping, so the successor holds rank 1's of step 8:
+    # the group goes on from there exactly, with one loss. The survivors must also agree where
+    # the next checkpoint falls (taking one takes every worker), or the one that takes it alone
+    # waits for the others until they declare it silent: a second, spurious loss.
     markers = tmp_path / "markers"
     markers.mkdir()
     plan = tmp_path / "plan.json"
-    _arm(plan, markers, exits_after_step=[(1, 7)])
+    _arm(plan)
     trainer = _trainer(
         "ddp",
         4,
-        config={"plan": str(plan), "plain": True},
+        config={"plan": str(plan)},
         checkpoint_dir=str(tmp_path / "periodic"),
         checkpoint_every=8,
         spare_workers=1,
         failure_policy=DefaultPolicy(replace_in_background=False),
     )
     try:
+        start = tmp_path / "start.pt"
+        trainer.save(start)
+        _arm(plan, markers, exits_after_step=[(1, 7)])
         assert trainer.train()["num_samples"] == ROWS
         assert trainer.failures == 1 and trainer.num_workers == WORKERS
         (resize,) = [e for e in trainer.recovery_events if e.kind == "resize"]
-        assert any("rank 1 at step 8" in reason for reason in resize.inexact), resize.inexact
-        # The checkpoints went on after the loss: the newest complete one is at the epoch's end.
-        trainer.shutdown()
+        assert resize.inexact == () and resize.steps_redone <= 4, resize
+        faulted = _weights(trainer)
+        # The checkpoints went on after the loss: the newest complete one is at the epoch's end
+        # (a save waits for the periodic one in flight).
+        trainer.save(tmp_path / "end.pt")
         newest = newest_complete(tmp_path / "periodic")
         assert newest is not None and newest.manifest.step == 16
+        # The same epoch without the fault, from the same start.
+        _arm(plan)
+        trainer.load(start)
+        trainer.train()
+        _assert_equal(faulted, _weights(trainer))
     finally:
         trainer.shutdown()

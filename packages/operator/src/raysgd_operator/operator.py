@@ -320,7 +320,8 @@ class TrainingOperator(OperatorBase):
         accumulation windows are aligned on) and the call's ``info``.
 
         Calls ``train_batch`` per batch, steps "batch" schedulers after each optimizer step and
-        "epoch" schedulers at the end, and averages the returned dicts weighted by their ``num_samples``.
+        "epoch" schedulers after an epoch's last batch (once per epoch, however many calls it
+        took; with batches other than the runner's, at the end of the call), and averages the returned dicts weighted by their ``num_samples``.
         The metrics go into the meters the runner hands over with the batches (``iterator.meters``),
         so that a call that goes on after a recovery reports all of its steps.
         Metrics returned as one-element tensors are read from the device once, at the end of the call
@@ -337,6 +338,9 @@ class TrainingOperator(OperatorBase):
             epoch_name += f"/{info['num_epochs']}"
         bar = self._progress(iterator, f"{epoch_name}e")
         rate = _BarRate(self.world_size) if bar is not None else None
+        # The runner's batches say where an epoch ends, however many calls it takes: "epoch"
+        # schedulers step there. Batches of another kind end their epoch with the call.
+        epoch_due = getattr(iterator, "end_of_epoch_due", None)
         try:
             for batch_idx, batch in enumerate(iterator, start=first):
                 batch_info = {
@@ -350,6 +354,9 @@ class TrainingOperator(OperatorBase):
                 stepped = (self.global_step + 1) % self.options.accumulate_grad_batches == 0
                 if self.options.scheduler_step_freq == "batch" and stepped:
                     self._step_schedulers()
+                if self.options.scheduler_step_freq == "epoch" and epoch_due is not None:
+                    if epoch_due():
+                        self._step_schedulers()
                 num_samples = metrics.pop(NUM_SAMPLES, 1)
                 other_than_rows = _counts_other_than_rows(num_samples, batch)
                 if other_than_rows and isinstance(iterator, CallBatches):
@@ -369,8 +376,9 @@ class TrainingOperator(OperatorBase):
             if bar is not None:
                 bar.close()
         # A call stopped early to move workers goes on later: its epoch has not ended.
-        if self.options.scheduler_step_freq == "epoch" and not getattr(iterator, "yielded", False):
-            self._step_schedulers()
+        if self.options.scheduler_step_freq == "epoch" and epoch_due is None:
+            if not getattr(iterator, "yielded", False):
+                self._step_schedulers()
         return meters.summary()
 
     def _step_schedulers(self) -> None:

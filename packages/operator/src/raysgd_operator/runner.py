@@ -125,6 +125,9 @@ class OperatorRunner:
         # leaves `step` behind it: the steps up to it belong to calls already made, and the next
         # call does them again before its own.
         self._trained_to = 0
+        # The last epoch whose end a loop acted on (`end_of_epoch_due`): like the schedulers it
+        # steps, it is not taken back when a window is done again.
+        self._epoch_ended = 0
         self._call: CallRecord | None = None
         self._finished_at: float | None = None
         self._meters: AverageMeterCollection | None = None
@@ -149,6 +152,7 @@ class OperatorRunner:
         self._val = BatchStream(self.components, "validation")
         self.operator = operator_cls(config, components=self.components)
         self._before_step_hooks: list[Callable[[], None]] = []
+        self._window_start_hooks: list[Callable[[], None]] = []
         self.journal = StepJournal(
             self.components.optimizers, self.components.models, before_step=self._before_step
         )
@@ -186,6 +190,14 @@ class OperatorRunner:
             "__use_fp16__": self.options.use_fp16,
         }
 
+    def end_of_epoch_due(self, epoch: int | None) -> bool:
+        """The training loop reached `epoch`'s last batch: True the first time only."""
+        epoch = self.epoch if epoch is None else epoch
+        if epoch <= self._epoch_ended:
+            return False
+        self._epoch_ended = epoch
+        return True
+
     def pass_started(self, resuming: bool) -> int:
         """A training pass begins (called by the training stream): a new one is a new epoch."""
         if not resuming:
@@ -209,7 +221,13 @@ class OperatorRunner:
         op.timers.enabled = profile
         op.timers.reset()
         call = self._call
-        if call is None or call.finished or call_id is None or call.call_id != call_id:
+        # The same call again after it ended here (a peer was lost once this worker was done):
+        # its record and metrics stand, and nothing is left to train.
+        done = call is not None and call.finished and call_id is not None
+        done = done and call.call_id == call_id
+        if not done and (
+            call is None or call.finished or call_id is None or call.call_id != call_id
+        ):
             # A new call's own steps begin where training had got to: steps a recovery or a load
             # went back over are done again first, and are not the call's.
             start = max(self.step, self._trained_to)
@@ -231,6 +249,19 @@ class OperatorRunner:
                 self.epoch += 1
                 self._call = call = dataclasses.replace(call, epoch=self.epoch)
             batches: Any = _MissingLoader("train")
+        elif (
+            done
+            or remaining == 0
+            or (
+                remaining is None
+                and call.epoch is not None
+                and self.epoch >= call.epoch
+                and not self._train.is_open()
+            )
+        ):
+            # The call had reached its end when it stopped (a peer lost after its last batch):
+            # nothing is left of it. No pass begins: beginning one draws its iterator's seed.
+            batches = CallBatches(iter(()), 0, meters=meters, first_index=call.steps)
         else:
             # A call restored to a snapshot from an earlier epoch first finishes the epochs
             # before its own.
@@ -240,11 +271,6 @@ class OperatorRunner:
             )
             if call.epoch is None:
                 self._call = call = dataclasses.replace(call, epoch=self.epoch)
-            elif remaining is None and self.epoch > call.epoch:
-                # The call's epoch had just ended when the call stopped: nothing is left of it.
-                self.epoch -= 1
-                self._train.reset()
-                batches = CallBatches(iter(()), 0, meters=meters, first_index=call.steps)
         call_info = {**self._base_info(num_steps), "epoch_idx": self.epoch - 1, **(info or {})}
         finished = False
         try:
@@ -267,9 +293,8 @@ class OperatorRunner:
             self._call, finished=not self.yielded, loop_s=loop_s
         )
         if self.at_window_start:
-            # What the loop did after its last batch (an "epoch" scheduler's step) belongs to
-            # the window start it ended at.
-            self._window = self._mark_window_start()
+            # What the loop did after its last batch belongs to the window start it ended at.
+            self._remark_window_start()
         metrics["epoch"] = self.epoch
         if call.recovered and BATCH_COUNT in metrics:
             metrics[BATCH_COUNT] = call.steps  # the call's steps, before and after the recovery
@@ -407,6 +432,20 @@ class OperatorRunner:
                 meters.rewind(mark)
                 self._meters = meters
 
+    def _remark_window_start(self) -> None:
+        """Mark the window start in progress again, at the same step, with what changed since
+        (see `add_window_start_hook`)."""
+        self._window = self._mark_window_start()
+        for hook in self._window_start_hooks:
+            hook()
+
+    def add_window_start_hook(self, hook: Callable[[], None]) -> None:
+        """Call `hook()` whenever the window start in progress is marked again at the same step
+        because what it holds changed: a call ended there (what its loop did after its last
+        batch belongs to it) or a validation ran there (its draws do). Every worker does so at
+        the same point."""
+        self._window_start_hooks.append(hook)
+
     def add_before_step_hook(self, hook: Callable[[], None]) -> None:
         """Call `hook()` just before each optimizer step (so at the end of an accumulation
         window, once its gradients are whole), on the training thread. `upcoming_rank_slot` is
@@ -448,6 +487,7 @@ class OperatorRunner:
         else:
             self._check_validation_split()
             batches = self._val.begin_call(num_steps)
+        at_start = self.at_window_start
         self._validations_in_window += 1
         finished = False
         try:
@@ -456,6 +496,11 @@ class OperatorRunner:
             finished = True
         finally:
             self._val.end_call(num_steps, finished=finished)
+        if at_start:
+            # A validation between windows draws from the generators (its loader's iterator
+            # takes a seed): those draws belong to the window start, as to the uninterrupted
+            # run, which goes on after them.
+            self._remark_window_start()
         if profile:
             metrics["profile"] = op.timers.stats()
         return metrics
@@ -547,7 +592,11 @@ class OperatorRunner:
     def position_state(self) -> dict[str, Any]:
         """This worker's counters and place in the epoch at the start of the accumulation window
         in progress (a part of `state_dict`), and ``trained_to``, the furthest step trained."""
-        return {**self._window.position, "trained_to": self._trained_to}
+        return {
+            **self._window.position,
+            "trained_to": self._trained_to,
+            "epoch_ended": self._epoch_ended,
+        }
 
     def adopt(self, position: Mapping[str, Any], call: CallRecord | None) -> None:
         """Go on from the recovery source's `position_state` and call: the next `train_epoch` with
@@ -564,6 +613,7 @@ class OperatorRunner:
         # This worker's own generator state for the loader's seed (its peers' differ).
         self._set_position(position, pass_seed=self._train.pass_seed)
         self._trained_to = int(position.get("trained_to", self.step))
+        self._epoch_ended = _epoch_ended(position, self._epoch_ended)
         self._val.reset()
         if call is None:
             self._call = None
@@ -595,6 +645,7 @@ class OperatorRunner:
         own per-rank state, its place and the call it was in, with the metrics it recorded."""
         self.load_state_dict(old.state_dict(live=True))
         self._call, self._meters, self._trained_to = old._call, old._meters, old._trained_to
+        self._epoch_ended = old._epoch_ended
         self.load_rank_slot(old.rank_slot())
 
     @property
@@ -608,6 +659,13 @@ class OperatorRunner:
         operator's per-rank state (`TrainingOperator.rank_state_dict`, None without one), the
         random generators and the loader's seed of the epoch; plain, on the CPU."""
         return self._window.rank.to_plain()
+
+    def rank_slot_before(self) -> Optional[tuple[int, dict[str, Any]]]:
+        """(its step, this rank's slot) of the window start before the one in progress, plain,
+        on the CPU (see `rank_slot`); None when none is kept (before the first window ended,
+        and after a restore or a load)."""
+        before = self._window_before
+        return None if before is None else (before.step, before.rank.to_plain())
 
     def load_rank_slot(self, slot: Optional[Mapping[str, Any]]) -> None:
         """Take `slot` (a `rank_slot` of the rank whose place this worker takes) as this worker's:
@@ -688,6 +746,7 @@ class OperatorRunner:
         op.load_state_dict(state.get("operator"))
         self._set_position(state)
         self._trained_to = int(state.get("trained_to", self.step))
+        self._epoch_ended = _epoch_ended(state, self._epoch_ended)
         self._val.reset()
         self._window = self._mark_window_start()
 
@@ -813,6 +872,17 @@ class OperatorRunner:
         self._train.reset()
         self._val.reset()
         self._window = self._mark_window_start()
+
+
+def _epoch_ended(state: Mapping[str, Any], default: int) -> int:
+    """The last epoch whose end was acted on, from a state's position (one saved before it was
+    kept: every epoch before the state's, and the state's own when it had ended)."""
+    if "epoch_ended" in state:
+        return int(state["epoch_ended"])
+    if "epoch" not in state:
+        return default
+    epoch = int(state["epoch"])
+    return epoch - 1 if state.get("in_epoch", False) else epoch
 
 
 def _swap_references(operator: TrainingOperator, replaced: Mapping[int, nn.Module]) -> None:

@@ -39,12 +39,19 @@ _EXTRA_WEIGHTS = {
 
 @dataclass
 class Fault:
-    """One fault of the schedule: when (seconds from the start) and what; what happened to it."""
+    """One fault of the schedule: when (seconds from the start) and what; what happened to it.
+    `eager_after_s`: injected that long after the fault before it, while the group is still
+    recovering from that one (None: at `at_s`, once the group is whole)."""
 
     at_s: float
     kind: str
     injected_s: Optional[float] = None
     detail: dict[str, Any] = field(default_factory=dict)
+    eager_after_s: Optional[float] = None
+
+
+#: The share of the faults after the first that do not wait for the group to be whole.
+EAGER_SHARE = 0.25
 
 
 def plan_faults(
@@ -66,7 +73,13 @@ def plan_faults(
         others.insert(len(others) // 2, "driver")
     start, span = 0.03 * duration_s, 0.9 * duration_s
     slot = span / max(1, len(others))
-    return [
+    faults = [
         Fault(round(start + i * slot + rng.uniform(0.15, 0.85) * slot, 1), kind)
         for i, kind in enumerate(others)
     ]
+    # Some faults come while the group still recovers from the one before, right after it.
+    for before, fault in zip(faults, faults[1:]):
+        if fault.kind != "driver" and before.kind != "driver" and rng.random() < EAGER_SHARE:
+            fault.eager_after_s = round(rng.uniform(1.0, 5.0), 1)
+            fault.at_s = round(before.at_s + fault.eager_after_s, 1)
+    return faults

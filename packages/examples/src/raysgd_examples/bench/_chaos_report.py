@@ -12,7 +12,11 @@ import torch
 from raysgd_examples.bench._chaos_faults import Fault
 from raysgd_examples.bench._chaos_job import JOB, read_json
 
-__all__ = ["ChaosRun", "print_report", "report", "rows_report"]
+__all__ = ["WEIGHT_TOLERANCE", "ChaosRun", "print_report", "report", "rows_report"]
+
+#: How far the final weights may be from the clean run's at the same size: the last bits of
+#: float32 sums that a re-formed DDP group adds in another order.
+WEIGHT_TOLERANCE = 1e-6
 
 
 class ChaosRun(Protocol):
@@ -27,6 +31,7 @@ class ChaosRun(Protocol):
     drivers: list[dict[str, Any]]
     problems: list[str]
     stop_outcomes: list[dict[str, Any]]
+    driver_restart_s: float
 
 
 def rows_report(folder: Path, rows: int, epochs: int) -> dict[str, Any]:
@@ -181,6 +186,8 @@ def report(chaos: ChaosRun, ref: dict[str, Any], schedule: list[Fault]) -> dict[
             "trainer": round(productive / wall, 4) if wall else None,
             "trainer_wall_s": round(wall, 1),
             "lost_s": {k: round(v, 1) for k, v in lost_s.items() if v},
+            # Outside any trainer: from the driver's kill to the resumed one training.
+            "driver_restart_s": round(chaos.driver_restart_s, 1),
             "reference_s": round(ref["loop_s"], 1),
             "chaos_s": round(chaos_s, 1),
             "wall": round(ref["loop_s"] / chaos_s, 4) if chaos_s else None,
@@ -222,9 +229,14 @@ def report(chaos: ChaosRun, ref: dict[str, Any], schedule: list[Fault]) -> dict[
             f"{len(silent)} workers were found silent (their peers' bound ran out) and killed, "
             f"{stops} of them stopped by this benchmark"
         )
-    if result["max_weight_difference"] > 1e-5 and not inexact:
+    # A fault must not change the result: at the clean run's size, any difference beyond float
+    # summation order is a problem, whatever the events said of it.
+    final_size = resizes[-1]["after"] if resizes else chaos.workers
+    result["final_workers"] = final_size
+    if result["max_weight_difference"] > WEIGHT_TOLERANCE and final_size == chaos.workers:
         result["problems"].append(
-            f"the weights differ by {result['max_weight_difference']:.3g} with no inexact recovery"
+            f"the weights differ by {result['max_weight_difference']:.3g} from the clean run "
+            f"({len(inexact)} recoveries said to be inexact)"
         )
     return result
 
@@ -254,7 +266,8 @@ def print_report(result: dict[str, Any]) -> None:
         f"{s['from_rows']} from the rows"
     )
     print(
-        f"  goodput: trainer {g['trainer']} (lost s: {g['lost_s']}); "
+        f"  goodput: trainer {g['trainer']} (lost s: {g['lost_s']}; driver restart "
+        f"{g['driver_restart_s']} s); "
         f"wall {g['wall']} (reference {g['reference_s']} s / chaos {g['chaos_s']} s)"
     )
     print(f"  inexact recoveries: {len(result['inexact'])} of {result['resizes']} resizes")

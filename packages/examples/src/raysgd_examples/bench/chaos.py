@@ -12,7 +12,8 @@ It runs on a `ray.cluster_utils.Cluster` (a head without CPUs and `--nodes` node
 room for the workers, the spare and a node's workers moving elsewhere). The driver is a process
 of its own (`_chaos_job`, which also holds the job), so that it can be killed and started again
 with ``resume=True``; this process owns the cluster and injects the faults, each at its time once
-the group is whole again (all ranks training, every node back):
+the group is whole again (all ranks training, every node back), or, for about a quarter of them,
+a few seconds after the fault before, while the group still recovers from it:
 
 - ``sigkill``: a random worker SIGKILLed at a random moment (a forward, a backward, an
   optimizer step, a checkpoint's copy, a window's end: wherever it is);
@@ -102,6 +103,8 @@ class Chaos:
         self.deadline = float("inf")
         self.proc: Optional[subprocess.Popen] = None
         self.killed_driver = False
+        #: From the driver's kill to its successor training again (resume=True), in all.
+        self.driver_restart_s = 0.0
 
     # ----------------------------------------------------------------- bookkeeping
     def say(self, text: str) -> None:
@@ -218,8 +221,9 @@ class Chaos:
                     break
                 raise ProductProblem(self._driver_died())
             self._maintain(now)
-            if queue and now < self.deadline and now - self.start >= queue[0].at_s:
-                if self.healthy() or now - self.start >= queue[0].at_s + self.args.health_wait:
+            if queue and now < self.deadline and self._due(queue[0], now):
+                waited = now - self.start >= queue[0].at_s + self.args.health_wait
+                if queue[0].eager_after_s is not None or self.healthy() or waited:
                     fault = queue.pop(0)
                     if not self.healthy():
                         fault.detail["group_not_whole"] = True
@@ -242,6 +246,15 @@ class Chaos:
             self.faults.append(fault)
         self.chaos_end = time.time()
         self._settle()
+
+    def _due(self, fault: Fault, now: float) -> bool:
+        """Whether `fault`'s time has come: its own, or, for one injected while the group
+        recovers, its delay after the fault before it."""
+        if fault.eager_after_s is not None and self.faults:
+            injected = self.faults[-1].injected_s
+            if injected is not None:
+                return now - self.start >= injected + fault.eager_after_s
+        return now - self.start >= fault.at_s
 
     def _settle(self) -> None:
         """Every node back, every stopped process gone (before the reference run)."""
@@ -271,17 +284,26 @@ class Chaos:
                 self.say(f"node added ({len(self.cluster.worker_nodes)} nodes)")
             elif action == "kill":
                 pid, fault = arg
-                if _common.process_alive(pid):
-                    os.kill(pid, signal.SIGKILL)
+                if _signal(pid, signal.SIGKILL):
                     fault.detail.setdefault("pids", []).append(pid)
                     self.say(f"burst: second kill, pid {pid}")
+                else:
+                    fault.detail["second_gone_before"] = pid
+                    self.say(f"burst: pid {pid} had ended before its kill")
+        bound = self.args.peer_timeout
         for pid, when in list(self.stopped.items()):
             if not _common.process_alive(pid):
-                self.stop_outcomes.append({"pid": pid, "gone_after_s": round(now - when, 1)})
-                self.say(f"stopped pid {pid} gone after {now - when:.1f} s")
+                found_s = round(now - when, 1)
+                self.stop_outcomes.append({"pid": pid, "gone_after_s": found_s})
+                self.say(f"stopped pid {pid} gone after {found_s:.1f} s")
+                if found_s > 2 * bound:
+                    self.problems.append(
+                        f"a stopped worker (pid {pid}) was found after {found_s:.1f} s, more "
+                        f"than twice its bound (peer_timeout_s={bound:g})"
+                    )
                 del self.stopped[pid]
             elif now - when > _STOPPED_KILL_S:
-                os.kill(pid, signal.SIGKILL)
+                _signal(pid, signal.SIGKILL)
                 self.stop_outcomes.append({"pid": pid, "killed_by_bench_after_s": now - when})
                 self.problems.append(
                     f"a stopped worker (pid {pid}) was still alive {now - when:.0f} s later"
@@ -298,6 +320,9 @@ class Chaos:
         self.launch(resume=True, name="(resumed)")
         self.wait_training(600)
         status = self.status()
+        killed = next(f for f in reversed(self.faults) if f.kind == "driver")
+        assert killed.injected_s is not None
+        self.driver_restart_s += time.time() - self.start - killed.injected_s
         self.say(
             f"resumed at step {status.get('resumed_step')} (epoch {status.get('resumed_epoch')})"
         )
@@ -309,7 +334,7 @@ class Chaos:
         kind = fault.kind
         if kind == "driver":
             fault.detail.update(pid=self.proc.pid, epoch=self.status().get("epoch"))
-            os.kill(self.proc.pid, signal.SIGKILL)
+            _signal(self.proc.pid, signal.SIGKILL)
             self.killed_driver = True
             self.say(f"driver {len(self.drivers)} SIGKILLed")
             return
@@ -317,8 +342,11 @@ class Chaos:
             fault.detail["not_injected"] = "no live worker to pick"
             return
         victim = group[self.rng.choice(sorted(group))]
+        if kind in ("sigkill", "burst", "sigstop"):
+            victim = self._signal_one(fault, group, victim, kind)
+            if victim is None:
+                return
         if kind in ("sigkill", "burst"):
-            os.kill(victim["pid"], signal.SIGKILL)
             fault.detail.update(pids=[victim["pid"]], rank=victim["rank"])
             self.say(f"{kind}: rank {victim['rank']} (pid {victim['pid']}) SIGKILLed")
             if kind == "burst":
@@ -332,7 +360,6 @@ class Chaos:
         elif kind == "sigkill:checkpoint":
             self._kill_in_checkpoint(fault, group)
         elif kind == "sigstop":
-            os.kill(victim["pid"], signal.SIGSTOP)
             self.stopped[victim["pid"]] = time.time()
             fault.detail.update(pid=victim["pid"], rank=victim["rank"])
             self.say(f"sigstop: rank {victim['rank']} (pid {victim['pid']}) stopped")
@@ -353,6 +380,26 @@ class Chaos:
                 self.say(f"remove: node {node_id[:8]} ({on[node_id]} workers) removed")
         else:
             raise ValueError(f"unknown fault {kind!r}")
+
+    def _signal_one(
+        self,
+        fault: Fault,
+        group: dict[int, dict[str, Any]],
+        victim: dict[str, Any],
+        kind: str,
+    ) -> Optional[dict[str, Any]]:
+        """Send `kind`'s signal to `victim`, or, when its process ended between the choice and
+        the signal (a loss of its own, a recovery's kill), to another live worker; the one
+        signalled (None: none was left). The fault's detail lists the ones that had ended."""
+        sig = signal.SIGSTOP if kind == "sigstop" else signal.SIGKILL
+        candidates = [victim] + [s for r, s in sorted(group.items()) if s is not victim]
+        for candidate in candidates:
+            if _signal(candidate["pid"], sig):
+                return candidate
+            fault.detail.setdefault("ended_before_signal", []).append(candidate["pid"])
+            self.say(f"{kind}: pid {candidate['pid']} had ended before its signal; choosing again")
+        fault.detail["not_injected"] = "every worker chosen had ended before its signal"
+        return None
 
     def _phase_exit(self, fault: Fault, rank: int) -> None:
         phase = fault.kind.split(":", 1)[1]
@@ -385,7 +432,13 @@ class Chaos:
             for entry in os.scandir(root):
                 if entry.name not in seen and entry.is_dir():
                     if not os.path.exists(os.path.join(entry.path, MANIFEST_NAME)):
-                        os.kill(pid, signal.SIGKILL)
+                        if not _signal(pid, signal.SIGKILL):
+                            # Rank 0 ended on its own meanwhile: the rank 0 of the group now.
+                            fault.detail.setdefault("ended_before_signal", []).append(pid)
+                            self.say(f"sigkill:checkpoint: pid {pid} had ended; choosing again")
+                            now = self.group()
+                            pid = now[0]["pid"] if 0 in now else None
+                            break
                         fault.detail.update(pid=pid, rank=0, folder=entry.name)
                         self.say(f"sigkill:checkpoint: rank 0 (pid {pid}) killed in {entry.name}")
                         return
@@ -393,6 +446,16 @@ class Chaos:
             time.sleep(0.001)
         fault.detail["not_injected"] = "no checkpoint caught in progress within 60 s"
         self.say("sigkill:checkpoint: none caught in progress")
+
+
+def _signal(pid: int, sig: int) -> bool:
+    """Send `sig` to `pid`; False when the process had ended (it may end on its own at any
+    moment: a loss of its own, a kill by the recovery)."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------- main

@@ -48,6 +48,10 @@ class PassListener(Protocol):
         """The loop finished a batch; `rows` is what the whole group read in that step, when
         the loader is planned or can tell from the batch (a dataset shard), else None."""
 
+    def end_of_epoch_due(self, epoch: int | None) -> bool:
+        """A loop reached the last batch of `epoch`: whether that end is to be acted on now
+        (True once per epoch: not when the batch is done again after a recovery or a load)."""
+
 
 def missing_loader_error(kind: str) -> ValueError:
     """The error of drawing batches of `kind` without a loader of that kind."""
@@ -111,8 +115,9 @@ class CallBatches:
         *,
         meters: Any = None,
         first_index: int = 0,
+        stream: Optional[BatchStream] = None,
     ) -> None:
-        self._batches, self._length = batches, length
+        self._batches, self._length, self._stream = batches, length, stream
         self.meters, self.first_index = meters, first_index
         #: The place in its epoch of the batch handed out last: the steps of that epoch finished
         #: before it (0: the epoch's first batch), however many calls, loads or recoveries
@@ -128,6 +133,14 @@ class CallBatches:
 
     def __iter__(self) -> Iterator[Any]:
         return self._batches
+
+    def end_of_epoch_due(self) -> bool:
+        """Whether the batch handed out last is the last of its epoch, and that end was not
+        acted on before: True once per epoch, however many calls, recoveries or loads it
+        took. Asked by a loop once it is done with the batch, before it asks for the next (the
+        default loop steps its "epoch" schedulers there, so that the state at the epoch's last
+        step, a checkpoint's included, holds that step)."""
+        return self._stream is not None and self._stream.end_of_epoch_due()
 
     def __len__(self) -> int:
         if self._length is None:
@@ -264,7 +277,11 @@ class BatchStream:
             length = None  # several passes: not known ahead
         self.stop_requested = False
         self._current = CallBatches(
-            self._draw(num_steps, until_epoch), length, meters=meters, first_index=first_index
+            self._draw(num_steps, until_epoch),
+            length,
+            meters=meters,
+            first_index=first_index,
+            stream=self,
         )
         return self._current
 
@@ -317,6 +334,17 @@ class BatchStream:
             # The saved position was the end of its epoch (a pass of unknown length cannot tell
             # before it is drawn past): that epoch is done, so start the next one.
             self._new_pass()
+
+    def end_of_epoch_due(self) -> bool:
+        """Whether the batch in the loop's hands is the last of its pass (one of unknown length
+        is drawn ahead to tell) and the listener has that epoch's end still to act on."""
+        if not self.in_flight or self.iterator is None:
+            return False
+        length = _known_len(self._loader())
+        last = self.position + 1 >= length if length is not None else self._peek() is _END
+        if not last:
+            return False
+        return self._listener is not None and self._listener.end_of_epoch_due(self.epoch_of_pass)
 
     def _peek(self) -> Any:
         """Draw the next batch ahead (kept for the next draw); _END when the pass is over."""

@@ -152,7 +152,7 @@ class ReplicatedState(WorkerState):
         if rank in plan.receivers:
             runner.load_state_dict(received)
         _adopt_from(runner, plan.source)
-        slot = _move_slots(plan.slot_moves, own, copies, replicas_for(runner).group())
+        slot = _move_slots(plan.slot_moves, plan.step, own, copies, replicas_for(runner).group())
         # The slot of the rank whose place this worker takes, when another worker held it; else
         # its own (a survivor's, also when it received the source's state, which carries the
         # source's generators); a new worker with none starts its per-rank state afresh.
@@ -204,11 +204,16 @@ class _WholeHostCopy(HostCopy):
 
 
 def _move_slots(
-    moves: Sequence[SlotMove], own: Optional[dict], copies: Mapping[int, PeerSlot], group: Any
+    moves: Sequence[SlotMove],
+    step: int,
+    own: Optional[dict],
+    copies: Mapping[tuple[int, int], PeerSlot],
+    group: Any,
 ) -> Optional[dict]:
-    """Send and receive the rank slots of `moves` over `group`: a holder sends its `own` slot or
-    its copy of another rank's (`copies`, by that rank). Returns the slot this worker receives,
-    or None (every worker calls this)."""
+    """Send and receive the rank slots of `moves` as of `step` over `group`: a holder sends its
+    `own` slot or a copy it keeps (`copies`, by rank and step: another rank's, or its own of an
+    earlier window start). Returns the slot this worker receives, or None (every worker calls
+    this)."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -217,7 +222,7 @@ def _move_slots(
         if move.holder != rank:
             continue
         if move.replica:
-            data = copies[move.rank].data
+            data = copies[(move.rank, step)].data
         else:
             data = encode_slot(own)
         if move.receiver == rank:
