@@ -19,6 +19,10 @@ def test_the_schedule_is_seeded_takes_every_kind_and_kills_the_driver_once_mid_r
     assert abs(kinds.index("driver") - len(kinds) // 2) <= 1
     times = [f.at_s for f in schedule]
     assert times == sorted(times) and 0.03 * 600 <= times[0] and times[-1] <= 0.93 * 600
+    # Some come while the group still recovers from the fault before: seconds after it.
+    eager = [(b, f) for b, f in zip(schedule, schedule[1:]) if f.eager_after_s is not None]
+    assert eager and all(1.0 <= f.eager_after_s <= 5.0 for _, f in eager)
+    assert all(f.at_s == round(b.at_s + f.eager_after_s, 1) for b, f in eager)
     # Fewer faults than kinds: the first kinds, in their order; only the allowed ones.
     assert sorted(f.kind for f in plan_faults(2, 60.0, seed=0)) == sorted(KINDS[:2])
     assert {f.kind for f in plan_faults(6, 60.0, seed=0, kinds_allowed=("sigkill",))} == {"sigkill"}

@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -117,6 +118,7 @@ class ExactOperator(TrainingOperator):
         for rank, step in kills:
             if (rank, step) == (self.world_rank, self.global_step):
                 if self._first(f"{name}{rank}-{step}"):
+                    _await_a_checkpoint(self._faults().get("await_checkpoint"))
                     os._exit(1)
 
     def _after_step(self, *args: Any) -> None:
@@ -157,6 +159,16 @@ class ExactOperator(TrainingOperator):
 
     def load_rank_state_dict(self, state: Any) -> None:
         self.carried = torch.zeros(8) if state is None else state["carried"]
+
+
+def _await_a_checkpoint(root: Optional[str], timeout_s: float = 60.0) -> None:
+    """Wait (bounded) until `root` holds a complete checkpoint (its writer runs in the
+    background: a fault that must find one waits for it rather than racing it)."""
+    if root is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    while newest_complete(root) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _arm(plan: Path, markers: Optional[Path] = None, **faults: Any) -> None:
@@ -353,6 +365,47 @@ def test_a_loss_inside_a_resize_and_survivors_a_window_apart_keep_the_clean_weig
         assert all(e.inexact == () for e in resizes), [e.inexact for e in resizes]
         assert resizes[-1].steps_redone == 4, resizes[-1]
         _assert_equal(_weights(trainer), expected)
+
+
+def test_a_burst_that_takes_every_holder_of_a_slot_goes_back_to_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    # Ranks 1, 2 and 3 of 4 are lost at once, inside the window that starts at step 12. Rank 1's
+    # slot of step 12 was held by itself and its two successors, all lost: no survivor can go on
+    # exactly. The periodic checkpoint at step 8 holds every rank's: the group goes back to it
+    # and redoes the steps since, and the call counts each of its rows once.
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    plan = tmp_path / "plan.json"
+    periodic = tmp_path / "periodic"
+    _arm(plan)
+    trainer = _trainer(
+        "ddp",
+        4,
+        config={"plan": str(plan)},
+        checkpoint_dir=str(periodic),
+        checkpoint_every=8,
+        keep_checkpoints=1,  # only the newest: the one at step 8 when the burst comes
+        spare_workers=1,
+        failure_policy=DefaultPolicy(replace_in_background=False),
+    )
+    try:
+        start = tmp_path / "start.pt"
+        trainer.save(start)
+        burst = [(1, 14), (2, 14), (3, 14)]
+        _arm(plan, markers, kills=burst, await_checkpoint=str(periodic))
+        assert trainer.train()["num_samples"] == ROWS
+        resizes = [e for e in trainer.recovery_events if e.kind == "resize"]
+        assert resizes and all(e.num_workers_after == WORKERS for e in resizes)
+        assert all(e.inexact == () for e in resizes), [e.inexact for e in resizes]
+        assert any("checkpoint" in (e.source or "") for e in resizes), [e.source for e in resizes]
+        faulted = _weights(trainer)
+        _arm(plan)
+        trainer.load(start)
+        trainer.train()
+        _assert_equal(faulted, _weights(trainer))
+    finally:
+        trainer.shutdown()
 
 
 DRIVER = textwrap.dedent(

@@ -46,6 +46,8 @@ __all__ = [
     "SnapshotPlan",
     "TrainAnswer",
     "WatchSpec",
+    "call_from_meta",
+    "call_meta",
 ]
 
 
@@ -270,6 +272,40 @@ class RestorePlan:
             fallback=fallback,
             description=description,
         )
+
+
+def call_meta(call: Optional[CallRecord]) -> Optional[dict[str, Any]]:
+    """`call` as plain JSON-able data, for a periodic checkpoint's manifest: a restore that goes
+    back to the checkpoint goes on with the call from there, its count up to there kept."""
+    if call is None or not isinstance(call.call_id, (int, str)):
+        return None
+    return {
+        "call_id": call.call_id,
+        "num_steps": call.num_steps,
+        "start_step": call.start_step,
+        "steps": call.steps,
+        "rows": call.rows,
+        "epoch": call.epoch,
+        "loop_s": call.loop_s,
+    }
+
+
+def call_from_meta(meta: Any) -> Optional[CallRecord]:
+    """The call `call_meta` wrote (None for anything else)."""
+    if not isinstance(meta, Mapping):
+        return None
+    try:
+        return CallRecord(
+            call_id=meta["call_id"],
+            num_steps=meta["num_steps"],
+            start_step=int(meta["start_step"]),
+            steps=int(meta["steps"]),
+            rows=meta["rows"],
+            epoch=meta["epoch"],
+            loop_s=float(meta["loop_s"]),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 # ------------------------------------------------------------------------------ a load

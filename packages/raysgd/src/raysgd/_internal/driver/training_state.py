@@ -21,11 +21,12 @@ import errno
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Optional, Union
 
 from raysgd._internal.driver.state_copy import DriverCopy
 from raysgd._internal.driver.worker_calls import WorkerCalls
-from raysgd._internal.protocol import LoadSource, RestorePlan
+from raysgd._internal.protocol import LoadSource, RestorePlan, call_from_meta
 from raysgd._internal.state.kind import StateKind
 from raysgd._internal.state.pick import reader_at, reader_of_state
 from raysgd._internal.state.plan import RestoreOutcome, StateLostError
@@ -130,6 +131,11 @@ class TrainingState:
         plan = self._kind.plan(holdings, group.world_size, sources)
         if not plan.found:
             plan = self._fall_back(plan, holdings)
+        elif plan.inexact:
+            plan = self._exact_instead(plan, group.world_size)
+        resized = _resplit(report, group.world_size)
+        if resized:
+            plan = replace(plan, inexact=(*plan.inexact, resized))
         if plan.inexact:
             logger.warning(
                 "the run goes on from step %d, but not exactly as it would have without the "
@@ -142,6 +148,32 @@ class TrainingState:
         self.step = plan.step
         return RestoreOutcome(
             plan.description, plan.step, plan.steps_redone, plan.finished_at, plan.inexact
+        )
+
+    def _exact_instead(self, plan: RestorePlan, world_size: int) -> RestorePlan:
+        """`plan` (from the survivors, inexact: every holder of some rank's slot was lost) or,
+        when `checkpoint_dir` has one, the newest complete checkpoint written by a group of this
+        size (it holds every rank's slot): going back further costs steps, never the result.
+        The interrupted call goes on from the checkpoint, its count up to there kept when the
+        checkpoint was taken inside it."""
+        newest = newest_complete(self._checkpoint_root) if self._checkpoint_root else None
+        if newest is None or newest.manifest.meta.get("world_size") != world_size:
+            return plan
+        call = plan.call
+        saved = call_from_meta(newest.manifest.meta.get("call"))
+        if call is not None and saved is not None and saved.same_call(call):
+            call = saved
+        what = f"checkpoint {newest.location.url} at step {newest.step}"
+        logger.warning(
+            "going back to %s, which holds every rank's state: the survivors do not (%s)",
+            what,
+            "; ".join(plan.inexact),
+        )
+        redone = max(0, plan.step - newest.step) + plan.steps_redone
+        back = plan.falling_back(self._source(newest.state_location), newest.step, what, redone)
+        # Nothing of the survivors' plan stays: every worker loads the checkpoint.
+        return replace(
+            back, call=call, inexact=(), source=None, receivers=(), snapshot=None, slot_moves=()
         )
 
     def _fall_back(self, plan: RestorePlan, holdings: Sequence[Any]) -> RestorePlan:
@@ -261,6 +293,21 @@ class TrainingState:
         (the workers that stay hold it); a sharded one is snapshotted now and each leaving
         worker's part given to a worker that stays (`StateKind.hand_over`)."""
         self._kind.hand_over(self._workers.group, leaving)
+
+
+def _resplit(report: Optional[RecoveryReport], world_size: int) -> str:
+    """Why a group that changed its size goes on otherwise than it would have (empty: it kept
+    its size): its rows are split anew."""
+    if report is None:
+        return ""
+    before = len(report.kept) + len(report.lost)
+    if before in (0, world_size):
+        return ""
+    return (
+        f"the group goes on at {world_size} workers where it trained at {before}: the rows are "
+        "split anew, so each rank's random draws go with other rows and the gradients are "
+        "summed in another order"
+    )
 
 
 def rank_sources(report: RecoveryReport, world_size: int) -> tuple[Optional[int], ...]:

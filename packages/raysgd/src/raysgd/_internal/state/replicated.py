@@ -137,11 +137,16 @@ class ReplicatedState(WorkerState):
         state = keep(cls(runner))
         if not plan.found:
             plan.fallback.load_into(runner, plan.rank_source(rank))
-            # The copy or checkpoint predates the interrupted call: every worker, kept or new,
-            # starts that call again from the loaded step (a survivor's own record of it would
-            # have it run fewer steps than the new workers, and the group would wait in a
-            # collective).
-            runner.adopt(runner.position_state(), None)
+            if plan.call is not None:
+                # A checkpoint the driver went back to instead of going on inexactly: the call
+                # goes on from its step (its metrics from there; its count as the plan says).
+                runner.adopt_snapshot(plan.call, None)
+            else:
+                # The copy or checkpoint predates the interrupted call: every worker, kept or
+                # new, starts that call again from the loaded step (a survivor's own record of
+                # it would have it run fewer steps than the new workers, and the group would
+                # wait in a collective).
+                runner.adopt(runner.position_state(), None)
             this_worker().slot_of = (rank, ctx.generation)
             return state
         assert plan.source is not None

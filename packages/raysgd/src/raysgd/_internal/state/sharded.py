@@ -226,7 +226,9 @@ class ShardedState(WorkerState):
         rank = ctx.world_rank
         if plan.snapshot is None:
             plan.fallback.load_into(runner, plan.rank_source(rank))
-            runner.adopt_snapshot(None, None)
+            # A checkpoint the driver went back to within the call (`plan.call`) goes on with
+            # it; the copy or a checkpoint from before it starts the call again.
+            runner.adopt_snapshot(plan.call, None)
             return state
         from raysgd_operator import sharded_memory
 

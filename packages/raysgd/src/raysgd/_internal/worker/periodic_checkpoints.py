@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from raysgd._internal.protocol import CheckpointPlan
+from raysgd._internal.protocol import CheckpointPlan, call_meta
 from raysgd._internal.storage.atomic_files import SCRATCH_PREFIX
 from raysgd._internal.storage.format import checkpoint_name, prune, write_manifest
 from raysgd._internal.storage.location import Storage
@@ -146,6 +146,9 @@ class PeriodicCheckpoints:
         self.blocked_s += time.perf_counter() - started
         expected = type(self.state).parts(ctx.world_size)
         rank = ctx.world_rank
+        # What a restore that goes back to this checkpoint needs besides its parts: whether it
+        # holds every rank's slot of the group it would restore, and the call's count up to it.
+        meta = {"world_size": ctx.world_size, "call": call_meta(runner.call)}
 
         def upload() -> None:
             try:
@@ -154,7 +157,12 @@ class PeriodicCheckpoints:
                 if rank == 0:
                     _wait_for(folder, expected)
                     write_manifest(
-                        folder, self.state.kind, epoch, step, expected=dict.fromkeys(expected)
+                        folder,
+                        self.state.kind,
+                        epoch,
+                        step,
+                        expected=dict.fromkeys(expected),
+                        meta=meta,
                     )
                     if plan.keep is not None:
                         prune(plan.root, keep=plan.keep)
