@@ -4,8 +4,9 @@ bound, replaced, and the job ends with the weights of the same job never interru
 One 4-worker ddp job (gradient accumulation over 4 batches, dropout, Python's and NumPy's
 generators, a per-rank state) is stopped once in every phase, one after the other: its forward
 pass, its backward pass, the gradient sync, the optimizer step, just after a window's step, the
-copy of its slot to its ring peer, a periodic checkpoint's copy, a recovery's restore, a spare
-joining, and the driver's gathering of a call's results. A worker stops itself the moment it gets
+copy of its slot to its ring peers, a periodic checkpoint's copy, a recovery's restore, a spare
+joining, and the driver's gathering of a call's results; the same job under fsdp in a snapshot
+of its shards and two of the others. A worker stops itself the moment it gets
 there (its own SIGSTOP: no sleep decides where), and notes when; the test notes when its process
 is gone. The collectives' slow bound is two minutes, so whatever finds a stop in a slow phase
 within seconds is the driver's probes (`peer_timeout_s`). Then the same job runs again from the
@@ -48,7 +49,8 @@ SLOW_S = 120.0
 #: (phase, rank, global step) of each stop, in the order the job meets them. None: the first
 #: worker to get there once the stop before it happened (a restore, a set-up: their rank and step
 #: are whatever the recovery makes them).
-STOPS: list[tuple[str, Optional[int], Optional[int]]] = [
+Stops = list[tuple[str, Optional[int], Optional[int]]]
+DDP_STOPS: Stops = [
     ("sync", 3, 3),  # first: a re-formed group's DDP no longer has the hook that stops it
     ("forward", 1, 9),
     ("backward", 2, 14),
@@ -59,6 +61,12 @@ STOPS: list[tuple[str, Optional[int], Optional[int]]] = [
     ("slot_copy", 2, 27),
     ("checkpoint_copy", 0, 32),
     ("gather", 3, 47),  # the job's last batch: no collective waits for it afterwards
+]
+#: fsdp: its own phase (a snapshot of the shards, every 4 steps here) and two of the others.
+FSDP_STOPS: Stops = [
+    ("snapshot", 1, 8),
+    ("forward", 2, 13),
+    ("after_step", 3, 27),
 ]
 
 
@@ -75,6 +83,14 @@ class StoppingOperator(TrainingOperator):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         gen = torch.Generator().manual_seed(1)
         x, y = torch.randn(ROWS, 8, generator=gen), torch.randn(ROWS, 4, generator=gen)
+        # Bound methods of an object that holds nothing: the model travels to the driver
+        # (`get_model`) with its hooks, and must not take the operator (and its DDP) along.
+        # Before `register`: fsdp keeps the model as registered to shard it anew after a loss.
+        stops = _Stops()
+        model[0].register_forward_pre_hook(stops.forward)
+        model[3].register_full_backward_pre_hook(stops.backward)
+        optimizer.register_step_pre_hook(stops.step)
+        optimizer.register_step_post_hook(stops.after_step)
         self.register(models=model, optimizers=optimizer, criterion=nn.MSELoss())
         self.register_data(
             train_loader=DataLoader(
@@ -85,13 +101,6 @@ class StoppingOperator(TrainingOperator):
         random.seed(2000 + self.world_rank)
         np.random.seed(3000 + self.world_rank)
         self.carried = torch.zeros(8)
-        # Bound methods of an object that holds nothing: the model travels to the driver
-        # (`get_model`) with its hooks, and must not take the operator (and its DDP) along.
-        stops = _Stops()
-        model[0].register_forward_pre_hook(stops.forward)
-        model[3].register_full_backward_pre_hook(stops.backward)
-        optimizer.register_step_pre_hook(stops.step)
-        optimizer.register_step_post_hook(stops.after_step)
         if isinstance(self.model, nn.parallel.DistributedDataParallel):
             self.model.register_comm_hook(None, stops.sync)
 
@@ -176,6 +185,7 @@ def _install_internal_stops() -> None:
     wraps the function that does it (once per process); the test fails if one never fires."""
     from raysgd._internal.state.replicated import ReplicatedState
     from raysgd._internal.worker.rank_replicas import RankReplicas
+    from raysgd._internal.worker.snapshots import Snapshots
 
     if getattr(RankReplicas, "_stops_installed", False):
         return
@@ -199,6 +209,13 @@ def _install_internal_stops() -> None:
         _stop_if_planned("restore", None)
         return restore(cls, *args)
 
+    take = Snapshots.take
+
+    def stopping_take(self: Any, **kwargs: Any) -> Any:
+        _stop_if_planned("snapshot", _step())
+        return take(self, **kwargs)
+
+    Snapshots.take = stopping_take
     RankReplicas._swap = stopping_swap
     ReplicatedState.copy_to_host = stopping_copy
     ReplicatedState.restore = classmethod(stopping_restore)
@@ -211,8 +228,8 @@ def _weights(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
 class _Watch:
     """Notes when each stopped process is gone (killed by raysgd)."""
 
-    def __init__(self, markers: Path) -> None:
-        self.markers = markers
+    def __init__(self, markers: Path, stops: Stops) -> None:
+        self.markers, self.stops = markers, stops
         self.stopped: dict[int, dict[str, Any]] = {}
         self.gone: dict[int, float] = {}
         self._done = threading.Event()
@@ -221,7 +238,7 @@ class _Watch:
 
     def _run(self) -> None:
         while not self._done.wait(0.05):
-            for index in range(len(STOPS)):
+            for index in range(len(self.stops)):
                 path = self.markers / f"stopped-{index}"
                 if index not in self.stopped and path.exists():
                     self.stopped[index] = json.loads(path.read_text())
@@ -237,7 +254,10 @@ class _Watch:
                 os.kill(stop["pid"], signal.SIGKILL)
 
 
-def test_a_worker_stopped_in_any_phase_is_found_and_the_result_is_kept(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("strategy", "stops"), [("ddp", DDP_STOPS), ("fsdp", FSDP_STOPS)])
+def test_a_worker_stopped_in_any_phase_is_found_and_the_result_is_kept(
+    strategy: str, stops: Stops, tmp_path: Path
+) -> None:
     markers = tmp_path / "markers"
     markers.mkdir()
     plan = tmp_path / "plan.json"
@@ -254,12 +274,14 @@ def test_a_worker_stopped_in_any_phase_is_found_and_the_result_is_kept(tmp_path:
         failure_policy=DefaultPolicy(replace_in_background=False),
         peer_timeout_s=BOUND_S,
         timeout_s=SLOW_S,
+        strategy=strategy,
+        **({"snapshot_every": 4} if strategy == "fsdp" else {}),
     )
-    watch = _Watch(markers)
+    watch = _Watch(markers, stops)
     try:
-        start = tmp_path / "start.pt"
+        start = tmp_path / ("start" if strategy == "fsdp" else "start.pt")
         trainer.save(start)
-        mark(tmp_path, plan.name, json.dumps({"stops": STOPS, "markers": str(markers)}))
+        mark(tmp_path, plan.name, json.dumps({"stops": stops, "markers": str(markers)}))
         for _ in range(EPOCHS):
             result = trainer.train(max_retries=20)
             assert result["num_samples"] == ROWS
@@ -267,11 +289,11 @@ def test_a_worker_stopped_in_any_phase_is_found_and_the_result_is_kept(tmp_path:
         events = list(trainer.recovery_events)
         # Every stop happened, and every stopped process was found and is gone.
         deadline = time.monotonic() + 30
-        while len(watch.gone) < len(STOPS) and time.monotonic() < deadline:
+        while len(watch.gone) < len(stops) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert sorted(watch.stopped) == list(range(len(STOPS))), sorted(watch.stopped)
-        assert sorted(watch.gone) == list(range(len(STOPS))), (watch.gone, watch.stopped)
-        found = {STOPS[i][0]: round(s, 1) for i, s in sorted(watch.gone.items())}
+        assert sorted(watch.stopped) == list(range(len(stops))), sorted(watch.stopped)
+        assert sorted(watch.gone) == list(range(len(stops))), (watch.gone, watch.stopped)
+        found = {stops[i][0]: round(s, 1) for i, s in sorted(watch.gone.items())}
         print(f"found after (s): {found}")
         # Within seconds of the bound, not the slow phases' two minutes.
         assert all(s < SLOW_S / 2 for s in found.values()), found
