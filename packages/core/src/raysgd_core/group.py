@@ -10,7 +10,7 @@ from raysgd_base import check_int
 from raysgd_core import kept
 from raysgd_core._internal import lifecycle, spares
 from raysgd_core._internal.failures import Outcome, collect, raise_for
-from raysgd_core._internal.liveness import Liveness, watch_while
+from raysgd_core._internal.liveness import Wait, watch_while
 from raysgd_core._internal.placement import estimate_fitting
 from raysgd_core._internal.recover import recover as _recover
 from raysgd_core._internal.running import GroupSpec, RunningGroup
@@ -328,7 +328,7 @@ class WorkerGroup:
     def _abort_all_but(self, silent: list[int]) -> None:
         self._running.abort([r for r in range(self._running.world_size) if r not in silent])
 
-    def _finish(self, pending: dict, outcome: Outcome, liveness: Optional[Liveness]) -> None:
+    def _finish(self, pending: dict, outcome: Outcome, liveness: Optional[Wait]) -> None:
         by_rank = {w.rank: w for w in self._running.workers}
         collect(
             pending,

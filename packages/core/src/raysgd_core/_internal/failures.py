@@ -9,7 +9,7 @@ their own, for work that is not a collective (a checkpoint being written, say). 
 reports that a collective waited out its bound, the ranks that still have not answered a short
 while later are the silent ones: they are killed and reported lost, without waiting for Ray to
 notice (a frozen node stays "alive" for as long as its health checks take). A wait given a
-`Liveness` also probes the ranks it waits for (`liveness.py`): one that answers no probe within
+liveness `Wait` also probes the ranks it waits for (`liveness.py`): one that answers no probe within
 its bound is silent too, whatever it was doing, and is killed the same way.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
-from raysgd_core._internal.liveness import Liveness
+from raysgd_core._internal.liveness import Wait
 from raysgd_core._internal.runtime import Failure, is_collateral, is_peer_timeout
 from raysgd_core.errors import WorkerDiedError, WorkerError
 from raysgd_core.options import DEFAULT_PEER_GRACE_S
@@ -63,7 +63,7 @@ def collect(
     kill: Callable[[int], None],
     grace_s: float = GRACE_S,
     abort: Optional[Callable[[list[int]], None]] = None,
-    liveness: Optional[Liveness] = None,
+    liveness: Optional[Wait] = None,
 ) -> Outcome:
     """Wait for every ref in `pending` (ref -> rank) and record results and failures in `outcome`.
 
@@ -156,7 +156,7 @@ def collect(
 def _kill_silent(
     pending: dict[Any, int],
     outcome: Outcome,
-    liveness: Liveness,
+    liveness: Wait,
     kill: Callable[[int], None],
 ) -> None:
     """Kill the ranks of `pending` that `liveness` finds silent (and those it found before)."""

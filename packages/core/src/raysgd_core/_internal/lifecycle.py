@@ -86,7 +86,7 @@ def start(running: RunningGroup, num_workers: int, borrowed: Any) -> None:
         running.local,
         spec.actor.init_hook,
         first_rank=running.world_size - len(started),
-        liveness_timeout_s=spec.options.liveness_timeout_s,
+        liveness=running.probes,
     )
     running.form()
     t_done = time.monotonic()

@@ -8,11 +8,14 @@ peer from a slow phase (a restore, a checkpoint, compiling), which is why theirs
 
 So whenever the driver waits for remote workers, it also probes each of them on a thread of the
 actor's own (`actor.LIVENESS`), beside whatever call the worker is running: a live process
-answers within milliseconds whatever its call is doing, a stopped one never does. A worker that
-has answered no probe for `bound_s` is silent: the caller aborts its peers' collectives and
-kills it. A probe goes out `every_s` after the last answer, so a call shorter than that sends
-none, and a long one sends one per worker and `every_s`; the silent worker is found at most
-`bound_s` after it stopped (or after the wait began, when it had stopped before).
+answers within milliseconds whatever its call is doing, a stopped one never does. A worker whose
+probe has gone unanswered for its patience (`bound_s` less the pause between probes) is silent:
+the caller aborts its peers' collectives and kills it. A probe goes out `every_s` after the last
+answer, so a wait shorter than that sends none, and a long one sends one per worker and
+`every_s`. The probes of a group are one `Liveness`, kept from wait to wait: a worker stopped
+during a series of short calls is found as soon as one probe of it has gone unanswered that
+long, at most `bound_s` after it stopped (or after the first wait that needs it, when it had
+stopped while nothing waited for it).
 """
 
 from __future__ import annotations
@@ -20,82 +23,123 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["PROBE_EVERY_S", "Liveness", "probes", "watch_while"]
+__all__ = ["PROBE_EVERY_S", "Liveness", "Wait", "watch_while"]
 
 #: The longest pause between a worker's answer and its next probe.
 PROBE_EVERY_S = 2.0
+#: What is known of a worker no wait asked about for this long is dropped.
+_FORGET_AFTER_S = 600.0
+
+
+@dataclass
+class _Probed:
+    """What is known of one worker's answers (it holds the actor's handle, so that the handle's
+    `id`, its key, is not reused while it is known)."""
+
+    actor: Any
+    answered: float = float("-inf")
+    #: The probe in flight, and when it was sent.
+    ref: Any = None
+    sent: float = 0.0
 
 
 class Liveness:
-    """The probes of one wait on remote workers (`rank -> actor`); `bound_s` is how long a worker
-    may leave them unanswered. Not thread-safe: one thread polls at a time."""
+    """The probes of a group's remote workers, kept across waits; `bound_s` is how long a
+    worker may be stopped before it is found (see the module docstring). Thread-safe."""
 
-    def __init__(self, actors: Mapping[int, Any], bound_s: float) -> None:
+    def __init__(self, bound_s: float) -> None:
         self.bound_s = float(bound_s)
         #: The pause between an answer and the next probe: a fifth of the bound, at most
-        #: `PROBE_EVERY_S`, so that a live worker has most of the bound to answer one.
+        #: `PROBE_EVERY_S`.
         self.every_s = max(0.05, min(PROBE_EVERY_S, self.bound_s / 5))
-        self._actors = {rank: a for rank, a in actors.items() if a is not None}
-        start = time.monotonic()
-        self._answered = dict.fromkeys(self._actors, start)
-        self._probes: dict[Any, int] = {}  # a probe in flight -> its rank
-        self._in_flight: set[int] = set()
-        #: Ranks found silent, in the order found, with the seconds since their last answer.
+        #: How long a probe may go unanswered: the rest of the bound.
+        self.patience_s = self.bound_s - self.every_s
+        self._probed: dict[int, _Probed] = {}  # id(actor handle) -> what is known
+        self._lock = threading.Lock()
+
+    def wait(self, actors: Mapping[int, Any]) -> Wait:
+        """The probes of one wait for the remote workers `actors` (rank -> actor handle; None
+        for a local rank, which is never probed)."""
+        return Wait(self, {rank: a for rank, a in actors.items() if a is not None})
+
+    def _poll(self, actors: Mapping[int, Any]) -> list[int]:
+        """Take the answers, probe the workers of `actors` that are due, and return the ranks of
+        those whose probe went unanswered past the patience."""
+        import ray
+
+        with self._lock:
+            now = time.monotonic()
+            flying = {p.ref: p for p in self._probed.values() if p.ref is not None}
+            if flying:
+                done, _ = ray.wait(list(flying), num_returns=len(flying), timeout=0)
+                for ref in done:
+                    probed = flying[ref]
+                    probed.ref = None
+                    try:
+                        ray.get(ref)
+                    except Exception:  # dead: the wait itself reports that, from its own ref
+                        continue
+                    probed.answered = now
+            silent = []
+            for rank, actor in actors.items():
+                probed = self._probed.setdefault(id(actor), _Probed(actor))
+                if probed.ref is not None:
+                    if now - probed.sent > self.patience_s:
+                        silent.append(rank)
+                elif now - probed.answered >= self.every_s:
+                    probed.ref, probed.sent = actor.alive.remote(), now
+            # Workers no wait asked about for a long while are gone (dropped elsewhere).
+            asked = {id(actor) for actor in actors.values()}
+            for key, probed in list(self._probed.items()):
+                idle = now - max(probed.answered, probed.sent)
+                if key not in asked and probed.ref is None and idle > _FORGET_AFTER_S:
+                    del self._probed[key]
+            return silent
+
+    def forget(self, actors: Iterable[Any]) -> None:
+        """Drop what is known of `actors` (killed, released: their handles may be reused)."""
+        with self._lock:
+            for actor in actors:
+                self._probed.pop(id(actor), None)
+
+
+class Wait:
+    """The probes of one wait (`Liveness.wait`): the ranks found silent so far, by rank, with the
+    seconds their probe had gone unanswered."""
+
+    def __init__(self, liveness: Liveness, actors: Mapping[int, Any]) -> None:
+        self.liveness, self.every_s = liveness, liveness.every_s
+        self._actors = dict(actors)
         self.silent: dict[int, float] = {}
 
     def poll(self, waiting_for: Iterable[int]) -> list[int]:
-        """Take the probes' answers, probe the ranks of `waiting_for` that are due, and return
-        those of them newly found silent."""
-        import ray
-
-        now = time.monotonic()
-        if self._probes:
-            done, _ = ray.wait(list(self._probes), num_returns=len(self._probes), timeout=0)
-            for ref in done:
-                rank = self._probes.pop(ref)
-                self._in_flight.discard(rank)
-                try:
-                    ray.get(ref)
-                except Exception:  # dead: the wait itself reports that, from its own ref
-                    continue
-                self._answered[rank] = now
-        found = []
-        for rank in waiting_for:
-            if rank not in self._actors or rank in self.silent:
-                continue
-            quiet_s = now - self._answered[rank]
-            if quiet_s > self.bound_s:
-                self.silent[rank] = quiet_s
-                found.append(rank)
-            elif rank not in self._in_flight and quiet_s >= self.every_s:
-                self._probes[self._actors[rank].alive.remote()] = rank
-                self._in_flight.add(rank)
+        """Probe the ranks of `waiting_for` that are due; those newly found silent."""
+        ranks = set(waiting_for)
+        actors = {r: a for r, a in self._actors.items() if r in ranks and r not in self.silent}
+        found = self.liveness._poll(actors)
+        for rank in found:
+            self.silent[rank] = self.liveness.bound_s
         return found
 
 
-def probes(actors: Mapping[int, Any], bound_s: Optional[float]) -> Optional[Liveness]:
-    """A `Liveness` of `actors` (the remote ones: local ranks have None) with `bound_s`; None
-    when `bound_s` is None (no probes asked for)."""
-    return None if bound_s is None else Liveness(actors, bound_s)
-
-
 def watch_while(
-    liveness: Optional[Liveness],
+    wait: Optional[Wait],
     waiting_for: Callable[[], Iterable[int]],
     on_silent: Callable[[list[int]], None],
 ) -> Callable[[], None]:
-    """Poll `liveness` from a thread while this thread is busy (running the local rank's part of
-    a call), calling `on_silent(ranks)` with the ranks it finds; returns the function that stops
+    """Poll `wait` from a thread while this thread is busy (running the local rank's part of a
+    call), calling `on_silent(ranks)` with the ranks it finds; returns the function that stops
     the thread (and waits for it). `waiting_for()` gives the ranks still running."""
-    if liveness is None:
+    if wait is None:
         return lambda: None
     stop = threading.Event()
 
     def run() -> None:
-        while not stop.wait(liveness.every_s / 2):
-            found = liveness.poll(waiting_for())
+        while not stop.wait(wait.every_s / 2):
+            found = wait.poll(waiting_for())
             if found:
                 on_silent(found)
 

@@ -19,7 +19,6 @@ import time
 from raysgd_core import kept
 from raysgd_core._internal import spares
 from raysgd_core._internal.failures import Outcome, collect, raise_for
-from raysgd_core._internal.liveness import probes
 from raysgd_core._internal.running import RunningGroup
 from raysgd_core._internal.workers import (
     Worker,
@@ -117,10 +116,7 @@ def _keep_healthy(
             refs,
             outcome,
             kill=lambda i: _drop_stuck(running, survivors[i]),
-            liveness=probes(
-                {i: w.actor for i, w in enumerate(survivors)},
-                running.spec.options.liveness_timeout_s,
-            ),
+            liveness=running.liveness(dict(enumerate(survivors))),
         )
         raise_for(outcome, survivors.__getitem__)
         timings["leave_s"] = time.monotonic() - t_spawn
@@ -200,7 +196,7 @@ def _await_new(running: RunningGroup, spawned: list[Worker], deadline: float) ->
             None,
             running.spec.actor.init_hook,
             first_rank=running.world_size,
-            liveness_timeout_s=running.spec.options.liveness_timeout_s,
+            liveness=running.probes,
         )
     except BaseException:
         for w in started:

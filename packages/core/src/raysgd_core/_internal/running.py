@@ -10,7 +10,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
-from raysgd_core._internal.liveness import Liveness, probes
+from raysgd_core._internal.liveness import Liveness, Wait
 from raysgd_core._internal.local import LocalWorker
 from raysgd_core._internal.placement import SlotPool, make_bundle
 from raysgd_core._internal.workers import (
@@ -88,6 +88,14 @@ class RunningGroup:
     spares: list[Worker] = field(default_factory=list)
     #: Names the current process group (see `abort_workers`); unique among this driver's groups.
     generation: int = 0
+    #: The driver's probes of the remote workers, kept from wait to wait (None: the options ask
+    #: for none; see `liveness.py`).
+    probes: Optional[Liveness] = None
+
+    def __post_init__(self) -> None:
+        bound = self.spec.options.liveness_timeout_s
+        if self.probes is None and bound is not None:
+            self.probes = Liveness(bound)
 
     @property
     def world_size(self) -> int:
@@ -104,7 +112,7 @@ class RunningGroup:
             formation_timeout_s=self.spec.formation_timeout_s,
             remote_gpu_index=0 if self.spec.actor.num_gpus else None,
             generation=self.generation,
-            liveness_timeout_s=self.spec.options.liveness_timeout_s,
+            liveness=self.probes,
         )
         self.broken = False
 
@@ -116,14 +124,21 @@ class RunningGroup:
         if self.local is not None and any(w.local is not None for w in chosen):
             self.local.runtime.abort(self.generation)
 
-    def liveness(self) -> Optional[Liveness]:
-        """The probes of one wait on the remote workers (None when the options ask for none)."""
-        return probes({w.rank: w.actor for w in self.workers}, self.spec.options.liveness_timeout_s)
+    def liveness(self, workers: Optional[dict[int, Worker]] = None) -> Optional[Wait]:
+        """The probes of one wait on the remote workers among `workers` (by the number the wait
+        knows each by; default: the group's, by rank); None when the options ask for none."""
+        if self.probes is None:
+            return None
+        if workers is None:
+            workers = {w.rank: w for w in self.workers}
+        return self.probes.wait({key: w.actor for key, w in workers.items()})
 
     def drop(self, worker: Worker) -> None:
         """Kill a remote worker and give its slot back (the local rank is never killed); the
         slot of a worker killed for not answering is not used again."""
         kill_worker(worker)
+        if self.probes is not None and worker.actor is not None:
+            self.probes.forget([worker.actor])
         if worker.slot is not None and self.pool is not None:
             self.pool.release(worker.slot, reuse=not worker.unresponsive)
             worker.slot = None

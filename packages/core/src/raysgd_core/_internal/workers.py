@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 from raysgd_core._internal.actor import remote_worker_class
 from raysgd_core._internal.failures import GRACE_S, Outcome, collect, raise_for
-from raysgd_core._internal.liveness import probes
+from raysgd_core._internal.liveness import Liveness
 from raysgd_core._internal.local import LocalWorker
 from raysgd_core._internal.placement import Slot
 
@@ -112,11 +112,11 @@ def run_hooks(
     local: Optional[LocalWorker],
     hook: Any,
     first_rank: int,
-    liveness_timeout_s: Optional[float] = None,
+    liveness: Optional[Liveness] = None,
 ) -> None:
     """Wait for the init hooks queued by `spawn` (and run it on the local rank, rank 0); raise on
     error. `first_rank` is the rank `workers[0]` will get (errors name that rank). A worker that
-    answers no liveness probe for `liveness_timeout_s` is killed (None: not probed)."""
+    `liveness` finds silent meanwhile is killed (None: not probed)."""
     outcome = Outcome()
     if local is not None and hook is not None:
         result = local.runtime.run(hook, (), {})
@@ -127,7 +127,7 @@ def run_hooks(
         pending,
         outcome,
         kill=lambda i: kill_worker(by_index[i], unresponsive=True),
-        liveness=probes({i: w.actor for i, w in by_index.items()}, liveness_timeout_s),
+        liveness=_wait(liveness, {i: w.actor for i, w in by_index.items()}),
     )
     raise_for(outcome, by_index.get)
 
@@ -140,11 +140,11 @@ def form_group(
     formation_timeout_s: float,
     remote_gpu_index: Optional[int],
     generation: int = 0,
-    liveness_timeout_s: Optional[float] = None,
+    liveness: Optional[Liveness] = None,
 ) -> None:
     """Form a new process group over `workers` (rank = position), replacing any old one;
-    `generation` names it (an abort meant for an older group is void). A worker that answers
-    no liveness probe for `liveness_timeout_s` meanwhile is killed (None: not probed)."""
+    `generation` names it (an abort meant for an older group is void). A worker that
+    `liveness` finds silent meanwhile is killed (None: not probed)."""
 
     world_size = len(workers)
     if world_size == 0:
@@ -166,7 +166,7 @@ def form_group(
             {head.actor.open_store.remote(world_size, formation_timeout_s): 0},
             outcome,
             kill=lambda r: kill_worker(workers[r], unresponsive=True),
-            liveness=probes({0: head.actor}, liveness_timeout_s),
+            liveness=_wait(liveness, {0: head.actor}),
         )
         raise_for(outcome, member)
         host, port = outcome.results[0]
@@ -208,11 +208,16 @@ def form_group(
         kill=lambda r: kill_worker(workers[r], unresponsive=True),
         grace_s=formation_timeout_s + GRACE_S,
         abort=lambda ranks: abort_workers([workers[r] for r in ranks], generation),
-        liveness=probes({w.rank: w.actor for w in workers}, liveness_timeout_s),
+        liveness=_wait(liveness, {w.rank: w.actor for w in workers}),
     )
     raise_for(outcome, member)
     for w in workers:
         w.device = outcome.results[w.rank]
+
+
+def _wait(liveness: Optional[Liveness], actors: dict[int, Any]) -> Any:
+    """`liveness`'s probes for one wait on `actors` (None without probes)."""
+    return None if liveness is None else liveness.wait(actors)
 
 
 def abort_workers(workers: list[Worker], generation: int) -> None:
