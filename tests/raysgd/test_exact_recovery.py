@@ -2,15 +2,16 @@
 accumulation window, or whose driver was killed, ends with the weights of the same job never
 interrupted.
 
-The job draws random numbers at every batch from every generator a training loop uses (dropout
-from torch's, Python's and NumPy's global generators, each rank seeded apart, as per-rank seeding
-does) and carries a per-rank state from batch to batch. Each case runs the uninterrupted job once
-and the faulted one against it, at 4 workers: the faulted job starts from a `save()` the
-uninterrupted one made inside a window, and loses a worker at every position of a window (the
-spare takes the lost worker's place, or a new worker does: the group keeps its size). Equal means
-within 1e-6: after a re-formed group's first synchronised step DDP lays its gradient buckets out
-anew, so gloo sums a few elements of 3 or 4 workers' gradients in another order (one unit in the
-last place of float32; with 2 workers the sums are the same bit for bit).
+The job draws random numbers at every batch from every generator a training loop uses (dropout from
+torch's, Python's and NumPy's global generators, each rank seeded apart, as per-rank seeding does)
+and carries a per-rank state from batch to batch; it counts its batches' "tokens" (not their rows)
+as `num_samples`, and each call's count is that of the job never interrupted. Each case runs the
+uninterrupted job once and the faulted one against it, at 4 workers: the faulted job starts from a
+`save()` the uninterrupted one made inside a window, and loses a worker at every position of a
+window (the spare takes the lost worker's place, or a new worker does: the group keeps its size).
+Equal means within 1e-6: after a re-formed group's first synchronised step DDP lays its gradient
+buckets out anew, so gloo sums a few elements of 3 or 4 workers' gradients in another order (one
+unit in the last place of float32; with 2 workers the sums are the same bit for bit).
 
 A worker's start costs seconds (torch's imports), training these jobs less than one, so the runs
 of a job share one trainer (`_shared`): built once, with the spare and the policy of the faulted
@@ -56,6 +57,8 @@ REPO = Path(__file__).resolve().parents[2]
 ROWS, GLOBAL_BATCH = 192, 12  # 16 steps an epoch, on 4 workers or 3; two epochs
 WORKERS = 4
 TOLERANCE = 1e-6
+#: What the job's `train_batch` counts as `num_samples` per row (its "tokens").
+TOKENS_PER_ROW = 3
 
 
 class ExactOperator(TrainingOperator):
@@ -152,7 +155,11 @@ class ExactOperator(TrainingOperator):
         noise = random.random() + float(np.random.rand())
         x = x + 1e-2 * self.carried + 1e-3 * noise
         self.carried = 0.9 * self.carried + x.mean(dim=0)
-        return super().train_batch((x, y), batch_info)
+        metrics = super().train_batch((x, y), batch_info)
+        # Counted as a language model counts tokens: the call's count is then the sum of what
+        # the ranks counted, also of those lost in it.
+        metrics["num_samples"] = TOKENS_PER_ROW * len(x)
+        return metrics
 
     def rank_state_dict(self) -> Any:
         return {"carried": self.carried}
@@ -260,7 +267,9 @@ def _uninterrupted(
     trainer.save(saved)
     for epoch in range(2):
         result = trainer.train()
-        assert result["num_samples"] == ROWS - (6 * GLOBAL_BATCH if epoch == 0 else 0)
+        assert result["num_samples"] == TOKENS_PER_ROW * (
+            ROWS - (6 * GLOBAL_BATCH if epoch == 0 else 0)
+        )
     assert trainer.failures == 0
     return _weights(trainer), saved
 
@@ -328,7 +337,9 @@ def test_a_job_loaded_inside_a_window_and_losing_workers_ends_with_the_clean_wei
         for epoch in range(2):
             result = trainer.train()
             # Every row of the epoch once (the first: those after the save's 6 steps).
-            assert result["num_samples"] == ROWS - (6 * GLOBAL_BATCH if epoch == 0 else 0)
+            assert result["num_samples"] == TOKENS_PER_ROW * (
+                ROWS - (6 * GLOBAL_BATCH if epoch == 0 else 0)
+            )
         assert trainer.failures - failures == len(kills)
         resizes = [e for e in trainer.recovery_events[seen:] if e.kind == "resize"]
         assert resizes and all(e.num_workers_after == WORKERS for e in resizes)
@@ -358,7 +369,9 @@ def test_a_loss_inside_a_resize_and_survivors_a_window_apart_keep_the_clean_weig
         failures, seen = trainer.failures, len(trainer.recovery_events)
         for epoch in range(2):
             result = trainer.train()
-            assert result["num_samples"] == ROWS - (6 * GLOBAL_BATCH if epoch == 0 else 0)
+            assert result["num_samples"] == TOKENS_PER_ROW * (
+                ROWS - (6 * GLOBAL_BATCH if epoch == 0 else 0)
+            )
         assert (markers / "setup-died").exists() and trainer.failures - failures == 3
         resizes = [e for e in trainer.recovery_events[seen:] if e.kind == "resize"]
         assert resizes and all(e.num_workers_after == WORKERS for e in resizes)
@@ -394,7 +407,7 @@ def test_a_burst_that_takes_every_holder_of_a_slot_goes_back_to_a_checkpoint(
         trainer.save(start)
         burst = [(1, 14), (2, 14), (3, 14)]
         _arm(plan, markers, kills=burst, await_checkpoint=str(periodic))
-        assert trainer.train()["num_samples"] == ROWS
+        assert trainer.train()["num_samples"] == TOKENS_PER_ROW * ROWS
         resizes = [e for e in trainer.recovery_events if e.kind == "resize"]
         assert resizes and all(e.num_workers_after == WORKERS for e in resizes)
         assert all(e.inexact == () for e in resizes), [e.inexact for e in resizes]
@@ -509,7 +522,7 @@ def test_a_worker_lost_just_after_a_windows_step_is_one_exact_loss(tmp_path: Pat
         start = tmp_path / "start.pt"
         trainer.save(start)
         _arm(plan, markers, exits_after_step=[(1, 7)])
-        assert trainer.train()["num_samples"] == ROWS
+        assert trainer.train()["num_samples"] == TOKENS_PER_ROW * ROWS
         assert trainer.failures == 1 and trainer.num_workers == WORKERS
         (resize,) = [e for e in trainer.recovery_events if e.kind == "resize"]
         assert resize.inexact == () and resize.steps_redone <= 4, resize

@@ -6,7 +6,11 @@ generators, a per-rank state) is stopped once in every phase, one after the othe
 pass, its backward pass, the gradient sync, the optimizer step, just after a window's step, the
 copy of its slot to its ring peers, a periodic checkpoint's copy, a recovery's restore, a spare
 joining, and the driver's gathering of a call's results; the same job under fsdp in a snapshot
-of its shards and two of the others. A worker stops itself the moment it gets
+of its shards and two of the others. A third job loses a worker (it exits) in each part of a
+recovery's restore in turn: adopting a state, moving the rank slots, the broadcast of the
+model, the slots' copies to their ring peers, each restore set off by a stop before it, so that
+a restore that fails midway leaves its survivors able to go on exactly. A worker stops itself
+the moment it gets
 there (its own SIGSTOP: no sleep decides where), and notes when; the test notes when its process
 is gone. The collectives' slow bound is two minutes, so whatever finds a stop in a slow phase
 within seconds is the driver's probes (`peer_timeout_s`). Then the same job runs again from the
@@ -67,6 +71,17 @@ FSDP_STOPS: Stops = [
     ("snapshot", 1, 8),
     ("forward", 2, 13),
     ("after_step", 3, 27),
+]
+#: ddp again, a loss (the worker exits) in each part of a restore, after a stop that sets it off.
+RESTORE_LOSSES: Stops = [
+    ("forward", 1, 9),
+    ("exit:adopt", None, None),
+    ("forward", 2, 14),
+    ("exit:slot_moves", None, None),
+    ("forward", 3, 22),
+    ("exit:broadcast", None, None),
+    ("forward", 0, 29),
+    ("exit:replicate", None, None),
 ]
 
 
@@ -176,13 +191,17 @@ def _stop_if_planned(phase: str, step: Optional[int]) -> None:
         except FileExistsError:
             continue
         mark(markers, f"stopped-{index}", json.dumps({"pid": os.getpid(), "t": time.time()}))
+        if phase.startswith("exit:"):
+            os._exit(1)
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _install_internal_stops() -> None:
     """Stops inside raysgd's own phases of this process, where a user's code has no hook: the
-    copy of the slot to the ring peer, a checkpoint's copy to host memory, a restore. Each
-    wraps the function that does it (once per process); the test fails if one never fires."""
+    copy of the slot to the ring peer, a checkpoint's copy to host memory, a restore and its
+    parts. Each wraps the function that does it (once per process); the test fails if one never
+    fires."""
+    from raysgd._internal.state import replicated
     from raysgd._internal.state.replicated import ReplicatedState
     from raysgd._internal.worker.rank_replicas import RankReplicas
     from raysgd._internal.worker.snapshots import Snapshots
@@ -215,10 +234,27 @@ def _install_internal_stops() -> None:
         _stop_if_planned("snapshot", _step())
         return take(self, **kwargs)
 
+    for name, phase in (
+        ("_adopt_from", "exit:adopt"),
+        ("_move_slots", "exit:slot_moves"),
+        ("broadcast_state", "exit:broadcast"),
+        ("replicate_slots", "exit:replicate"),
+    ):
+        setattr(replicated, name, _exiting(getattr(replicated, name), phase))
     Snapshots.take = stopping_take
     RankReplicas._swap = stopping_swap
     ReplicatedState.copy_to_host = stopping_copy
     ReplicatedState.restore = classmethod(stopping_restore)
+
+
+def _exiting(function: Any, phase: str) -> Any:
+    """`function`, exiting the process first where the plan has a loss of `phase`."""
+
+    def exiting(*args: Any, **kwargs: Any) -> Any:
+        _stop_if_planned(phase, None)
+        return function(*args, **kwargs)
+
+    return exiting
 
 
 def _weights(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
@@ -254,7 +290,11 @@ class _Watch:
                 os.kill(stop["pid"], signal.SIGKILL)
 
 
-@pytest.mark.parametrize(("strategy", "stops"), [("ddp", DDP_STOPS), ("fsdp", FSDP_STOPS)])
+@pytest.mark.parametrize(
+    ("strategy", "stops"),
+    [("ddp", DDP_STOPS), ("fsdp", FSDP_STOPS), ("ddp", RESTORE_LOSSES)],
+    ids=["ddp", "fsdp", "ddp-losses-in-restore"],
+)
 def test_a_worker_stopped_in_any_phase_is_found_and_the_result_is_kept(
     strategy: str, stops: Stops, tmp_path: Path
 ) -> None:

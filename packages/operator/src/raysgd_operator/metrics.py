@@ -135,6 +135,17 @@ class AverageMeterCollection:
         for value, n in zip(_read_scalars([t for t, _ in pending]), (n for _, n in pending)):
             meter.update(value, n=n)
 
+    @property
+    def counts(self) -> tuple[int, float]:
+        """(batches recorded, the sum of their ``n``): what ``summary()`` gives as ``batch_count``
+        and ``num_samples``."""
+        return self._batch_count, self.n
+
+    def count_from(self, batches: int, n: float) -> None:
+        """Count on from `batches` and `n` (another worker's counts, for the same share of the
+        work, which this one goes on with); the metrics' averages stay this collection's."""
+        self._batch_count, self.n = batches, n
+
     def snapshot(self) -> AverageMeterCollection:
         """A copy of the metrics so far, all read from the device (one transfer): a copy taken
         with a recovery snapshot, so that a restore can go on from those metrics."""

@@ -125,6 +125,8 @@ class OperatorRunner:
         # leaves `step` behind it: the steps up to it belong to calls already made, and the next
         # call does them again before its own.
         self._trained_to = 0
+        #: `RankSlot.counted` of the rank slot loaded last (`load_rank_slot`).
+        self._slot_counted: Optional[tuple[Any, int, float, int]] = None
         # The last epoch whose end a loop acted on (`end_of_epoch_due`): like the schedulers it
         # steps, it is not taken back when a window is done again.
         self._epoch_ended = 0
@@ -383,15 +385,21 @@ class OperatorRunner:
             "global_step": self.operator.global_step,
         }
 
-    def _rank_slot_now(self) -> RankSlot:
-        """This rank's own part as it is now (see `RankSlot`)."""
+    def _rank_slot_now(self, in_flight: int = 0) -> RankSlot:
+        """This rank's own part as it is now (see `RankSlot`), `in_flight` batches of the call
+        not counted yet."""
         rank_state = (
             same_device_copy(self.operator.rank_state_dict()) if self.has_rank_state else None
         )
+        call, meters = self._call, self._meters
+        counted = None
+        if call is not None and not call.finished and meters is not None:
+            counted = (call.call_id, *meters.counts, in_flight)
         return RankSlot(
             state=rank_state,
             rng=rng_state(),
             pass_seed=self._train.pass_seed if self._train.is_open() else None,
+            counted=counted,
         )
 
     def _mark_window_start(self) -> WindowStart:
@@ -460,7 +468,7 @@ class OperatorRunner:
     def upcoming_rank_slot(self) -> dict[str, Any]:
         """This rank's slot as it is now (see `rank_slot`), plain, on the CPU: from a
         before-step hook, that of the window start this batch ends at (`step` + 1)."""
-        return self._rank_slot_now().to_plain()
+        return self._rank_slot_now(in_flight=1 if self._train.in_flight else 0).to_plain()
 
     def add_step_hook(self, hook: Callable[[], None]) -> None:
         """Call `hook()` every time a training step is finished (after the counters moved and,
@@ -638,6 +646,7 @@ class OperatorRunner:
         self._meters = meters if meters is not None and self.step >= call.start_step else None
         if self._meters is None:
             self._meters = AverageMeterCollection()
+        self._count_on()
         self._window = self._mark_window_start()
 
     def take_over(self, old: OperatorRunner) -> None:
@@ -679,7 +688,23 @@ class OperatorRunner:
             set_rng_state(slot["rng"])
         if slot.get("pass_seed") is not None and self._train.iterator is None:
             self._train.pass_seed = slot["pass_seed"]
+        self._slot_counted = slot.get("counted")
+        self._count_on()
         self._window = self._mark_window_start()
+
+    def _count_on(self) -> None:
+        """Count the call on from what the rank slot last loaded had counted in it, when it is
+        the call this worker goes on with: the rank's batches before the window start, whoever
+        ran them, stay in the call's count (see `RankSlot.counted`)."""
+        counted, call, meters = self._slot_counted, self._call, self._meters
+        if counted is None or call is None or meters is None or call.call_id != counted[0]:
+            return
+        _, batches, samples, in_flight = counted
+        if in_flight and batches:
+            # The batch's own count went with the rank: its mean batch stands for it.
+            mean = samples / batches
+            samples += in_flight * (round(mean) if isinstance(samples, int) else mean)
+        meters.count_from(int(batches) + int(in_flight), samples)
 
     @property
     def call(self) -> CallRecord | None:

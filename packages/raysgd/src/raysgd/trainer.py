@@ -375,8 +375,10 @@ class TorchTrainer:
         then count every step of the call once, and `num_samples` every row once, also those of
         workers lost in it (whose loss values are lost with them: the averages cover the rest).
         A `train_batch` whose `num_samples` counts something else than rows (tokens, say) gets
-        the sum of what the workers counted: the steps a lost worker finished in the call are
-        then missing from it (its counts went with it; the group knows only its rows).
+        the sum of what the ranks counted: what a lost rank had counted in the call travels with
+        its per-rank state to the worker that takes its place. Only a batch whose `train_batch`
+        never returned (its worker lost between the optimizer step and the return) is counted
+        at that rank's mean batch.
         An exception raised by user code is not retried: it is raised in the one form every
         method gives it (see the class docstring).
         """

@@ -145,10 +145,12 @@ def collect(
             # whoever is still running after that is the peer they were waiting for, and so is
             # the last rank left. Not so once a rank is known to be gone: the waits were for
             # it, and the ranks still running wait for it too, each up to its own bound (they
-            # keep the grace of the first failure).
+            # keep the grace of the first failure). With probes, a rank that answers them is not
+            # silent, whatever it waits for (a copy to a peer, bounded by the slow bound): it
+            # gets the short grace after the abort, and the probes find the silent ones.
             outcome.silent = True
             assert deadline is not None
-            last = len(pending) == 1
+            last = len(pending) == 1 and liveness is None
             deadline = now if last else min(deadline, now + min(grace_s, GRACE_S))
     return outcome
 

@@ -50,16 +50,29 @@ class RankSlot:
         rng: The process's random generators (`rng_state`).
         pass_seed: The state of the generator the epoch's loader iterator drew its worker seed
             from (`stream.seed_state`), None outside an epoch or for another kind of loader.
+        counted: What this rank had counted in the `train()` call in progress: (the call's id,
+            its batches, the sum of their `num_samples`, batches in flight not counted yet);
+            None outside a call. A worker that takes the rank's place goes on counting from
+            there, so that the call's count is the group's whoever ran each rank (a
+            `num_samples` of tokens included). A batch in flight (a slot taken before the
+            optimizer step that ends a window, whose `train_batch` has not returned its count)
+            is counted at the rank's mean when the slot is loaded.
     """
 
     state: Any
     rng: dict[str, Any]
     pass_seed: Optional[bytes]
+    counted: Optional[tuple[Any, int, float, int]] = None
 
     def to_plain(self) -> dict[str, Any]:
         """The slot as plain CPU tensors and containers (what checkpoints and peers keep, and
         `torch.load(weights_only=True)` reads)."""
-        return {"state": cpu_copy(self.state), "rng": self.rng, "pass_seed": self.pass_seed}
+        return {
+            "state": cpu_copy(self.state),
+            "rng": self.rng,
+            "pass_seed": self.pass_seed,
+            "counted": self.counted,
+        }
 
     def restore_generators(self) -> None:
         """Put this process's generators back to the slot's."""

@@ -163,8 +163,8 @@ class Holding:
         progress: How far it got; None for a worker without a runner (a replacement).
         snapshots: With a sharded strategy, the snapshots it holds parts of.
         rank: The rank whose slot its runner holds, and that rank's group's number: its rank in
-            the group it trained in last, also after a restore that failed midway (None: a new
-            worker).
+            the group it trained in last (None: a new worker, or one whose restore failed
+            midway: its own slot is then among `peer_slots`).
         peer_slots: With a replicated state, the slots of other ranks it keeps copies of (its
             ring predecessor's; a leaving worker's before a move): (that rank, its group, the
             step of the window start it describes) each.

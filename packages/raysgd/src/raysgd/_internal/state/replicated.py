@@ -117,8 +117,17 @@ class ReplicatedState(WorkerState):
         # The copies of other ranks' slots this worker keeps (taken before the runner is
         # re-bound), and its own slot as of the window start it went back to.
         replicas = this_worker().replicas
-        copies = replicas.copies if replicas is not None and replicas.runner is runner else {}
+        if replicas is not None and replicas.runner is not runner:
+            replicas = None
         own = runner.rank_slot() if runner is not None else None
+        if replicas is not None and own is not None and this_worker().slot_of is not None:
+            # Kept among the copies too: if this restore fails midway (a loss in it), the runner's
+            # slot may be another's by then (a received state's, a moved slot's), and the next
+            # restore finds this rank's own there.
+            replicas.keep_own(runner.window_step, own)
+        # The runner's slot is this rank's again once the restore gave it one (the end).
+        this_worker().slot_of = None
+        copies = replicas.copies if replicas is not None else {}
         if runner is not None and not runner.rebind(
             world_rank=rank,
             local_rank=ctx.local_rank,
@@ -227,7 +236,7 @@ def _move_slots(
         if move.holder != rank:
             continue
         if move.replica:
-            data = copies[(move.rank, step)].data
+            data = copies[(move.rank, step)].encoded()
         else:
             data = encode_slot(own)
         if move.receiver == rank:
@@ -363,6 +372,9 @@ def _slot_moves(
     place it takes (`rank_sources`), as of `step`: from the survivor that was that rank (its
     own), else from the ring peer that keeps a replica; and the ranks for which neither is held."""
     groups = {h.rank[1] for h in holdings if h.rank is not None and h.progress is not None}
+    # A worker whose restore failed midway claims no slot of its own (`Holding.rank` None) and
+    # offers its own among its copies: their groups count too.
+    groups |= {copy[1] for h in holdings if h.progress is not None for copy in h.peer_slots}
     if not groups:
         return (), ()
     trained_in = max(groups)  # the group the survivors trained in last

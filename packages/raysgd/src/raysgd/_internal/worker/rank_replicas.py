@@ -42,6 +42,7 @@ can take a slot with them: the restore plan says so (`RestorePlan.inexact`).
 from __future__ import annotations
 
 import pickle
+import struct
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple, Optional
@@ -108,15 +109,26 @@ class PeerSlot:
         data: The slot, encoded (`encode_slot`).
         confirmed: Its sender confirmed it as the slot of `step` (sent at that window start, or
             sent before the step and found the same there).
+        counts: With a confirmation, what the rank had counted in the call at `step` (batches,
+            their `num_samples`): a slot sent before the step lacks the batch in flight.
     """
 
     def __init__(self, rank: int, group: int, step: int, data: bytes, confirmed: bool) -> None:
         self.rank, self.group, self.step, self.data = rank, group, step, data
         self.confirmed = confirmed
+        self.counts: Optional[tuple[int, float]] = None
 
     def slot(self) -> dict[str, Any]:
-        """The slot itself."""
-        return decode_slot(self.data)
+        """The slot itself, with the counts its confirmation brought."""
+        slot = decode_slot(self.data)
+        counted = slot.get("counted")
+        if self.counts is not None and counted is not None:
+            slot["counted"] = (counted[0], *self.counts, 0)
+        return slot
+
+    def encoded(self) -> bytes:
+        """`slot()`, encoded."""
+        return self.data if self.counts is None else encode_slot(self.slot())
 
 
 #: How many ring successors keep a copy of each rank's slot: two, so that a rank lost together
@@ -128,6 +140,9 @@ _ARRIVED_WAIT = timedelta(milliseconds=200)
 
 #: What a confirmation says (its first byte).
 _SAME, _CHANGED, _CHANGED_OTHER_SIZE = 0, 1, 2
+#: A confirmation's last bytes: the sender's counts in the call at the window start (batches,
+#: their `num_samples`; batches -1 outside a call).
+_COUNTS = struct.Struct("<qd")
 
 
 class _Ring(NamedTuple):
@@ -262,14 +277,18 @@ class RankReplicas:
         _, sent, size = self._sent
         self._sent = None
         now = self.runner.rank_slot()
-        out = bytearray(1 + size)  # _SAME, unless the slot changed after the step
+        out = bytearray(1 + size + _COUNTS.size)  # _SAME, unless the slot changed after the step
+        counted = now.get("counted")
+        out[-_COUNTS.size :] = _COUNTS.pack(
+            *((int(counted[1]), float(counted[2])) if counted is not None else (-1, 0.0))
+        )
         # The loader's seed is not compared: it is the same while the pass goes on, and unused
         # once the pass ended with the step's batch.
         if not (same_slot(now["state"], sent["state"]) and same_slot(now["rng"], sent["rng"])):
             self.changes_after_step = True
             encoded = encode_slot(now)
             if len(encoded) == size:
-                out[0], out[1:] = _CHANGED, encoded
+                out[0], out[1 : 1 + size] = _CHANGED, encoded
             else:
                 out[0] = _CHANGED_OTHER_SIZE
         group = self.group()
@@ -277,7 +296,7 @@ class RankReplicas:
         sending = [dist.isend(message, after, group=group) for after in ring.afters]
         receiving = {}
         for before in ring.befores:
-            into = torch.empty(1 + self._peer_sent.get(before, 0), dtype=torch.uint8)
+            into = torch.empty(1 + self._peer_sent.get(before, 0) + _COUNTS.size, dtype=torch.uint8)
             receiving[before] = (dist.irecv(into, before, group=group), into)
         self._confirm = _Confirm(step, sending, receiving)
 
@@ -307,8 +326,12 @@ class RankReplicas:
             if copy is None:
                 continue
             data = into.numpy().tobytes()
+            batches, samples = _COUNTS.unpack(data[-_COUNTS.size :])
+            data = data[: -_COUNTS.size]
             if data[0] == _SAME:
                 copy.confirmed = True
+                if batches >= 0:
+                    copy.counts = (batches, int(samples) if samples.is_integer() else samples)
             elif data[0] == _CHANGED:
                 copy.data, copy.confirmed = data[1:], True
             else:
@@ -371,15 +394,20 @@ class RankReplicas:
         own of the window start before (asked after a failure, once the runner went back)."""
         self._take_confirm(wait=False)
         before = self.runner.rank_slot_before()
-        if before is not None and self._trained_in is not None:
-            step, slot = before
-            rank, group = self._trained_in
-            self.copies[(rank, step)] = PeerSlot(rank, group, step, encode_slot(slot), True)
+        if before is not None:
+            self.keep_own(*before)
         return tuple(
             (copy.rank, copy.group, copy.step)
             for copy in self.copies.values()
             if copy.confirmed or copy.rank not in self._peers_changing
         )
+
+    def keep_own(self, step: int, slot: dict[str, Any]) -> None:
+        """Keep this rank's own `slot` of the window start `step` among the copies (offered by
+        `held` like another rank's), under the rank and group it last swapped slots in."""
+        if self._trained_in is not None:
+            rank, group = self._trained_in
+            self.copies[(rank, step)] = PeerSlot(rank, group, step, encode_slot(slot), True)
 
     def _keep(self, copy: PeerSlot) -> None:
         """Keep `copy` and, of its rank, the one slot before it: a slot of its step or a later

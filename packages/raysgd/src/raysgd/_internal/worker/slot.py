@@ -53,9 +53,10 @@ class WorkerSlot:
         replicas: The step hook that keeps the ring predecessor's rank slot (a replicated
             state).
         slot_of: The rank, and the group's number, whose rank slot the runner holds: set when
-            the runner is built with its group and when a restore ends. A restore that fails
-            midway has re-bound the runner to its new rank already, but not moved the slots:
-            the runner still holds its old rank's, and says so.
+            the runner is built with its group and when a restore ends; None from a restore's
+            start (which keeps the runner's own slot among its copies: `RankReplicas.keep_own`)
+            to its end, so that a restore that fails midway, its runner holding a received
+            state's or a moved slot by then, claims no slot of its own.
     """
 
     runner: Optional[OperatorRunner] = None
