@@ -3,6 +3,7 @@ and models handed back on the CPU."""
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -13,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from raysgd_operator import AverageMeterCollection, OperatorRunner, TrainingOperator
-from raysgd_operator._internal.loaders import pin_for_device, should_pin
+from raysgd_operator._internal.loaders import pin_for_device, rebuild_loader, should_pin
 from raysgd_operator.runner import on_device
 
 # -- metrics ----------------------------------------------------------------------------------
@@ -192,6 +193,45 @@ def test_loader_workers_survive_between_calls(persistent: bool) -> None:
         assert (set(after) == set(pids)) is persistent
     finally:
         runner.shutdown()
+
+
+class _WorkerLoaded(TrainingOperator):
+    """A regression whose loader has a worker process, split as a trainer splits it (a pass
+    then resumes from its epoch's row)."""
+
+    def setup(self, config: dict[str, Any]) -> None:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        self.register(
+            models=model,
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+            criterion=nn.MSELoss(),
+        )
+        data = TensorDataset(torch.randn(8, 3), torch.randn(8, 1))
+        loader = DataLoader(data, batch_size=2, num_workers=1)
+        self.register_data(train_loader=rebuild_loader(loader, world_size=1, rank=0))
+
+
+def test_a_pass_of_loader_workers_resumed_mid_epoch_says_its_draws_differ(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Resumed from its row, the pass skips the rows before it without drawing them: random
+    # transforms inside the worker processes then differ from the run never interrupted.
+    first = OperatorRunner(_WorkerLoaded, {})
+    try:
+        first.train_epoch(num_steps=2)
+        state = first.state_dict()
+    finally:
+        first.shutdown()
+    resumed = OperatorRunner(_WorkerLoaded, {})
+    try:
+        resumed.load_state_dict(state)
+        with caplog.at_level(logging.WARNING, logger="raysgd_operator"):
+            assert resumed.train_epoch()["num_samples"] == 4  # the epoch's last two batches
+        (record,) = [r for r in caplog.records if "worker processes" in r.getMessage()]
+        assert "num_workers=1" in record.getMessage()
+    finally:
+        resumed.shutdown()
 
 
 # -- pinned memory ----------------------------------------------------------------------------

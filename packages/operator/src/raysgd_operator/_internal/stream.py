@@ -16,6 +16,7 @@ processes get the seeds they had.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any, Optional, Protocol
 
@@ -26,6 +27,8 @@ from raysgd_base import check_int
 from raysgd_operator._internal.epoch_plan import EpochSampler
 from raysgd_operator._internal.loaders import planned_sampler
 from raysgd_operator._internal.rng import generator_state, set_generator_state
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["BatchStream", "CallBatches", "LoaderSource", "PassListener", "missing_loader_error"]
 
@@ -91,6 +94,24 @@ def _iterate_seeded(loader: Any, state: Optional[bytes]) -> Iterator[Any]:
         return iter(loader)
     finally:
         loader.generator = own
+
+
+def _warn_worker_draws(loader: Any) -> bool:
+    """Say that a pass resumed mid-epoch from its row (not by drawing the batches before it) is
+    not exact for random draws inside the loader's worker processes: each worker's generator
+    starts again with the pass, and the rows it skipped drew nothing. Whether it said so."""
+    workers = getattr(loader, "num_workers", 0)
+    if not workers:
+        return False
+    logger.warning(
+        "a pass of a DataLoader with worker processes (num_workers=%d) goes on in the middle of "
+        "its epoch (after a load, a resume or a lost worker): random draws inside the worker "
+        "processes (random transforms) now differ from those of the run never interrupted. "
+        "Draw them in the training process, or seed them from the sample's index and the "
+        "epoch, for an exact result",
+        workers,
+    )
+    return True
 
 
 def _known_len(loader: Any) -> int | None:
@@ -191,6 +212,8 @@ class BatchStream:
         self._current: CallBatches | None = None
         # A batch drawn ahead to learn whether a pass of unknown length had ended (_END: none).
         self._peeked: Any = _END
+        # Whether this stream said once that a resumed pass's worker processes draw otherwise.
+        self._warned_worker_draws = False
 
     def _loader(self) -> Any:
         return self._source.loader(self.kind)
@@ -310,6 +333,8 @@ class BatchStream:
             target.set_epoch(epoch)
         if sampler is not None:
             sampler.set_start(min(start, sampler.num_rows))
+            if start > 0 and not self._warned_worker_draws:
+                self._warned_worker_draws = _warn_worker_draws(loader)
         self.rows_start = self.rows = start if sampler is not None else 0
         if not resuming:
             self.epoch_steps, self.pass_seed = 0, None
