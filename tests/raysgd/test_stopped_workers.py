@@ -3,18 +3,18 @@ bound, replaced, and the job ends with the weights of the same job never interru
 
 One 4-worker ddp job (gradient accumulation over 4 batches, dropout, Python's and NumPy's
 generators, a per-rank state) is stopped once in every phase, one after the other: its forward
-pass, its backward pass, the gradient sync, the optimizer step, just after a window's step, the
-copy of its slot to its ring peers, a periodic checkpoint's copy, a recovery's restore, a spare
-joining, and the driver's gathering of a call's results; the same job under fsdp in a snapshot
-of its shards and two of the others. A third job loses a worker (it exits) in each part of a
-recovery's restore in turn: adopting a state, moving the rank slots, the broadcast of the
-model, the slots' copies to their ring peers, each restore set off by a stop before it, so that
-a restore that fails midway leaves its survivors able to go on exactly. A worker stops itself
-the moment it gets
-there (its own SIGSTOP: no sleep decides where), and notes when; the test notes when its process
-is gone. The collectives' slow bound is two minutes, so whatever finds a stop in a slow phase
-within seconds is the driver's probes (`peer_timeout_s`). Then the same job runs again from the
-same start without stops, on the same trainer, and the weights are compared.
+pass, its backward pass, the gradient sync (a DDP communication hook, kept by every re-formed
+group), the optimizer step, just after a window's step, the copy of its slot to its ring peers, a
+periodic checkpoint's copy, a recovery's restore, a spare joining, and the driver's gathering of a
+call's results; the same job under fsdp in a snapshot of its shards and two of the others. A third
+job loses a worker (it exits) in each part of a recovery's restore in turn: adopting a state,
+moving the rank slots, the broadcast of the model, the slots' copies to their ring peers, each
+restore set off by a stop before it, so that a restore that fails midway leaves its survivors able
+to go on exactly. A worker stops itself the moment it gets there (its own SIGSTOP: no sleep decides
+where), and notes when; the test notes when its process is gone. The collectives' slow bound is two
+minutes, so whatever finds a stop in a slow phase within seconds is the driver's probes
+(`peer_timeout_s`). Then the same job runs again from the same start without stops, on the same
+trainer, and the weights are compared.
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ SLOW_S = 120.0
 #: are whatever the recovery makes them).
 Stops = list[tuple[str, Optional[int], Optional[int]]]
 DDP_STOPS: Stops = [
-    ("sync", 3, 3),  # first: a re-formed group's DDP no longer has the hook that stops it
     ("forward", 1, 9),
     ("backward", 2, 14),
     ("step", 0, 19),  # before raysgd's own step hooks (the slot's copy)
@@ -64,6 +63,8 @@ DDP_STOPS: Stops = [
     ("setup", None, None),  # a replacement (the spare) joining
     ("slot_copy", 2, 27),
     ("checkpoint_copy", 0, 32),
+    # After eight re-formed groups: DDP's communication hook (the stop's) went with each.
+    ("sync", 2, 43),
     ("gather", 3, 47),  # the job's last batch: no collective waits for it afterwards
 ]
 #: fsdp: its own phase (a snapshot of the shards, every 4 steps here) and two of the others.

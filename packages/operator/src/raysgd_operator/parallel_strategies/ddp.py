@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ContextManager
 
 from torch import nn
@@ -14,11 +14,25 @@ from raysgd_operator.parallel_strategy import ParallelStrategy, WrapContext
 __all__ = ["DDPStrategy"]
 
 
+class _HookKeeping(DistributedDataParallel):
+    """DistributedDataParallel that tells its strategy of each communication hook registered on
+    it (`register_comm_hook`), so that the DDP wrapping the same model in a re-formed group
+    gets the hook again."""
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        super().register_comm_hook(state, hook)
+        on_hook = getattr(self, "raysgd_on_hook", None)
+        if on_hook is not None:
+            on_hook(state, hook)
+
+
 class DDPStrategy(ParallelStrategy):
     """DistributedDataParallel; `ddp_kwargs` go to its constructor (`register(ddp_args=)` wins).
 
     A model without trainable parameters (a frozen feature extractor) has no gradients to
     synchronize, and DDP refuses it, so it stays unwrapped. With one worker nothing is wrapped.
+    A communication hook registered on a model's DDP (`register_comm_hook`) is registered again
+    on the DDP that wraps the model after the group is re-formed (a recovery, a move).
     """
 
     name = "ddp"
@@ -28,6 +42,8 @@ class DDPStrategy(ParallelStrategy):
             if key in ddp_kwargs:
                 raise ValueError(f"ddp strategy_args cannot set {key!r}: raysgd sets it per worker")
         self.ddp_kwargs = dict(ddp_kwargs)
+        # id(model) -> the (state, hook) pairs registered on its DDP, in order.
+        self._comm_hooks: dict[int, list[tuple[object, Callable[..., Any]]]] = {}
 
     def wrap(
         self, models: Sequence[nn.Module], optimizers: Sequence[Optimizer], context: WrapContext
@@ -38,11 +54,19 @@ class DDPStrategy(ParallelStrategy):
         if not context.sync_initial_state:
             kwargs["init_sync"] = False  # the caller restores the state right after
         return [
-            DistributedDataParallel(m, device_ids=context.device_ids, **kwargs)
-            if any(p.requires_grad for p in m.parameters())
-            else m
+            self._wrap_one(m, context, kwargs) if any(p.requires_grad for p in m.parameters()) else m
             for m in models
         ]
+
+    def _wrap_one(
+        self, model: nn.Module, context: WrapContext, kwargs: dict[str, Any]
+    ) -> DistributedDataParallel:
+        wrapped = _HookKeeping(model, device_ids=context.device_ids, **kwargs)
+        hooks = self._comm_hooks.setdefault(id(model), [])
+        for state, hook in hooks:
+            DistributedDataParallel.register_comm_hook(wrapped, state, hook)
+        wrapped.raysgd_on_hook = lambda state, hook: hooks.append((state, hook))
+        return wrapped
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
