@@ -1,6 +1,6 @@
 """Built-in strategies (`none`, `ddp`, `fsdp`) and the registry that picks one by name."""
 
-from raysgd_operator.parallel_strategies.ddp import DDPStrategy
+from raysgd_operator.parallel_strategies.ddp import DDPStrategy, per_parameter_mean
 from raysgd_operator.parallel_strategies.fsdp import FSDPStrategy
 from raysgd_operator.parallel_strategies.none import NoStrategy
 from raysgd_operator.parallel_strategies.registry import (
@@ -18,6 +18,7 @@ __all__ = [
     "NoStrategy",
     "available_strategies",
     "get_strategy",
+    "per_parameter_mean",
     "register_strategy",
     "resolve_strategy",
 ]
