@@ -305,7 +305,8 @@ def _resplit(report: Optional[RecoveryReport], world_size: int) -> str:
         return ""
     return (
         f"the group goes on at {world_size} workers where it trained at {before}: the rows are "
-        "split anew, so each rank's random draws go with other rows and the gradients are "
+        "split anew, so each rank's random draws and the state it carries from batch to batch "
+        "(its rank_state_dict, an LSTM's hidden state) go with other rows and the gradients are "
         "summed in another order"
     )
 

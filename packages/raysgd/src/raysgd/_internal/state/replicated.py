@@ -405,8 +405,8 @@ def _slot_moves(
             moves.append(SlotMove(old_rank, replica[old_rank], new_rank, replica=True))
         else:
             missing.append(
-                f"the generators and per-rank state of rank {old_rank} at step {step} were lost "
-                "with it (no peer held them)"
+                f"the generators and per-rank state (rank_state_dict) of rank {old_rank} at "
+                f"step {step} were lost with it (no peer held them)"
             )
     return tuple(moves), tuple(missing)
 
