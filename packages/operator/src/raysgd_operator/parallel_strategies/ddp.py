@@ -16,19 +16,16 @@ from raysgd_operator.parallel_strategy import ParallelStrategy, WrapContext
 __all__ = ["DDPStrategy", "per_parameter_mean"]
 
 
-class _KeptHooks:
-    """A DDP's `register_comm_hook` that also keeps each (state, hook) for its strategy, so that
-    the DDP wrapping the same model in a re-formed group gets the hook again. Set on the DDP
-    instance (its type stays DistributedDataParallel)."""
+class _HookKeeping(DistributedDataParallel):
+    """DistributedDataParallel that tells its strategy of each communication hook registered on
+    it (`register_comm_hook`), so that the DDP wrapping the same model in a re-formed group
+    gets the hook again."""
 
-    def __init__(
-        self, wrapped: DistributedDataParallel, kept: list[tuple[object, Callable[..., Any]]]
-    ) -> None:
-        self.wrapped, self.kept = wrapped, kept
-
-    def __call__(self, state: object, hook: Callable[..., Any]) -> None:
-        DistributedDataParallel.register_comm_hook(self.wrapped, state, hook)
-        self.kept.append((state, hook))
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        super().register_comm_hook(state, hook)
+        on_hook = getattr(self, "raysgd_on_hook", None)
+        if on_hook is not None:
+            on_hook(state, hook)
 
 
 class DDPStrategy(ParallelStrategy):
@@ -48,7 +45,7 @@ class DDPStrategy(ParallelStrategy):
                 raise ValueError(f"ddp strategy_args cannot set {key!r}: raysgd sets it per worker")
         self.ddp_kwargs = dict(ddp_kwargs)
         # id(model) -> the (state, hook) pairs registered on its DDP, in order.
-        self._kept_hooks: dict[int, list[tuple[object, Callable[..., Any]]]] = {}
+        self._comm_hooks: dict[int, list[tuple[object, Callable[..., Any]]]] = {}
 
     def wrap(
         self, models: Sequence[nn.Module], optimizers: Sequence[Optimizer], context: WrapContext
@@ -68,11 +65,11 @@ class DDPStrategy(ParallelStrategy):
     def _wrap_one(
         self, model: nn.Module, context: WrapContext, kwargs: dict[str, Any]
     ) -> DistributedDataParallel:
-        wrapped = DistributedDataParallel(model, device_ids=context.device_ids, **kwargs)
-        kept = self._kept_hooks.setdefault(id(model), [])
-        for state, hook in kept:
-            wrapped.register_comm_hook(state, hook)
-        wrapped.register_comm_hook = _KeptHooks(wrapped, kept)  # type: ignore[method-assign]
+        wrapped = _HookKeeping(model, device_ids=context.device_ids, **kwargs)
+        hooks = self._comm_hooks.setdefault(id(model), [])
+        for state, hook in hooks:
+            DistributedDataParallel.register_comm_hook(wrapped, state, hook)
+        wrapped.raysgd_on_hook = lambda state, hook: hooks.append((state, hook))
         return wrapped
 
     def unwrap(self, model: nn.Module) -> nn.Module:
