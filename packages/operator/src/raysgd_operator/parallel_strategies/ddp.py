@@ -19,13 +19,17 @@ __all__ = ["DDPStrategy", "per_parameter_mean"]
 class _HookKeeping(DistributedDataParallel):
     """DistributedDataParallel that tells its strategy of each communication hook registered on
     it (`register_comm_hook`), so that the DDP wrapping the same model in a re-formed group
-    gets the hook again."""
+    gets the hook again. It bears DDP's name: a wrapped model reads as users expect
+    (``type(model).__name__``, its repr)."""
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         super().register_comm_hook(state, hook)
         on_hook = getattr(self, "raysgd_on_hook", None)
         if on_hook is not None:
             on_hook(state, hook)
+
+
+_HookKeeping.__name__ = _HookKeeping.__qualname__ = DistributedDataParallel.__name__
 
 
 class DDPStrategy(ParallelStrategy):
