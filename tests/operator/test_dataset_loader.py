@@ -107,18 +107,18 @@ def test_num_steps_continue_and_wrap_and_train_after_an_exact_end_starts_a_new_e
 def test_resume_skips_the_saved_position_and_a_position_at_the_end_starts_the_next_epoch() -> None:
     runner = _runner(ColumnShard(), batch=5)
     runner.train_epoch(num_steps=2)
-    state = runner.state_dict()
+    state = runner.state.state_dict()
     assert state["position"] == 2
     fresh = _runner(ColumnShard(), batch=5)
-    fresh.load_state_dict(state)
+    fresh.state.load_state_dict(state)
     result = fresh.train_epoch()
     assert result["epoch"] == 1 and result["num_samples"] == 10
     assert fresh.operator.seen == list(range(10, 20))
 
     runner.train_epoch(num_steps=2)  # exactly at the end of epoch 1; not known yet
-    end_state = runner.state_dict()
+    end_state = runner.state.state_dict()
     fresh = _runner(ColumnShard(), batch=5)
-    fresh.load_state_dict(end_state)
+    fresh.state.load_state_dict(end_state)
     result = fresh.train_epoch()
     assert result["epoch"] == 2 and result["num_samples"] == 20
 
@@ -134,7 +134,7 @@ def test_rebind_takes_the_new_shards_and_batch_size() -> None:
         config={BATCH_SIZE: 4},
         datasets={"train": new_shard},
     )
-    runner.load_state_dict(runner.state_dict() | {"position": 0})
+    runner.state.load_state_dict(runner.state.state_dict() | {"position": 0})
     result = runner.train_epoch()
     assert result["num_samples"] == 8 and result["batch_count"] == 2
     assert new_shard.calls[0]["batch_size"] == 4

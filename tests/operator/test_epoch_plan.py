@@ -134,11 +134,11 @@ def test_an_interrupted_call_goes_on_from_its_last_finished_step() -> None:
     runner = OperatorRunner(_Regression, {"fail_at": 3}, world_size=2, distributed=True)
     with pytest.raises(ConnectionError):
         runner.train_epoch(call_id=1)
-    progress = runner.progress()
+    progress = runner.position.progress()
     assert (progress.step, progress.clean, progress.in_batch) == (3, True, True)
     assert progress.call is not None and progress.call.steps == 3
     # What recovery does on a survivor: go on from the source's position (here: its own).
-    runner.adopt(runner.position_state(), progress.call)
+    runner.position.adopt(runner.position.position_state(), progress.call)
     again = runner.train_epoch(call_id=1)
     assert again["batch_count"] == first["batch_count"] == 6  # 48 rows, 2 workers, batches of 4
     assert again["num_samples"] == first["num_samples"]
@@ -189,9 +189,9 @@ def test_a_batch_torn_between_two_optimizers_is_rolled_back_to_its_last_finished
     torn = OperatorRunner(_TwoOptimizers, {"fail_between": 1})
     with pytest.raises(ConnectionError):
         torn.train_epoch(num_steps=2)
-    assert torn.journal.dirty  # d stepped in the unfinished batch, g did not
-    progress = torn.progress()  # rolls d back
-    assert progress.clean and progress.step == 1 and not torn.journal.dirty
+    assert torn.position.journal.dirty  # d stepped in the unfinished batch, g did not
+    progress = torn.position.progress()  # rolls d back
+    assert progress.clean and progress.step == 1 and not torn.position.journal.dirty
     got = [p.detach().clone() for m in torn.get_models() for p in m.parameters()]
     for a, b in zip(expected, got):
         torch.testing.assert_close(a, b)
@@ -210,10 +210,10 @@ def test_one_optimizer_keeps_no_copies_and_a_torn_worker_says_so() -> None:
             return metrics
 
     runner = OperatorRunner(OneStepThenFail, {})
-    assert not runner.journal.keeps_copies
+    assert not runner.position.journal.keeps_copies
     with pytest.raises(ConnectionError):
         runner.train_epoch()
-    progress = runner.progress()
+    progress = runner.position.progress()
     assert (progress.step, progress.clean) == (2, False)  # never a source
 
 
@@ -255,12 +255,12 @@ def test_a_call_stopped_at_a_step_boundary_goes_on_later_as_one_call() -> None:
     straight = OperatorRunner(_Regression, {}, world_size=2, distributed=True)
     whole = straight.train_epoch(call_id=1)
     runner = OperatorRunner(_Regression, {}, world_size=2, distributed=True)
-    runner.add_step_hook(lambda: runner.step == 3 and runner.request_stop())
+    runner.add_step_hook(lambda: runner.position.step == 3 and runner.request_stop())
     part = runner.train_epoch(call_id=1)
     assert runner.yielded and part["batch_count"] == 3
-    assert runner.call is not None and not runner.call.finished
+    assert runner.position.call is not None and not runner.position.call.finished
     rest = runner.train_epoch(call_id=1)
-    assert not runner.yielded and runner.call.finished
+    assert not runner.yielded and runner.position.call.finished
     assert (rest["epoch"], rest["batch_count"], rest["num_samples"]) == (1, 6, 24)
     assert rest["train_loss"] == pytest.approx(whole["train_loss"], rel=1e-6)
 
@@ -274,18 +274,20 @@ def test_a_call_restored_to_an_earlier_epoch_first_finishes_that_epoch() -> None
     whole = straight.train_epoch(call_id=2)
     runner = OperatorRunner(_Regression, {}, world_size=2, distributed=True)
     runner.train_epoch(num_steps=4, call_id=1)
-    snapshot = runner.state_dict()
+    snapshot = runner.state.state_dict()
     runner.train_epoch(call_id=3)  # the rest of epoch 1 (a later call of its own)
     stops = [8]  # once: stopped within epoch 2, the call in progress
-    runner.add_step_hook(lambda: runner.step in stops and (stops.clear() or runner.request_stop()))
+    runner.add_step_hook(
+        lambda: runner.position.step in stops and (stops.clear() or runner.request_stop())
+    )
     runner.train_epoch(call_id=2)
-    call = runner.call
+    call = runner.position.call
     assert call is not None and not call.finished and call.start_step == 6
-    runner.load_state_dict(snapshot)
-    runner.adopt_snapshot(call, None)
-    assert runner.call.steps == -2  # two steps from before the call to do again first
+    runner.state.load_state_dict(snapshot)
+    runner.position.adopt_snapshot(call, None)
+    assert runner.position.call.steps == -2  # two steps from before the call to do again first
     rest = runner.train_epoch(call_id=2)
-    assert runner.step == 12 and rest["epoch"] == 2
+    assert runner.position.step == 12 and rest["epoch"] == 2
     assert (rest["batch_count"], rest["num_samples"]) == (6, 24)
     assert rest["train_loss"] == pytest.approx(whole["train_loss"], rel=1e-6)
     for a, b in zip(_weights(straight), _weights(runner)):
@@ -300,17 +302,21 @@ def test_a_new_runner_restored_from_a_snapshot_in_the_call_counts_its_rows_once(
     stops = [2, 4]
     runner.add_step_hook(
         lambda: (
-            runner.step in stops and (stops.remove(runner.step) or True) and runner.request_stop()
+            runner.position.step in stops
+            and (stops.remove(runner.position.step) or True)
+            and runner.request_stop()
         )
     )
     runner.train_epoch(call_id=1)
-    snapshot, at_snapshot = runner.state_dict(), runner.call
+    snapshot, at_snapshot = runner.state.state_dict(), runner.position.call
     runner.train_epoch(call_id=1)
-    assert runner.step == 4 and at_snapshot is not None and at_snapshot.rows is not None
+    assert runner.position.step == 4 and at_snapshot is not None and at_snapshot.rows is not None
     restored = OperatorRunner(_Regression, {}, world_size=2, distributed=True)
-    restored.load_state_dict(snapshot)
-    restored.adopt_snapshot(dataclasses.replace(runner.call, rows=at_snapshot.rows), None)
+    restored.state.load_state_dict(snapshot)
+    restored.position.adopt_snapshot(
+        dataclasses.replace(runner.position.call, rows=at_snapshot.rows), None
+    )
     restored.train_epoch(call_id=1)
-    assert restored.step == 6 and restored.call is not None
+    assert restored.position.step == 6 and restored.position.call is not None
     # The epoch's rows for the whole group (6 steps of 2 x 4), none counted twice or missed.
-    assert restored.call.rows == 48
+    assert restored.position.call.rows == 48

@@ -220,12 +220,12 @@ def test_a_pass_of_loader_workers_resumed_mid_epoch_says_its_draws_differ(
     first = OperatorRunner(_WorkerLoaded, {})
     try:
         first.train_epoch(num_steps=2)
-        state = first.state_dict()
+        state = first.state.state_dict()
     finally:
         first.shutdown()
     resumed = OperatorRunner(_WorkerLoaded, {})
     try:
-        resumed.load_state_dict(state)
+        resumed.state.load_state_dict(state)
         with caplog.at_level(logging.WARNING, logger="raysgd_operator"):
             assert resumed.train_epoch()["num_samples"] == 4  # the epoch's last two batches
         (record,) = [r for r in caplog.records if "worker processes" in r.getMessage()]

@@ -64,12 +64,12 @@ def test_cuda_fp16_scaler_trains_and_checkpoints() -> None:
     assert losses[-1] < losses[0]
     assert runner.operator.dtypes == {torch.float16}
     buffer = io.BytesIO()
-    torch.save(runner.state_dict(), buffer)
+    torch.save(runner.state.state_dict(), buffer)
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
     assert state["precision"]  # the scaler's state travels with the checkpoint
     other = OperatorRunner(RecordingOperator, {}, use_fp16="fp16", device=device, use_gpu=True)
-    other.load_state_dict(state)
+    other.state.load_state_dict(state)
     assert other.precision.state_dict() == runner.precision.state_dict()
 
 

@@ -131,10 +131,10 @@ def test_gan_two_models_state_round_trip(tmp_path: Any) -> None:
     result = runner.train_epoch()
     assert {"loss_g", "loss_d", "last_loss_g", "last_loss_d"} <= set(result)
     path = tmp_path / "gan.pt"
-    torch.save(runner.state_dict(), path)
+    torch.save(runner.state.state_dict(), path)
     other = OperatorRunner(GANOperator, {"seed": 1})
-    other.load_state_dict(torch.load(path, weights_only=True))
-    assert other.operator.rounds == 4 and other.epoch == 1
+    other.state.load_state_dict(torch.load(path, weights_only=True))
+    assert other.operator.rounds == 4 and other.position.epoch == 1
     for a, b in zip(runner.get_models(), other.get_models()):
         for pa, pb in zip(a.state_dict().values(), b.state_dict().values()):
             assert torch.equal(pa, pb)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from raysgd_operator import OperatorRunner, TrainingOperator
+from raysgd_operator import OperatorRunner, StateIO, TrainingOperator
 
 
 class NoisyOperator(TrainingOperator):
@@ -60,7 +60,7 @@ def test_resume_mid_epoch_redoes_the_same_steps(settings: dict[str, Any]) -> Non
     kwargs["scheduler_step_freq"] = "batch"
     straight = OperatorRunner(NoisyOperator, config, **kwargs)
     straight.train_epoch(num_steps=3)
-    state = reload(straight.state_dict())
+    state = reload(straight.state.state_dict())
     assert state["position"] == 3 and state["epoch"] == 1
     assert set(state) >= {
         "epoch",
@@ -73,15 +73,15 @@ def test_resume_mid_epoch_redoes_the_same_steps(settings: dict[str, Any]) -> Non
     }
     straight.train_epoch()
     straight.train_epoch(num_steps=4)
-    expected, expected_epoch = weights(straight), straight.epoch
+    expected, expected_epoch = weights(straight), straight.position.epoch
 
     resumed = OperatorRunner(NoisyOperator, {**config, "seed": 5}, **kwargs)
     resumed.train_epoch(num_steps=2)  # progress that the load must discard
-    resumed.load_state_dict(state)
+    resumed.state.load_state_dict(state)
     rest = resumed.train_epoch()
     assert rest["batch_count"] == (10 if kwargs["world_size"] == 1 else 5) - 3
     resumed.train_epoch(num_steps=4)
-    assert resumed.epoch == expected_epoch == 2
+    assert resumed.position.epoch == expected_epoch == 2
     for a, b in zip(expected, weights(resumed)):
         assert torch.equal(a, b)
     if kwargs["world_size"] == 2:
@@ -92,10 +92,10 @@ def test_resume_mid_epoch_redoes_the_same_steps(settings: dict[str, Any]) -> Non
 def test_state_after_finished_epoch_starts_the_next_one() -> None:
     runner = OperatorRunner(NoisyOperator, {}, scheduler_step_freq="epoch")
     runner.train_epoch()
-    state = reload(runner.state_dict())
+    state = reload(runner.state.state_dict())
     assert state["position"] == 0
     other = OperatorRunner(NoisyOperator, {}, scheduler_step_freq="epoch")
-    other.load_state_dict(state)
+    other.state.load_state_dict(state)
     result = other.train_epoch()
     assert (result["epoch"], result["batch_count"]) == (2, 10)
     assert other.operator.scheduler.last_epoch == 2
@@ -103,22 +103,22 @@ def test_state_after_finished_epoch_starts_the_next_one() -> None:
 
 def test_state_is_a_snapshot_and_load_checks_counts() -> None:
     runner = OperatorRunner(NoisyOperator, {}, scheduler_step_freq="epoch")
-    state = runner.state_dict()
+    state = runner.state.state_dict()
     before = state["models"][0]["0.weight"].clone()
     runner.train_epoch()
     assert torch.equal(state["models"][0]["0.weight"], before)
     with pytest.raises(ValueError, match="models"):
-        runner.load_state_dict({**state, "models": []})
+        runner.state.load_state_dict({**state, "models": []})
 
 
 def test_a_snapshot_into_an_earlier_one_reuses_its_memory_and_is_current() -> None:
     runner = OperatorRunner(NoisyOperator, {}, scheduler_step_freq="epoch")
     runner.train_epoch()
-    earlier = runner.state_dict()
+    earlier = runner.state.state_dict()
     pointers = [t.data_ptr() for t in earlier["models"][0].values()]
     adam = earlier["optimizers"][0]["state"][0]["exp_avg"].data_ptr()
     runner.train_epoch()
-    again = runner.state_dict(into=earlier)
+    again = runner.state.state_dict(into=earlier)
     # The same memory, now holding this step's values: weights and Adam's moments alike.
     assert [t.data_ptr() for t in again["models"][0].values()] == pointers
     assert again["optimizers"][0]["state"][0]["exp_avg"].data_ptr() == adam
@@ -127,7 +127,7 @@ def test_a_snapshot_into_an_earlier_one_reuses_its_memory_and_is_current() -> No
     # Never the live tensors, and whatever no longer matches (here: a new shape) is a new copy.
     assert again["models"][0]["0.weight"] is not runner.operator.model[0].weight
     earlier["models"][0]["0.weight"] = torch.zeros(1)
-    fresh = runner.state_dict(into=earlier)["models"][0]["0.weight"]
+    fresh = runner.state.state_dict(into=earlier)["models"][0]["0.weight"]
     assert fresh.shape == (8, 4) and torch.equal(fresh, runner.operator.model[0].weight)
     assert fresh.data_ptr() != runner.operator.model[0].weight.data_ptr()
 
@@ -135,14 +135,14 @@ def test_a_snapshot_into_an_earlier_one_reuses_its_memory_and_is_current() -> No
 def test_host_buffers_take_the_first_snapshot_into_their_memory() -> None:
     runner = OperatorRunner(NoisyOperator, {}, scheduler_step_freq="epoch")
     runner.train_epoch()  # Adam's moments exist from the first step on
-    buffers = OperatorRunner.host_buffers(runner.state_dict(live=True))
+    buffers = StateIO.host_buffers(runner.state.state_dict(live=True))
     weight = runner.operator.model[0].weight
     shaped = buffers["models"][0]["0.weight"]
     assert (shaped.shape, shaped.dtype) == (weight.shape, weight.dtype)
     assert shaped.data_ptr() != weight.data_ptr()
     pointers = [t.data_ptr() for t in buffers["models"][0].values()]
     adam = buffers["optimizers"][0]["state"][0]["exp_avg"].data_ptr()
-    taken = runner.state_dict(into=buffers)
+    taken = runner.state.state_dict(into=buffers)
     assert [t.data_ptr() for t in taken["models"][0].values()] == pointers
     assert taken["optimizers"][0]["state"][0]["exp_avg"].data_ptr() == adam
     assert torch.equal(taken["models"][0]["0.weight"], weight)
@@ -167,7 +167,7 @@ def test_apply_operator_and_shutdown() -> None:
     assert runner.apply_operator(lambda op: op.world_rank) == 0
     runner.train_epoch(num_steps=2)
     runner.shutdown()
-    assert runner.state_dict()["position"] == 0
+    assert runner.state.state_dict()["position"] == 0
 
 
 class IndexRecordingOperator(NoisyOperator):
@@ -189,7 +189,9 @@ def test_batch_idx_counts_in_the_call_and_epoch_batch_idx_in_the_epoch_across_lo
     # checkpoint, resume=True) goes on with: per-epoch logic keys on it.
     first = OperatorRunner(IndexRecordingOperator, {}, scheduler_step_freq="epoch")
     saved: list[dict[str, Any]] = []
-    first.add_step_hook(lambda: saved.append(first.state_dict()) if first.step in (6, 10) else None)
+    first.add_step_hook(
+        lambda: saved.append(first.state.state_dict()) if first.position.step in (6, 10) else None
+    )
     first.train_epoch(num_steps=4)
     first.train_epoch()  # the 6 other batches of the epoch's 10
     assert first.operator.seen == [(i, i, i) for i in range(4)] + [
@@ -197,7 +199,7 @@ def test_batch_idx_counts_in_the_call_and_epoch_batch_idx_in_the_epoch_across_lo
     ]
 
     resumed = OperatorRunner(IndexRecordingOperator, {}, scheduler_step_freq="epoch")
-    resumed.load_state_dict(reload(saved[0]))
+    resumed.state.load_state_dict(reload(saved[0]))
     resumed.train_epoch()  # the rest of the epoch
     assert resumed.operator.seen == [(i - 6, i, i) for i in range(6, 10)]
     resumed.train_epoch(num_steps=2)  # the next epoch
@@ -205,8 +207,8 @@ def test_batch_idx_counts_in_the_call_and_epoch_batch_idx_in_the_epoch_across_lo
 
     # A state saved between calls, or at the last step of an epoch: the next call and epoch
     # start at 0.
-    for state in (first.state_dict(), saved[1]):
+    for state in (first.state.state_dict(), saved[1]):
         between = OperatorRunner(IndexRecordingOperator, {}, scheduler_step_freq="epoch")
-        between.load_state_dict(reload(state))
+        between.state.load_state_dict(reload(state))
         between.train_epoch(num_steps=1)
         assert between.operator.seen == [(0, 0, 10)]

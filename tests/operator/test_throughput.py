@@ -244,15 +244,15 @@ def test_the_progress_bar_shows_the_rate_by_what_the_batches_count(
 def test_a_call_that_went_on_after_a_failure_counts_the_time_of_the_steps_it_kept() -> None:
     runner = OperatorRunner(_Regression, {"fail_at": 5}, world_size=2, distributed=True)
     kept: list[float] = []
-    runner.add_step_hook(lambda: kept.append(runner.call.loop_s))  # type: ignore[union-attr]
+    runner.add_step_hook(lambda: kept.append(runner.position.call.loop_s))  # type: ignore[union-attr]
     with pytest.raises(ConnectionError):
         runner.train_epoch(call_id=1)
-    progress = runner.progress()
+    progress = runner.position.progress()
     assert progress.call is not None and progress.call.steps == 5
     # Back at its last finished step, the call holds the loop time up to that step: the time of
     # the step that failed is not counted.
     assert kept == sorted(kept) and progress.call.loop_s == kept[-1] > 0
-    runner.adopt(runner.position_state(), progress.call)
+    runner.position.adopt(runner.position.position_state(), progress.call)
     again = runner.train_epoch(call_id=1)
     assert again["num_samples"] == 24  # this worker's half of every row, once
     assert again["loop_s"] >= kept[-1]

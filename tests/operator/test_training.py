@@ -65,7 +65,7 @@ def test_learns_linear_function(style: str) -> None:
         runner.train_epoch()
     assert runner.validate()["val_loss"] < first / 100
     assert_learned_line(runner)
-    assert runner.epoch == 20
+    assert runner.position.epoch == 20
 
 
 def test_default_metric_keys_and_values() -> None:
@@ -171,7 +171,7 @@ def test_num_steps_continuation_and_wrap_around() -> None:
         result = runner.validate(num_steps=num_steps)
         assert result["average"] == pytest.approx(average)
         assert "epoch" not in result
-    assert runner.epoch == 3
+    assert runner.position.epoch == 3
 
 
 def test_batch_info_keys() -> None:
@@ -325,7 +325,7 @@ def test_a_runner_without_a_train_loader_has_a_state_and_validates() -> None:
 
     runner = OperatorRunner(ValidateOnly, {})
     # What a worker's start asks for (the driver's copy of the state): position 0, no epoch open.
-    assert runner.position_state() == {
+    assert runner.position.position_state() == {
         "epoch": 0,
         "position": 0,
         "epoch_rows": None,
@@ -336,13 +336,13 @@ def test_a_runner_without_a_train_loader_has_a_state_and_validates() -> None:
         "trained_to": 0,
         "epoch_ended": 0,
     }
-    state = runner.state_dict()
+    state = runner.state.state_dict()
     assert (state["position"], state["in_epoch"], state["step"]) == (0, False, 0)
-    runner.load_state_dict(state)
+    runner.state.load_state_dict(state)
     assert runner.validate()["num_samples"] == 64
     with pytest.raises(ValueError, match=r"train\(\) needs a train loader"):
         runner.train_epoch()
-    assert runner.position_state()["step"] == 0
+    assert runner.position.position_state()["step"] == 0
     assert runner.validate()["num_samples"] == 64
 
 

@@ -96,7 +96,11 @@ def _equal(a: OperatorRunner, b: OperatorRunner) -> None:
         assert torch.equal(x, y)
     assert torch.equal(a.operator.carried, b.operator.carried)
     assert a.operator.scheduler.last_epoch == b.operator.scheduler.last_epoch
-    assert (a.step, a.operator.global_step, a.epoch) == (b.step, b.operator.global_step, b.epoch)
+    assert (a.position.step, a.operator.global_step, a.position.epoch) == (
+        b.position.step,
+        b.operator.global_step,
+        b.position.epoch,
+    )
 
 
 def _train(runner: OperatorRunner, calls: list[int | None]) -> list[dict[str, Any]]:
@@ -109,7 +113,7 @@ def _train(runner: OperatorRunner, calls: list[int | None]) -> list[dict[str, An
                 results.append(runner.train_epoch(num_steps=num_steps, call_id=call_id))
                 break
             except Interrupted:
-                runner.progress()
+                runner.position.progress()
     return results
 
 
@@ -138,9 +142,9 @@ def test_progress_goes_back_to_the_window_start_and_says_how_far_it_got() -> Non
     runner = _runner(fail_at=[6])
     with pytest.raises(Interrupted):
         runner.train_epoch()
-    progress = runner.progress()
+    progress = runner.position.progress()
     assert (progress.step, progress.reached, progress.clean) == (4, 7, True)
-    assert runner.step == 4 and runner.operator.global_step == 4
+    assert runner.position.step == 4 and runner.operator.global_step == 4
     assert all(p.grad is None for p in runner.operator.model.parameters())
 
 
@@ -154,17 +158,17 @@ def _reload(state: dict[str, Any]) -> dict[str, Any]:
 def test_a_state_saved_inside_a_window_is_its_start_and_loading_it_redoes_the_window() -> None:
     clean = _runner()
     clean.train_epoch(num_steps=6)
-    state = _reload({**clean.state_dict(), "slot": clean.rank_slot()})
+    state = _reload({**clean.state.state_dict(), "slot": clean.state.rank_slot()})
     assert (state["step"], state["trained_to"]) == (4, 6)
     _train(clean, [6, None, None])
 
     loaded = _runner()
-    loaded.load_state_dict(state)
-    loaded.load_rank_slot(state["slot"])
+    loaded.state.load_state_dict(state)
+    loaded.state.load_rank_slot(state["slot"])
     # The next call does steps 4 and 5 again (not its own), then six of its own, as the
     # uninterrupted run's second call did.
     first = loaded.train_epoch(num_steps=6)
-    assert first["batch_count"] == 6 and loaded.step == 12
+    assert first["batch_count"] == 6 and loaded.position.step == 12
     _train(loaded, [None, None])
     _equal(clean, loaded)
 
@@ -181,15 +185,15 @@ def test_a_worker_a_window_ahead_of_the_source_goes_back_with_it_counting_each_b
     ahead = _runner(fail_at=[8])
     with pytest.raises(Interrupted):
         ahead.train_epoch(call_id=0)
-    ahead.progress()
+    ahead.position.progress()
     behind = _runner(fail_at=[7])
     with pytest.raises(Interrupted):
         behind.train_epoch(call_id=0)
-    behind.progress()
-    assert (ahead.step, behind.step) == (8, 4)
-    ahead.load_state_dict(behind.state_dict())
-    ahead.adopt(behind.position_state(), behind.call)
-    ahead.load_rank_slot(behind.rank_slot())
+    behind.position.progress()
+    assert (ahead.position.step, behind.position.step) == (8, 4)
+    ahead.state.load_state_dict(behind.state.state_dict())
+    ahead.position.adopt(behind.position.position_state(), behind.position.call)
+    ahead.state.load_rank_slot(behind.state.rank_slot())
     result = ahead.train_epoch(call_id=0)
     _equal(clean, ahead)
     assert result["num_samples"] == expected["num_samples"] == 72
@@ -225,7 +229,7 @@ def test_epoch_ends_belong_to_the_state_once_per_epoch_whatever_the_calls() -> N
     # The validation's draws (its loader's seed) are in the window start it ran at: a state
     # saved now, or a peer's copy of this rank's slot, holds them.
     assert _next_draw() == pytest.approx(
-        float(torch.rand(1, generator=_generator_of(split.rank_slot())))
+        float(torch.rand(1, generator=_generator_of(split.state.rank_slot())))
     )
 
 
@@ -245,8 +249,10 @@ def test_a_call_asked_again_after_it_ended_trains_and_draws_nothing() -> None:
     # goes back to the window's start and does its batches again).
     runner = _runner(own_k=1)
     first = runner.train_epoch(call_id=0)
-    runner.progress()
-    before = (_next_draw(), runner.step, runner.epoch)
+    runner.position.progress()
+    before = (_next_draw(), runner.position.step, runner.position.epoch)
     again = runner.train_epoch(call_id=0)
-    assert (_next_draw(), runner.step, runner.epoch) == before == (before[0], 18, 1)
+    assert (
+        (_next_draw(), runner.position.step, runner.position.epoch) == before == (before[0], 18, 1)
+    )
     assert again["batch_count"] == first["batch_count"] == 18

@@ -39,9 +39,9 @@ validation = runner.validate()
 model = runner.get_models()[0]
 with tempfile.TemporaryDirectory() as folder:
     path = os.path.join(folder, "state.pt")
-    torch.save(runner.state_dict(), path)
+    torch.save(runner.state.state_dict(), path)
     fresh = OperatorRunner(LinearOperator, {"lr": 0.1, BATCH_SIZE: 32})
-    fresh.load_state_dict(torch.load(path, weights_only=True))
+    fresh.state.load_state_dict(torch.load(path, weights_only=True))
     reloaded = fresh.validate()
 
 Creator = TrainingOperator.from_creators(

@@ -22,9 +22,11 @@ from raysgd_operator.parallel_strategies import (
     register_strategy,
 )
 from raysgd_operator.parallel_strategy import ParallelStrategy, WrapContext
+from raysgd_operator.position import RunPosition
 from raysgd_operator.progress import CallRecord, Progress
 from raysgd_operator.runner import OperatorRunner
 from raysgd_operator.safe_load import load_failure_reason
+from raysgd_operator.state_io import StateIO
 
 __version__ = "0.1.0"
 
@@ -64,6 +66,8 @@ __all__ = [
     "ParallelStrategy",
     "Progress",
     "RankInfo",
+    "RunPosition",
+    "StateIO",
     "TimerCollection",
     "TrainingOperator",
     "TrainingOptions",

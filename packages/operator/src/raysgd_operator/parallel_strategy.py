@@ -84,7 +84,7 @@ class ParallelStrategy:
       gives memory to its own part only, after wrapping); otherwise a model built there gets its
       memory before `wrap`.
     - `whole_state(models, optimizers)` and `load_whole_state(...)`: the models' and optimizers'
-      state dicts as one whole copy (what `OperatorRunner.state_dict` holds), saved where every
+      state dicts as one whole copy (what `StateIO.state_dict` holds), saved where every
       worker has all of it and loaded into any strategy's models.
     - `whole_model(model)` gives the user's whole module: the unwrapped model itself when every
       worker holds all of it; for a sharded strategy, a collective that returns a new module on

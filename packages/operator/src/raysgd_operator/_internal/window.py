@@ -8,7 +8,7 @@ per-rank state (a hidden state carried from batch to batch), the running statist
 normalisation layers and the call's metrics.
 
 A `WindowStart` keeps those as they were when the window began, so that a worker can be put back
-there exactly (`OperatorRunner.progress`): every batch of the window is then done again, and each
+there exactly (`RunPosition.progress`): every batch of the window is then done again, and each
 counts once, whatever had been accumulated. Checkpoints and snapshots describe a window start too:
 the models and optimizers of any batch of a window are those of its start. Without accumulation
 every batch is a window of its own, and the start is the last finished step.

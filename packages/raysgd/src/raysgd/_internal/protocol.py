@@ -230,7 +230,7 @@ class RestorePlan:
         finished_at: When the surviving workers last finished a step (`time.time()`; None when
             none did): the loss was detected that long after the group's last progress.
         rank_sources: For each rank of the re-formed group, the rank of the group before whose
-            slot (`OperatorRunner.rank_slot`: per-rank state, generators) it takes: a kept worker
+            slot (`StateIO.rank_slot`: per-rank state, generators) it takes: a kept worker
             its own, a replacement a lost worker's; None for a worker that starts its own
             afresh. Empty: every rank takes its own number's.
         slot_moves: From peers: how the ranks of the re-formed group that take another rank's
@@ -320,7 +320,7 @@ class LoadSource(abc.ABC):
 
     @abc.abstractmethod
     def load_into(self, runner: OperatorRunner, rank_source: Optional[int]) -> None:
-        """Load into `runner`, with the rank slot (`OperatorRunner.rank_slot`) saved for rank
+        """Load into `runner`, with the rank slot (`StateIO.rank_slot`) saved for rank
         `rank_source` (None: none, the runner's per-rank state starts afresh). A collective
         where the source is read in parts."""
 

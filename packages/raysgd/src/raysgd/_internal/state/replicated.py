@@ -70,7 +70,7 @@ from raysgd._internal.worker.state import (
 )
 from raysgd._internal.worker.transfer import broadcast_state
 from raysgd_core import WorkerGroup, get_context
-from raysgd_operator import OperatorRunner, Progress
+from raysgd_operator import OperatorRunner, Progress, StateIO
 
 __all__ = [
     "Replicated",
@@ -99,7 +99,7 @@ class ReplicatedState(WorkerState):
         replicas_for(runner)
 
     def holding(self) -> Holding:
-        progress = self.runner.progress()
+        progress = self.runner.position.progress()
         slot = this_worker()
         replicas = slot.replicas
         return Holding(
@@ -119,12 +119,12 @@ class ReplicatedState(WorkerState):
         replicas = this_worker().replicas
         if replicas is not None and replicas.runner is not runner:
             replicas = None
-        own = runner.rank_slot() if runner is not None else None
+        own = runner.state.rank_slot() if runner is not None else None
         if replicas is not None and own is not None and this_worker().slot_of is not None:
             # Kept among the copies too: if this restore fails midway (a loss in it), the runner's
             # slot may be another's by then (a received state's, a moved slot's), and the next
             # restore finds this rank's own there.
-            replicas.keep_own(runner.window_step, own)
+            replicas.keep_own(runner.position.window_step, own)
         # The runner's slot is this rank's again once the restore gave it one (the end).
         this_worker().slot_of = None
         copies = replicas.copies if replicas is not None else {}
@@ -139,7 +139,7 @@ class ReplicatedState(WorkerState):
             # The loaders cannot follow (the user's own sampler): set up again, keeping the state.
             old = runner
             runner = build_runner(args, restoring=True)
-            runner.take_over(old)
+            runner.state.take_over(old.state)
             old.shutdown()
         if runner is None:
             runner = build_runner(args, restoring=True)
@@ -149,28 +149,28 @@ class ReplicatedState(WorkerState):
             if plan.call is not None:
                 # A checkpoint the driver went back to instead of going on inexactly: the call
                 # goes on from its step (its metrics from there; its count as the plan says).
-                runner.adopt_snapshot(plan.call, None)
+                runner.position.adopt_snapshot(plan.call, None)
             else:
                 # The copy or checkpoint predates the interrupted call: every worker, kept or
                 # new, starts that call again from the loaded step (a survivor's own record of
                 # it would have it run fewer steps than the new workers, and the group would
                 # wait in a collective).
-                runner.adopt(runner.position_state(), None)
+                runner.position.adopt(runner.position.position_state(), None)
             this_worker().slot_of = (rank, ctx.generation)
             return state
         assert plan.source is not None
-        live = runner.state_dict(live=True) if rank == plan.source else None
+        live = runner.state.state_dict(live=True) if rank == plan.source else None
         received = broadcast_state(
             live, source=plan.source, receivers=plan.receivers, device=torch.device(ctx.device)
         )
         if rank in plan.receivers:
-            runner.load_state_dict(received)
+            runner.state.load_state_dict(received)
         _adopt_from(runner, plan.source)
         slot = _move_slots(plan.slot_moves, plan.step, own, copies, replicas_for(runner).group())
         # The slot of the rank whose place this worker takes, when another worker held it; else
         # its own (a survivor's, also when it received the source's state, which carries the
         # source's generators); a new worker with none starts its per-rank state afresh.
-        runner.load_rank_slot(slot if slot is not None else own)
+        runner.state.load_rank_slot(slot if slot is not None else own)
         this_worker().slot_of = (rank, ctx.generation)
         return state
 
@@ -183,7 +183,7 @@ class ReplicatedState(WorkerState):
         rank_slots = gather_rank_slots(self.runner, 0)
         if get_context().world_rank != 0:
             return None
-        self._host_copy = self.runner.state_dict(into=self._host_copy)
+        self._host_copy = self.runner.state.state_dict(into=self._host_copy)
         if rank_slots is not None:
             self._host_copy[RANK_SLOTS] = rank_slots
         return _WholeHostCopy(self._host_copy)
@@ -194,11 +194,11 @@ class ReplicatedState(WorkerState):
         one into memory in use, and every worker waits for rank 0's copy."""
         if get_context().world_rank != 0 or self._host_copy is not None:
             return None
-        live = self.runner.state_dict(live=True)  # references: shapes and dtypes, no copy
+        live = self.runner.state.state_dict(live=True)  # references: shapes and dtypes, no copy
 
         def allocate() -> None:
             if self._host_copy is None:
-                self._host_copy = OperatorRunner.host_buffers(live)
+                self._host_copy = StateIO.host_buffers(live)
 
         return allocate
 
@@ -261,12 +261,16 @@ def _adopt_from(runner: OperatorRunner, source: int) -> None:
     import torch.distributed as dist
 
     ctx = get_context()
-    holder = [(runner.position_state(), runner.call) if ctx.world_rank == source else None]
+    holder = [
+        (runner.position.position_state(), runner.position.call)
+        if ctx.world_rank == source
+        else None
+    ]
     # NCCL moves objects through device tensors; gloo through CPU ones.
     device = torch.device(ctx.device) if dist.get_backend() == "nccl" else None
     dist.broadcast_object_list(holder, src=source, device=device)
     position, call = holder[0]  # type: ignore[misc]
-    runner.adopt(position, call)
+    runner.position.adopt(position, call)
 
 
 # ------------------------------------------------------------------------------ the driver's half
@@ -481,7 +485,7 @@ class WholeSource(LoadSource):
             data = ray.get(whole) if isinstance(whole, ray.ObjectRef) else whole
             where = "state"
         state = state_from_bytes(data, source=where)
-        runner.load_state_dict(state)
+        runner.state.load_state_dict(state)
         apply_rank_slot(runner, state, rank_source)
 
 
@@ -519,7 +523,7 @@ def state_bytes() -> Optional[bytes]:
 
 
 def _with_rank_slots(runner: OperatorRunner, rank_slots: Optional[list]) -> dict[str, Any]:
-    state = runner.state_dict()
+    state = runner.state.state_dict()
     if rank_slots is not None:
         state[RANK_SLOTS] = rank_slots
     return state

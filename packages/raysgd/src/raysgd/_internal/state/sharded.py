@@ -185,7 +185,7 @@ class ShardedState(WorkerState):
             )
             for generation in generations
         )
-        return Holding(self.runner.progress(), held)
+        return Holding(self.runner.position.progress(), held)
 
     @classmethod
     def restore(cls, args: RunnerArgs, plan: RestorePlan) -> ShardedState:
@@ -228,20 +228,20 @@ class ShardedState(WorkerState):
             plan.fallback.load_into(runner, plan.rank_source(rank))
             # A checkpoint the driver went back to within the call (`plan.call`) goes on with
             # it; the copy or a checkpoint from before it starts the call again.
-            runner.adopt_snapshot(plan.call, None)
+            runner.position.adopt_snapshot(plan.call, None)
             return state
         from raysgd_operator import sharded_memory
 
         snapshot = plan.snapshot
-        needed = runner.needed_parts(snapshot.metadata) or set(snapshot.holders)
+        needed = runner.state.needed_parts(snapshot.metadata) or set(snapshot.holders)
         chunks = gather_parts(snapshot, held, needed, state.snapshots.group())
         del held
-        runner.load_sharded(sharded_memory.reader(snapshot.metadata, chunks), snapshot.state)
+        runner.state.load_sharded(sharded_memory.reader(snapshot.metadata, chunks), snapshot.state)
         del chunks
         # Every worker goes back to the snapshot, its per-rank state too: a survivor its own as
         # it was then, a replacement the lost worker's.
         apply_rank_slot(runner, snapshot.state, plan.rank_source(rank))
-        runner.adopt_snapshot(
+        runner.position.adopt_snapshot(
             plan.call, snapshot.meters[rank] if rank < len(snapshot.meters) else None
         )
         return state
@@ -261,7 +261,7 @@ class ShardedState(WorkerState):
         direct = folder.is_local and os.path.isdir(folder.path)
         directory = folder.path if direct else tempfile.mkdtemp(prefix="part-", dir=scratch_dir())
         try:
-            rest = self.runner.save_sharded(directory)
+            rest = self.runner.state.save_sharded(directory)
             rank_slots = gather_rank_slots(self.runner, 0)
             if rank_slots is not None:
                 rest[RANK_SLOTS] = rank_slots
@@ -283,7 +283,7 @@ class ShardedState(WorkerState):
         now), written as files later in the checkpoint's writer thread."""
         snapshots = self.snapshots
         taking = snapshots.taking
-        if taking is None or taking.step != self.runner.step:
+        if taking is None or taking.step != self.runner.position.step:
             snapshots.take(wait=False)
             taking = snapshots.taking
         assert taking is not None
@@ -610,11 +610,13 @@ class PartsSource(LoadSource):
         folder reads it in place, the others fetch only the parts their new shard overlaps."""
         files = self.files
         if isinstance(files, Storage) and files.is_local and os.path.isdir(files.path):
-            runner.load_sharded(files.path, self.state)
+            runner.state.load_sharded(files.path, self.state)
             apply_rank_slot(runner, self.state, rank_source)
             return
         names = set(files) if isinstance(files, dict) else set(files.listdir())
-        needed = runner.needed_parts(self.metadata) or {n for n in names if n.endswith(".distcp")}
+        needed = runner.state.needed_parts(self.metadata) or {
+            n for n in names if n.endswith(".distcp")
+        }
         directory = tempfile.mkdtemp(prefix="load-", dir=scratch_dir())
         try:
             _write(directory, METADATA_FILE, self.metadata)
@@ -628,7 +630,7 @@ class PartsSource(LoadSource):
                 else:
                     data = files.read_bytes(name)
                 _write(directory, name, data)
-            runner.load_sharded(directory, self.state)
+            runner.state.load_sharded(directory, self.state)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         apply_rank_slot(runner, self.state, rank_source)

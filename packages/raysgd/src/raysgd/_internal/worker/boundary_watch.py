@@ -62,12 +62,16 @@ class BoundaryWatch:
         arms at the same step, so the looks fall on the same boundaries everywhere."""
         self.spec = spec
         self.stopped_for = None
-        self._next_check = self.runner.step + 1
-        self._since = (self.runner.step, time.monotonic())
+        self._next_check = self.runner.position.step + 1
+        self._since = (self.runner.position.step, time.monotonic())
 
     def _on_step(self) -> None:
         spec = self.spec
-        if spec is None or self.runner.step < self._next_check or not self.runner.at_window_start:
+        if (
+            spec is None
+            or self.runner.position.step < self._next_check
+            or not self.runner.position.at_window_start
+        ):
             return
         import torch.distributed as dist
 
@@ -80,15 +84,15 @@ class BoundaryWatch:
             elif _any_up(spec.joining):
                 stop = 2
             done, since = self._since
-            per_step = (time.monotonic() - since) / max(1, self.runner.step - done)
+            per_step = (time.monotonic() - since) / max(1, self.runner.position.step - done)
             steps = max(1, math.ceil(spec.interval_s / per_step)) if per_step > 0 else 1
         if dist.is_initialized() and dist.get_world_size() > 1:
             device = torch.device(ctx.device) if dist.get_backend() == "nccl" else None
             answer = torch.tensor([stop, steps], dtype=torch.int64, device=device)
             dist.broadcast(answer, src=0)
             stop, steps = (int(v) for v in answer.tolist())
-        self._next_check = self.runner.step + steps
-        self._since = (self.runner.step, time.monotonic())
+        self._next_check = self.runner.position.step + steps
+        self._since = (self.runner.position.step, time.monotonic())
         if stop:
             self.stopped_for = _REASONS[stop]
             self.runner.request_stop()

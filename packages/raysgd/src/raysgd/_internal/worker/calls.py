@@ -139,8 +139,8 @@ def load(source: LoadSource) -> LoadAnswer:
     except ValueError as exc:
         if not source.checked_first:
             raise
-        return LoadAnswer(runner.step, runner.finished_epochs, str(exc))
-    return LoadAnswer(runner.step, runner.finished_epochs)
+        return LoadAnswer(runner.position.step, runner.position.finished_epochs, str(exc))
+    return LoadAnswer(runner.position.step, runner.position.finished_epochs)
 
 
 def finish_uploads() -> Optional[str]:
@@ -158,12 +158,12 @@ def state_copy(limit_bytes: int) -> tuple[Optional[bytes], int, int, float]:
     runner = current_runner()
     started = time.perf_counter()
     data, size = state_within(runner, limit_bytes)
-    return data, size, runner.step, time.perf_counter() - started
+    return data, size, runner.position.step, time.perf_counter() - started
 
 
 def epoch() -> int:
     """This worker's epoch (the same on every worker)."""
-    return current_runner().epoch
+    return current_runner().position.epoch
 
 
 # ------------------------------------------------------------------------------ the calls
@@ -194,7 +194,7 @@ def train_epoch(
         finished = not runner.yielded
     finally:
         bound.end_call(finished)
-    call = runner.call
+    call = runner.position.call
     # The group's count of the call's rows replaces the workers' (a lost worker's went with it)
     # only where they counted rows: a count of something else keeps the survivors' sum.
     rows = call.rows if call is not None and call.recovered and runner.counts_rows else None
@@ -202,10 +202,10 @@ def train_epoch(
     stopped_for = watch.stopped_for if watch is not None and runner.yielded else None
     return TrainAnswer(
         metrics,
-        runner.step,
+        runner.position.step,
         rows,
         stopped_for,
-        runner.finished_epochs,
+        runner.position.finished_epochs,
         bound.mean_step_s(),
         periodic.take_blocked() if periodic is not None else 0.0,
     )

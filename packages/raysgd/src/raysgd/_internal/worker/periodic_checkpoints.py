@@ -70,7 +70,7 @@ class PeriodicCheckpoints:
         self.blocked_s = 0.0
         self.last: Optional[Written] = None
         # The step of the last checkpoint taken, or the window start the call began at (`arm`).
-        self._taken_at = state.runner.step
+        self._taken_at = state.runner.position.step
         self.error: Optional[str] = None
         #: The writer: one thread for all of this worker's checkpoints, fed through `_jobs` (a
         #: queue's put costs the loop microseconds; starting a thread waits for the busy cores
@@ -94,7 +94,7 @@ class PeriodicCheckpoints:
         disagree on the next one, and writing a checkpoint takes every worker (its per-rank
         slots are gathered), so the one that takes it alone would wait for the others."""
         self.plan = plan
-        self._taken_at = self.state.runner.window_step
+        self._taken_at = self.state.runner.position.window_step
         if plan is not None:
             # The root's filesystem, built here on the training thread if not yet, is shared by
             # every folder joined to it: threads it starts (fsspec's event loop) are never the
@@ -129,15 +129,15 @@ class PeriodicCheckpoints:
             return
         # Due once a multiple of `every` was passed since the last checkpoint's step (a step
         # done again after a recovery does not take it again).
-        due = runner.step // plan.every > self._taken_at // plan.every
-        if not (due and runner.at_window_start):
+        due = runner.position.step // plan.every > self._taken_at // plan.every
+        if not (due and runner.position.at_window_start):
             self._stage_ahead()
             return
-        self._taken_at = runner.step
+        self._taken_at = runner.position.step
         started = time.perf_counter()
         self.finish()  # the one before, if storage has not kept up
         ctx = get_context()
-        position = runner.position_state()
+        position = runner.position.position_state()
         epoch, step = int(position["epoch"]), int(position["step"])
         # Every worker finds the same folder on its own: the name derives from the attempt.
         name = checkpoint_name(epoch, step, token=plan.token)
@@ -148,7 +148,7 @@ class PeriodicCheckpoints:
         rank = ctx.world_rank
         # What a restore that goes back to this checkpoint needs besides its parts: whether it
         # holds every rank's slot of the group it would restore, and the call's count up to it.
-        meta = {"world_size": ctx.world_size, "call": call_meta(runner.call)}
+        meta = {"world_size": ctx.world_size, "call": call_meta(runner.position.call)}
 
         def upload() -> None:
             try:

@@ -3,7 +3,7 @@ replicated state: ``ddp``, ``none``).
 
 Every worker of a replicated state holds the models and optimizers whole, but not what differs
 from rank to rank: its random generators, the operator's per-rank state and the loader's seed of
-the epoch (`OperatorRunner.rank_slot`). A replacement that takes a lost rank's place needs that
+the epoch (`StateIO.rank_slot`). A replacement that takes a lost rank's place needs that
 rank's slot as of the step the group goes on from, or its dropout masks, its hidden state and its
 data loader's random transforms would not be those the lost rank would have used, and the run
 would no longer end with the weights of one never interrupted.
@@ -85,7 +85,7 @@ def _arrays(tree: Any, into_arrays: bool) -> Any:
 
 
 def encode_slot(slot: dict[str, Any]) -> bytes:
-    """A rank slot (`OperatorRunner.rank_slot`) as bytes, to send to a peer. The tensors of the
+    """A rank slot (`StateIO.rank_slot`) as bytes, to send to a peer. The tensors of the
     operator's per-rank state travel as NumPy arrays: pickling a tensor serialises its storage
     with `torch.save`, many times slower, and this runs at every window start. The generators
     are bytes and numbers already (walking Python's 625 of them would cost more than the rest)."""
@@ -191,7 +191,7 @@ class RankReplicas:
         self._side_generation = -1
         runner.add_before_step_hook(self._before_step)
         runner.add_step_hook(self._on_step)
-        runner.add_window_start_hook(self.exchange)
+        runner.position.add_window_start_hook(self.exchange)
 
     def group(self) -> Any:
         """The group the slots travel over: the training group (None) when it is gloo, else a
@@ -234,13 +234,16 @@ class RankReplicas:
         if ring is None:
             return
         self._take_confirm(wait=True)
-        step = self.runner.step + 1
-        slot = self.runner.upcoming_rank_slot()
+        step = self.runner.position.step + 1
+        slot = self.runner.state.upcoming_rank_slot()
         encoded = encode_slot(slot)
         previous = None
         if self.changes_after_step:
             # The successors' copies of the last window start may be stale: they get it too.
-            previous = (self.runner.window_step, encode_slot(self.runner.rank_slot()))
+            previous = (
+                self.runner.position.window_step,
+                encode_slot(self.runner.state.rank_slot()),
+            )
         message = {"slot": encoded, "changes": self.changes_after_step, "previous": previous}
         received = self._swap(pickle.dumps(message), ring)
         generation = self._note_group()
@@ -258,9 +261,9 @@ class RankReplicas:
     def _on_step(self) -> None:
         """At a window start: confirm the slot sent before the step, or, where no step sent one,
         swap the slots now."""
-        if not self.runner.at_window_start or self._ring() is None:
+        if not self.runner.position.at_window_start or self._ring() is None:
             return
-        step = self.runner.step
+        step = self.runner.position.step
         if self._sent is None or self._sent[0] != step:
             self.exchange()
         else:
@@ -276,7 +279,7 @@ class RankReplicas:
         assert ring is not None
         _, sent, size = self._sent
         self._sent = None
-        now = self.runner.rank_slot()
+        now = self.runner.state.rank_slot()
         out = bytearray(1 + size + _COUNTS.size)  # _SAME, unless the slot changed after the step
         counted = now.get("counted")
         out[-_COUNTS.size :] = _COUNTS.pack(
@@ -352,9 +355,9 @@ class RankReplicas:
         if ring is None:
             return
         self._take_confirm(wait=True)
-        received = self._swap(encode_slot(self.runner.rank_slot()), ring)
+        received = self._swap(encode_slot(self.runner.state.rank_slot()), ring)
         generation = self._note_group()
-        step = self.runner.window_step
+        step = self.runner.position.window_step
         for before, data in received.items():
             self._keep(PeerSlot(before, generation, step, data, confirmed=True))
         self._sent = None
@@ -374,7 +377,7 @@ class RankReplicas:
         keeper = {gone: staying[i % len(staying)] for i, gone in enumerate(sorted(set(leaving)))}
         sends = []
         if rank in keeper:
-            mine = encode_slot(self.runner.rank_slot())
+            mine = encode_slot(self.runner.state.rank_slot())
             payload = {"slot": torch.frombuffer(bytearray(mine), dtype=torch.uint8)}
             sends.append((keeper[rank], payload, None))
         givers = [gone for gone, to in keeper.items() if to == rank]
@@ -382,8 +385,8 @@ class RankReplicas:
         generation = get_context().generation
         for gone, (chunks, _) in zip(givers, received):
             data = chunks["slot"].numpy().tobytes()
-            self.copies[(gone, self.runner.window_step)] = PeerSlot(
-                gone, generation, self.runner.window_step, data, confirmed=True
+            self.copies[(gone, self.runner.position.window_step)] = PeerSlot(
+                gone, generation, self.runner.position.window_step, data, confirmed=True
             )
 
     # -------------------------------------------------------------------------- what is held
@@ -393,7 +396,7 @@ class RankReplicas:
         its confirmation has arrived or its sender never changed its slot after a step) and its
         own of the window start before (asked after a failure, once the runner went back)."""
         self._take_confirm(wait=False)
-        before = self.runner.rank_slot_before()
+        before = self.runner.state.rank_slot_before()
         if before is not None:
             self.keep_own(*before)
         return tuple(

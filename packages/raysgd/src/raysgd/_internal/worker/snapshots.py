@@ -55,7 +55,7 @@ class Generation:
     step: int
     world_size: int
     metadata: bytes
-    #: The small rest of the state (`OperatorRunner.sharded_parts`'s second dict).
+    #: The small rest of the state (`StateIO.sharded_parts`'s second dict).
     state: dict[str, Any]
     #: The call in progress when it was taken (its rows so far), or None.
     call: Optional[CallRecord]
@@ -109,7 +109,7 @@ class Snapshots:
             runner.add_step_hook(self._on_step)
 
     def _on_step(self) -> None:
-        now, call = time.perf_counter(), self.runner.call
+        now, call = time.perf_counter(), self.runner.position.call
         running = self._thread is not None and self._thread.is_alive()
         if self._boundary is not None and _same_call(self._boundary[1], call):
             self.schedule.stepped(now - self._boundary[0], running)
@@ -117,7 +117,7 @@ class Snapshots:
             self.schedule.finished()
         # At a window start only: a snapshot inside a window would have to hold the gradients
         # accumulated since its start.
-        if self.schedule.due(self.runner.step) and self.runner.at_window_start:
+        if self.schedule.due(self.runner.position.step) and self.runner.position.at_window_start:
             self.take(wait=False)
         self._boundary = (time.perf_counter(), call)
 
@@ -162,19 +162,19 @@ class Snapshots:
             wanted = torch.tensor([self.schedule.wanted(), self.schedule.every], dtype=torch.int64)
             dist.all_reduce(wanted, op=dist.ReduceOp.MAX, group=group)
             self.schedule.agree(int(wanted[0]), int(wanted[1]))
-        tensors, state = runner.sharded_parts()
+        tensors, state = runner.state.sharded_parts()
         # Every worker keeps every rank's per-rank state (small): whichever survives has the
         # lost ones' for their replacements.
         rank_slots = gather_rank_slots(runner, None)
         if rank_slots is not None:
             state[RANK_SLOTS] = rank_slots
-        meters = runner.call_meters()
-        call = runner.call
+        meters = runner.position.call_meters()
+        call = runner.position.call
         slot = self._next_slot()
         staged = self._stagers[slot].stage(tensors)
         del tensors
-        # The state taken is the window start's (`OperatorRunner.state_dict`).
-        step, size = runner.window_step, dist.get_world_size()
+        # The state taken is the window start's (`StateIO.state_dict`).
+        step, size = runner.position.window_step, dist.get_world_size()
         copied = time.perf_counter()
         self.schedule.taken(step, copied - started)
 

@@ -30,7 +30,7 @@ __all__ = [
     "state_within",
 ]
 
-#: Where a saved state keeps what differs from rank to rank (`OperatorRunner.rank_slot`: the
+#: Where a saved state keeps what differs from rank to rank (`StateIO.rank_slot`: the
 #: operator's per-rank state, the random generators, the loader's seed of the epoch), in rank
 #: order.
 RANK_SLOTS = "rank_slots"
@@ -104,11 +104,11 @@ class WorkerState(abc.ABC):
 
 
 def gather_rank_slots(runner: OperatorRunner, dst: Optional[int]) -> Optional[list[Any]]:
-    """Every rank's slot (`OperatorRunner.rank_slot`), in rank order: on rank `dst`, or on every
+    """Every rank's slot (`StateIO.rank_slot`), in rank order: on rank `dst`, or on every
     rank with None; None elsewhere. A collective: every worker calls it at once."""
     import torch.distributed as dist
 
-    mine = runner.rank_slot()
+    mine = runner.state.rank_slot()
     if not dist.is_initialized():
         return [mine]
     everyone: list[Any] = [None] * dist.get_world_size()
@@ -129,12 +129,12 @@ def apply_rank_slot(
     if slots is None and saved.get(_RANK_STATES) is not None:
         slots = [{"state": state} for state in saved[_RANK_STATES]]
     have = slots is not None and source is not None and 0 <= source < len(slots)
-    runner.load_rank_slot(slots[source] if have else None)  # type: ignore[index]
+    runner.state.load_rank_slot(slots[source] if have else None)  # type: ignore[index]
 
 
 def state_within(runner: OperatorRunner, limit_bytes: int) -> tuple[Optional[bytes], int]:
     """``(bytes or None, size)`` of `runner`'s whole state: the bytes only when the size is at
     most `limit_bytes` (measured on the live tensors first, so that a large state is never
     serialised for nothing)."""
-    size = sum(t.numel() * t.element_size() for t in flatten(runner.state_dict(live=True))[1])
-    return (state_to_bytes(runner.state_dict()) if size <= limit_bytes else None), size
+    size = sum(t.numel() * t.element_size() for t in flatten(runner.state.state_dict(live=True))[1])
+    return (state_to_bytes(runner.state.state_dict()) if size <= limit_bytes else None), size
