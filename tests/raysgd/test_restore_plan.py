@@ -191,3 +191,52 @@ def test_a_validation_inside_the_interrupted_window_is_named() -> None:
     )
     assert plan.steps_redone == 2
     assert any("validation" in reason for reason in plan.inexact)
+
+
+def test_a_snapshot_without_a_ranks_slot_makes_the_sharded_plan_say_it_is_not_exact() -> None:
+    from raysgd._internal.state.sharded import Sharded
+    from raysgd._internal.worker.state import RANK_SLOTS
+
+    survivor = Progress(step=6, epoch=1, clean=True, in_batch=True, reached=7)
+
+    def holdings(state: dict, interleaved: bool = False) -> list[Holding]:
+        held = _held(5, 2, {0: None, 1: None})
+        held = type(held)(held.step, 2, held.metadata, state, held.call, held.parts)
+        progress = Progress(**{**vars(survivor), "interleaved": interleaved})
+        return [Holding(progress, (held,)), Holding(None)]
+
+    slots = [{"rng": b"0"}, {"rng": b"1"}]
+    kind = Sharded()
+    exact = kind.plan(holdings({RANK_SLOTS: slots}), 2, (0, 1))
+    assert exact.found and exact.step == 5 and exact.inexact == ()
+    # Rank 1's slot is not in the snapshot (its gathering failed): its replacement cannot draw
+    # what rank 1 would have.
+    lost = kind.plan(holdings({RANK_SLOTS: [slots[0], None]}), 2, (0, 1))
+    assert len(lost.inexact) == 1 and "rank 1 at step 5" in lost.inexact[0]
+    assert len(kind.plan(holdings({}), 2, (0, 1)).inexact) == 2
+    # A validation inside the interrupted window is named, as for a replicated state.
+    redone = kind.plan(holdings({RANK_SLOTS: slots}, interleaved=True), 2, (0, 1))
+    assert any("validation" in reason for reason in redone.inexact)
+
+
+def test_going_back_past_a_validation_says_the_steps_redone_draw_without_it() -> None:
+    from raysgd._internal.state.sharded import Sharded
+    from raysgd._internal.worker.state import RANK_SLOTS
+
+    # A validation ran at step 6 (a window start); the newest snapshot every part of which
+    # survived is that of step 5: the steps from 5 are redone without the validation's draws.
+    held = _held(5, 2, {0: None, 1: None})
+    held = type(held)(5, 2, held.metadata, {RANK_SLOTS: [{}, {}]}, held.call, held.parts)
+
+    def survivor(validated_at: int) -> list[Holding]:
+        progress = Progress(step=6, epoch=1, clean=True, in_batch=True, validated_at=validated_at)
+        return [Holding(progress, (held,)), Holding(None)]
+
+    plan = Sharded().plan(survivor(6), 2, (0, 1))
+    assert plan.step == 5 and len(plan.inexact) == 1 and "step 6" in plan.inexact[0]
+    assert Sharded().plan(survivor(5), 2, (0, 1)).inexact == ()
+    # A whole state goes on from the survivors' own window start, after the validation.
+    whole = plan_from_peers(
+        [Holding(Progress(step=6, epoch=1, clean=True, in_batch=True, validated_at=6))]
+    )
+    assert whole.step == 6 and whole.inexact == ()

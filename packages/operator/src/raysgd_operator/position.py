@@ -71,8 +71,10 @@ class RunPosition:
         self.finished_at: float | None = None
         self._window_start_hooks: list[Callable[[], None]] = []
         self.journal = StepJournal(components.optimizers, components.models, before_step)
-        #: Validation calls since the window start (see `progress`).
+        #: Validation calls since the window start, and the step of the last window start one
+        #: ran at since the last load (see `progress`).
         self._validations_in_window = 0
+        self._validated_at: Optional[int] = None
         self.window = self.mark_window_start()
         #: The start of the window before the one in progress: a worker that finished a window
         #: its peers did not (a collective that ended here but failed on them) goes back to it.
@@ -114,6 +116,8 @@ class RunPosition:
         """A validation call begins; returns whether it is at a window start (its draws then
         belong to that start: call `remark_window_start` once it ended)."""
         self._validations_in_window += 1
+        if self.at_window_start:
+            self._validated_at = self.step
         return self.at_window_start
 
     @property
@@ -226,6 +230,7 @@ class RunPosition:
             finished_at=self.finished_at,
             reached=reached,
             interleaved=interleaved,
+            validated_at=self._validated_at,
         )
 
     def _rewind(self) -> None:
@@ -285,6 +290,7 @@ class RunPosition:
         """Go to the position a state dict (or a `position_state`) describes, as the start of
         a window: the next pass goes on from its place, seeded from `pass_seed`."""
         self.set_position(state, pass_seed=pass_seed)
+        self._validated_at = None
         self.trained_to = int(state.get("trained_to", self.step))
         self.epoch_ended = _epoch_ended(state, self.epoch_ended)
         self._val.reset()

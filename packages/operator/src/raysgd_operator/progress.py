@@ -34,6 +34,9 @@ class Progress:
             on are done again. None: `step`, plus the batch it was in.
         interleaved: A validation ran after the window's start, which a redo of the window
             follows instead of preceding: the random numbers it drew come in another order.
+        validated_at: The step of the last window start a validation ran at, since the worker
+            last loaded a state (None: none did): what it drew belongs to the state from there
+            on, so a restore to an earlier step goes on without it.
     """
 
     step: int
@@ -44,6 +47,7 @@ class Progress:
     finished_at: Optional[float] = None
     reached: Optional[int] = None
     interleaved: bool = False
+    validated_at: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ kind's (`replicated.plan_from_peers`: a clean worker holds the one part of its s
 steps redone are counted.
 
 Every worker goes back to the start of the accumulation window it was in before it answers
-(`OperatorRunner.progress`), so the step a plan goes on from is a window start, and the steps
+(`RunPosition.progress`), so the step a plan goes on from is a window start, and the steps
 redone are the window's batches finished before the failure plus the one in flight. A plan is
 *exact* when the group goes on as it would have without the failure: at the same size, every rank
 taking a lost rank's place gets that rank's slot as of the step gone on from. `RestorePlan.inexact`
@@ -30,9 +30,12 @@ __all__ = [
     "Offer",
     "RestoreOutcome",
     "StateLostError",
+    "interleaved_validation",
     "last_finished",
     "newest_held_step",
     "reached",
+    "slot_lost",
+    "validation_skipped",
 ]
 
 
@@ -70,6 +73,38 @@ def last_finished(progress: Iterable[Optional[Progress]]) -> Optional[float]:
 def reached(progress: Iterable[Optional[Progress]]) -> int:
     """The furthest step any worker had started: its finished steps, plus the one it was in."""
     return max((_reached(p) for p in progress if p is not None), default=0)
+
+
+def slot_lost(rank: int, step: int) -> str:
+    """Why a plan is inexact when no live worker holds rank `rank`'s slot of `step`."""
+    return (
+        f"the generators and per-rank state (rank_state_dict) of rank {rank} at step {step} "
+        "were lost with it (no peer held them)"
+    )
+
+
+def interleaved_validation(progress: Iterable[Optional[Progress]]) -> tuple[str, ...]:
+    """Why a plan is inexact when a validation ran inside the interrupted window (empty when
+    none did): redone, the window's batches draw after the validation's draws."""
+    if any(p is not None and p.interleaved for p in progress):
+        return (
+            "a validation ran inside the interrupted accumulation window: redoing the window "
+            "after it draws its random numbers in another order",
+        )
+    return ()
+
+
+def validation_skipped(progress: Iterable[Optional[Progress]], step: int) -> tuple[str, ...]:
+    """Why a plan that goes back to `step` is inexact when a validation ran at a later window
+    start (`Progress.validated_at`; empty when none did): the steps redone draw their random
+    numbers without what it drew."""
+    at = max((p.validated_at for p in progress if p is not None and p.validated_at), default=0)
+    if at <= step:
+        return ()
+    return (
+        f"a validation at step {at} drew random numbers after step {step}, which the group "
+        "goes back to: the steps redone from there draw without them",
+    )
 
 
 def _reached(p: Progress) -> int:

@@ -37,7 +37,14 @@ from raysgd._internal.protocol import (
     SlotMove,
 )
 from raysgd._internal.state.kind import StateKind, Workers
-from raysgd._internal.state.plan import last_finished, newest_held_step, reached
+from raysgd._internal.state.plan import (
+    interleaved_validation,
+    last_finished,
+    newest_held_step,
+    reached,
+    slot_lost,
+    validation_skipped,
+)
 from raysgd._internal.storage.atomic_files import write_file
 from raysgd._internal.storage.format import (
     AUTO_NAMES,
@@ -358,7 +365,7 @@ def plan_from_peers(
             _whole_from_peers(progress, step),
             rank_sources=tuple(rank_sources),
             slot_moves=moves,
-            inexact=inexact + _interleaved(progress),
+            inexact=inexact + interleaved_validation(progress) + validation_skipped(progress, step),
         )
         if chosen is None or not inexact:
             chosen = plan
@@ -408,20 +415,8 @@ def _slot_moves(
         elif old_rank in replica:
             moves.append(SlotMove(old_rank, replica[old_rank], new_rank, replica=True))
         else:
-            missing.append(
-                f"the generators and per-rank state (rank_state_dict) of rank {old_rank} at "
-                f"step {step} were lost with it (no peer held them)"
-            )
+            missing.append(slot_lost(old_rank, step))
     return tuple(moves), tuple(missing)
-
-
-def _interleaved(progress: Sequence[Optional[Progress]]) -> tuple[str, ...]:
-    if any(p is not None and p.interleaved for p in progress):
-        return (
-            "a validation ran inside the interrupted accumulation window: redoing the window "
-            "after it draws its random numbers in another order",
-        )
-    return ()
 
 
 def _whole_from_peers(progress: Sequence[Optional[Progress]], step: Optional[int]) -> RestorePlan:

@@ -39,7 +39,14 @@ from raysgd._internal.protocol import (
     SnapshotPlan,
 )
 from raysgd._internal.state.kind import StateKind, Workers
-from raysgd._internal.state.plan import last_finished, newest_held_step, reached
+from raysgd._internal.state.plan import (
+    interleaved_validation,
+    last_finished,
+    newest_held_step,
+    reached,
+    slot_lost,
+    validation_skipped,
+)
 from raysgd._internal.storage.format import (
     AUTO_NAMES,
     MANIFEST_NAME,
@@ -376,7 +383,13 @@ class Sharded(StateKind):
     def plan(
         self, holdings: Sequence[Holding], world_size: int, rank_sources: Sequence[Optional[int]]
     ) -> RestorePlan:
-        return replace(plan_from_snapshots(holdings, world_size), rank_sources=tuple(rank_sources))
+        plan = plan_from_snapshots(holdings, world_size)
+        inexact: tuple[str, ...] = ()
+        if plan.snapshot is not None:
+            inexact = _slots_not_held(plan.snapshot.state, rank_sources, plan.step)
+            progress = [h.progress for h in holdings]
+            inexact += interleaved_validation(progress) + validation_skipped(progress, plan.step)
+        return replace(plan, rank_sources=tuple(rank_sources), inexact=inexact)
 
     def settle(self, group: WorkerGroup) -> None:
         # A new snapshot in the new layout: every part has a copy on a peer again.
@@ -557,6 +570,20 @@ def plan_from_snapshots(holdings: Sequence[Holding], world_size: int) -> Restore
         snapshot=SnapshotPlan(newest.metadata, newest.state, dict(holders), meters),
         description=f"the in-memory snapshot at step {step}",
         finished_at=last_finished(progress),
+    )
+
+
+def _slots_not_held(
+    state: Mapping[str, Any], rank_sources: Sequence[Optional[int]], step: int
+) -> tuple[str, ...]:
+    """Why going on from a snapshot with the rest `state` is inexact: the ranks of the group
+    before whose place a rank takes (`rank_sources`) and whose slot the snapshot lacks (every
+    worker gathers every rank's slot into the snapshots it takes, unless that failed)."""
+    slots = state.get(RANK_SLOTS) or ()
+    return tuple(
+        slot_lost(old, step)
+        for old in rank_sources
+        if old is not None and (old >= len(slots) or slots[old] is None)
     )
 
 

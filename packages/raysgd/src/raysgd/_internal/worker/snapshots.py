@@ -2,9 +2,10 @@
 in host memory, each part also on the ring peer, so that a lost worker's part comes back without
 a disk.
 
-Every `snapshot_every` steps, or as often as their measured cost allows (`snapshot_schedule`), and
-when the trainer asks (at start-up, after a restore or a load, before workers leave) every worker,
-at the same step boundary:
+Every `snapshot_every` steps, or as often as their measured cost allows (`snapshot_schedule`), when
+a call ends or a validation runs at a step no snapshot was taken at (what they draw belongs to the
+state from there on), and when the trainer asks (at start-up, after a restore or a load, before
+workers leave) every worker, at the same step boundary:
 
 1. copies its part of the models and optimizers to host memory (`sharded_memory.Stager`, into the
    memory of the snapshot three before: `SLOTS`), the one copy that training waits for;
@@ -107,6 +108,7 @@ class Snapshots:
         self._boundary: Optional[tuple[float, Any]] = None
         if self.schedule.every > 0:
             runner.add_step_hook(self._on_step)
+            runner.position.add_window_start_hook(self._on_window_start)
 
     def _on_step(self) -> None:
         now, call = time.perf_counter(), self.runner.position.call
@@ -120,6 +122,26 @@ class Snapshots:
         if self.schedule.due(self.runner.position.step) and self.runner.position.at_window_start:
             self.take(wait=False)
         self._boundary = (time.perf_counter(), call)
+
+    def _on_window_start(self) -> None:
+        """The window start in progress was marked again at its step: a call ended there or a
+        validation ran, and what they changed (the generators' draws, an epoch's scheduler step)
+        belongs to it, as it does to the run never interrupted. A restore must find it: the
+        snapshot of that step gets it (only its small rest changed: no optimizer stepped), or,
+        when none was taken at that step, one is taken now. Either is held here and on the peer
+        before the call returns: a restore from an older snapshot would redo the steps before
+        without what the validation drew."""
+        runner, taking = self.runner, self.taking
+        if taking is None or taking.step != runner.position.window_step:
+            self.take(wait=False)
+        else:
+            state = runner.state.small_state()
+            rank_slots = gather_rank_slots(runner, None)  # every worker is here (see the hook)
+            if rank_slots is not None:
+                state[RANK_SLOTS] = rank_slots
+            # The same dictionary the snapshot holds (`Generation.state`).
+            taking.state.update(state)
+        self.join()
 
     def group(self) -> Any:
         """The gloo group snapshots are saved and swapped over (made on first use: every worker
