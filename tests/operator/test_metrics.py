@@ -14,7 +14,6 @@ from raysgd_operator import (
     BatchSplit,
     TimerCollection,
     reduce_worker_results,
-    split_batch_size,
 )
 
 
@@ -108,37 +107,44 @@ def test_timer_collection_records_only_when_enabled() -> None:
     assert timers.stats() == {}
 
 
-def test_split_batch_size_divides() -> None:
+def _split(config: dict, num_workers: int) -> tuple[dict, int | None]:
+    """A worker's config and the global batch trained with, as the driver makes them."""
+    split = BatchSplit.of(config, num_workers)
+    split.warn_if_uneven()
+    return split.worker_config(config), split.global_size
+
+
+def test_a_batch_split_divides() -> None:
     config = {BATCH_SIZE: 20, "lr": 0.1}
-    worker, total = split_batch_size(config, 2)
+    worker, total = _split(config, 2)
     assert worker == {BATCH_SIZE: 10, "lr": 0.1}
     assert total == 20
     assert config[BATCH_SIZE] == 20  # the caller's dict is not modified
 
 
-def test_split_batch_size_rounds_down_with_warning() -> None:
+def test_a_batch_split_rounds_down_with_warning() -> None:
     with pytest.warns(UserWarning, match="does not divide"):
-        worker, total = split_batch_size({BATCH_SIZE: 21}, 2)
+        worker, total = _split({BATCH_SIZE: 21}, 2)
     assert worker[BATCH_SIZE] == 10
     assert total == 20
 
 
-def test_split_batch_size_without_key_and_bad_input() -> None:
-    assert split_batch_size({"lr": 1}, 4) == ({"lr": 1}, None)
+def test_a_batch_split_without_key_and_bad_input() -> None:
+    assert _split({"lr": 1}, 4) == ({"lr": 1}, None)
     with pytest.raises(ValueError, match="num_workers"):
-        split_batch_size({}, 0)
+        _split({}, 0)
     with pytest.raises(ValueError, match="smaller than num_workers"):
-        split_batch_size({BATCH_SIZE: 1}, 2)
+        _split({BATCH_SIZE: 1}, 2)
     with pytest.raises(ValueError, match="positive int"):
-        split_batch_size({BATCH_SIZE: "8"}, 2)
+        _split({BATCH_SIZE: "8"}, 2)
     with pytest.raises(ValueError, match=r"config\[BATCH_SIZE\] must be a positive int \(>= 1\)"):
-        split_batch_size({BATCH_SIZE: 0}, 2)
+        _split({BATCH_SIZE: 0}, 2)
 
 
 def test_uneven_batch_is_reported_once(
     caplog: pytest.LogCaptureFixture, recwarn: pytest.WarningsRecorder
 ) -> None:
-    split_batch_size({BATCH_SIZE: 21}, 2)
+    _split({BATCH_SIZE: 21}, 2)
     said = [str(w.message) for w in recwarn] + [r.getMessage() for r in caplog.records]
     assert len([text for text in said if "does not divide" in text]) == 1, said
 

@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from raysgd_operator.batch import BATCH_SIZE, BatchSplit, check_batch_size, split_batch_size
+from raysgd_operator.batch import BATCH_SIZE, BatchSplit
 from raysgd_operator.components import Components, RankInfo
 from raysgd_operator.dataset_options import DatasetOptions
 from raysgd_operator.flops import measure_flops_per_sample, peak_flops_per_s
@@ -73,7 +73,6 @@ __all__ = [
     "TrainingOptions",
     "WrapContext",
     "available_strategies",
-    "check_batch_size",
     "get_strategy",
     "load_failure_reason",
     "measure_flops_per_sample",
@@ -81,5 +80,4 @@ __all__ = [
     "read_dcp_metadata",
     "reduce_worker_results",
     "register_strategy",
-    "split_batch_size",
 ]

@@ -9,18 +9,14 @@ from typing import Any
 
 from raysgd_base import check_int
 
-__all__ = ["BATCH_SIZE", "BatchSplit", "check_batch_size", "split_batch_size"]
+__all__ = ["BATCH_SIZE", "BatchSplit"]
 
 #: Config key holding the *global* batch size; every worker's config gets its share of it.
 BATCH_SIZE = "*batch_size"
 
 
-def check_batch_size(config: Mapping[str, Any], num_workers: int) -> int | None:
-    """Validate ``config[BATCH_SIZE]`` for ``num_workers`` workers; return it (``None`` if absent).
-
-    Raises ``TypeError`` when it is not an int, ``ValueError`` when it is below 1 or smaller than
-    ``num_workers`` (a worker would get an empty batch). Cheap and silent: the driver calls it before starting workers.
-    """
+def _checked(config: Mapping[str, Any], num_workers: int) -> int | None:
+    """``config[BATCH_SIZE]`` checked for ``num_workers`` workers (``None`` when absent)."""
     check_int("num_workers", num_workers)
     if BATCH_SIZE not in config:
         return None
@@ -50,8 +46,10 @@ class BatchSplit:
 
     @classmethod
     def of(cls, config: Mapping[str, Any], num_workers: int) -> BatchSplit:
-        """The split of ``config`` over ``num_workers``; errors as in `check_batch_size`."""
-        return cls(check_batch_size(config, num_workers), num_workers)
+        """The split of ``config`` over ``num_workers``: a `TypeError` or `ValueError` when
+        ``config[BATCH_SIZE]`` is not an int, is below 1 or is smaller than ``num_workers`` (a
+        worker would get an empty batch)."""
+        return cls(_checked(config, num_workers), num_workers)
 
     @property
     def share(self) -> int | None:
@@ -87,17 +85,3 @@ class BatchSplit:
                 f"workers; using {self.share} per worker, a global batch of {self.global_size}",
                 stacklevel=stacklevel + 1,
             )
-
-
-def split_batch_size(config: dict[str, Any], num_workers: int) -> tuple[dict[str, Any], int | None]:
-    """Split ``config[BATCH_SIZE]`` over ``num_workers`` (`BatchSplit` in one call).
-
-    Returns ``(worker_config, global_batch_size)``: a copy of ``config`` whose ``BATCH_SIZE`` is the
-    per-worker share ``global // num_workers``, and the global size actually trained with
-    (``share * num_workers``; smaller than asked when it does not divide, which is warned about).
-    Without the key the config is returned (copied) unchanged and the global size is ``None``.
-    Errors as in `check_batch_size`.
-    """
-    split = BatchSplit.of(config, num_workers)
-    split.warn_if_uneven(stacklevel=2)
-    return split.worker_config(config), split.global_size
