@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from raysgd._internal.protocol import Holding, RestorePlan
+from raysgd._internal.protocol import Holding, RestorePlan, SlotCopy
 from raysgd._internal.state.replicated import plan_from_peers
 from raysgd_operator import Progress
 
@@ -127,7 +127,7 @@ def test_each_rank_of_a_group_that_kept_its_size_gets_its_ranks_slot() -> None:
     # Four ranks trained in group 3; old rank 1 was lost. The re-formed group renumbers the
     # survivors (0, 2, 3 -> 0, 1, 2) and the replacement is rank 3; slots follow rank numbers.
     def survivor(old: int, step: int = 8, peer: tuple = ()) -> Holding:
-        return Holding(_p(step), rank=(old, 3), peer_slots=peer)
+        return Holding(_p(step), rank=(old, 3), peer_slots=tuple(SlotCopy(*c) for c in peer))
 
     holdings = [
         survivor(0, peer=((3, 3, 8),)),
@@ -147,8 +147,8 @@ def test_a_slot_no_live_worker_holds_makes_the_plan_say_it_is_not_exact() -> Non
     # Rank 1 and its ring successor (rank 2, which kept rank 1's slot) were lost together; a
     # survivor still at the window before (step 4) has no slot of step 8 to give either.
     holdings = [
-        Holding(_p(8), rank=(0, 5), peer_slots=((3, 5, 8),)),
-        Holding(_p(4), rank=(3, 5), peer_slots=((2, 5, 4),)),
+        Holding(_p(8), rank=(0, 5), peer_slots=(SlotCopy(3, 5, 8),)),
+        Holding(_p(4), rank=(3, 5), peer_slots=(SlotCopy(2, 5, 4),)),
         Holding(None),
         Holding(None),
     ]
@@ -171,7 +171,7 @@ def test_survivors_a_window_apart_go_back_to_the_window_every_slot_is_held_of() 
         progress = Progress(
             step=step, epoch=0, clean=True, in_batch=in_batch, reached=8 if in_batch else step
         )
-        return Holding(progress, rank=(old, 5), peer_slots=((predecessor, 5, 4),))
+        return Holding(progress, rank=(old, 5), peer_slots=(SlotCopy(predecessor, 5, 4),))
 
     holdings = [at(4, 0, 3, True), Holding(None), at(4, 2, 1, True), at(8, 3, 2, False)]
     plan = plan_from_peers(holdings, rank_sources=(0, 1, 2, 3))
@@ -186,7 +186,7 @@ def test_survivors_a_window_apart_go_back_to_the_window_every_slot_is_held_of() 
 def test_a_validation_inside_the_interrupted_window_is_named() -> None:
     progress = Progress(step=4, epoch=1, clean=True, in_batch=False, reached=6, interleaved=True)
     plan = plan_from_peers(
-        [Holding(progress, rank=(0, 1), peer_slots=((1, 1, 4),)), Holding(None)],
+        [Holding(progress, rank=(0, 1), peer_slots=(SlotCopy(1, 1, 4),)), Holding(None)],
         rank_sources=(0, 1),
     )
     assert plan.steps_redone == 2

@@ -40,10 +40,13 @@ __all__ = [
     "Holding",
     "LoadAnswer",
     "LoadSource",
+    "PartMove",
     "RestorePlan",
     "RunnerArgs",
+    "SlotCopy",
     "SlotMove",
     "SnapshotPlan",
+    "StateCopy",
     "TrainAnswer",
     "WatchSpec",
     "call_from_meta",
@@ -155,6 +158,17 @@ class HeldSnapshot:
     parts: Mapping[int, Optional[AverageMeterCollection]]
 
 
+class SlotCopy(NamedTuple):
+    """A rank slot a worker keeps a copy of (`Holding.peer_slots`)."""
+
+    #: The rank whose slot it is, in its group.
+    rank: int
+    #: That group's number (`raysgd_core` context's generation).
+    group: int
+    #: The step of the window start the slot describes.
+    step: int
+
+
 @dataclass(frozen=True)
 class Holding:
     """What one worker holds of the training state (its answer to `worker.holding`).
@@ -166,14 +180,13 @@ class Holding:
             the group it trained in last (None: a new worker, or one whose restore failed
             midway: its own slot is then among `peer_slots`).
         peer_slots: With a replicated state, the slots of other ranks it keeps copies of (its
-            ring predecessor's; a leaving worker's before a move): (that rank, its group, the
-            step of the window start it describes) each.
+            ring predecessor's; a leaving worker's before a move).
     """
 
     progress: Optional[Progress]
     snapshots: tuple[HeldSnapshot, ...] = ()
     rank: Optional[tuple[int, int]] = None
-    peer_slots: tuple[tuple[int, int, int], ...] = ()
+    peer_slots: tuple[SlotCopy, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -210,6 +223,18 @@ class SlotMove:
     holder: int
     receiver: int
     replica: bool
+
+
+class PartMove(NamedTuple):
+    """One part of a sharded snapshot given to a worker that stays (a move off a draining
+    node: ranks of the group before it)."""
+
+    #: The rank whose part it is.
+    part: int
+    #: The rank that holds a copy of it and sends it.
+    holder: int
+    #: The rank that takes it.
+    receiver: int
 
 
 @dataclass(frozen=True)
@@ -332,3 +357,17 @@ class LoadAnswer(NamedTuple):
     step: int
     epochs: int
     refused: Optional[str] = None
+
+
+# ------------------------------------------------------------------------------ the driver's copy
+class StateCopy(NamedTuple):
+    """Rank 0's answer for the driver's bounded copy of a whole state."""
+
+    #: The state's bytes, or None when it is larger than the copy's limit.
+    data: Optional[bytes]
+    #: The state's size in bytes.
+    size: int
+    #: The step it describes.
+    step: int
+    #: Seconds the worker spent on it.
+    seconds: float

@@ -385,7 +385,7 @@ def _slot_moves(
     groups = {h.rank[1] for h in holdings if h.rank is not None and h.progress is not None}
     # A worker whose restore failed midway claims no slot of its own (`Holding.rank` None) and
     # offers its own among its copies: their groups count too.
-    groups |= {copy[1] for h in holdings if h.progress is not None for copy in h.peer_slots}
+    groups |= {copy.group for h in holdings if h.progress is not None for copy in h.peer_slots}
     if not groups:
         return (), ()
     trained_in = max(groups)  # the group the survivors trained in last
@@ -398,10 +398,10 @@ def _slot_moves(
         and held.progress.step == step
     }
     replica = {
-        copy[0]: rank
+        copy.rank: rank
         for rank, held in enumerate(holdings)
         for copy in held.peer_slots
-        if copy[1:] == (trained_in, step)
+        if (copy.group, copy.step) == (trained_in, step)
     }
     moves: list[SlotMove] = []
     missing: list[str] = []

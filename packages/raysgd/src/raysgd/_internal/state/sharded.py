@@ -34,6 +34,7 @@ from raysgd._internal.protocol import (
     HeldSnapshot,
     Holding,
     LoadSource,
+    PartMove,
     RestorePlan,
     RunnerArgs,
     SnapshotPlan,
@@ -300,7 +301,7 @@ class ShardedState(WorkerState):
     def parts(cls, world_size: int) -> list[str]:
         return [METADATA_FILE, STATE_FILE, *(f"__{rank}_0.distcp" for rank in range(world_size))]
 
-    def adopt_parts(self, step: int, moves: Sequence[tuple[int, int, int]]) -> None:
+    def adopt_parts(self, step: int, moves: Sequence[PartMove]) -> None:
         if not moves:
             return
         import torch.distributed as dist
@@ -441,7 +442,7 @@ class Sharded(StateKind):
         if not staying or not leaving:
             return
         holdings = group.execute(worker.holding)
-        moves: list[tuple[int, int, int]] = []
+        moves: list[PartMove] = []
         for i, part in enumerate(sorted(set(leaving))):
             holder = next(
                 (
@@ -452,7 +453,7 @@ class Sharded(StateKind):
                 None,
             )
             if holder is not None:
-                moves.append((part, holder, staying[i % len(staying)]))
+                moves.append(PartMove(part, holder, staying[i % len(staying)]))
         # Every worker takes part: the holders send, the staying workers receive.
         group.execute(adopt_parts, step, moves)
 
@@ -676,9 +677,9 @@ def capture() -> int:
     return state.capture()
 
 
-def adopt_parts(step: int, moves: Sequence[tuple[int, int, int]]) -> None:
-    """Move copies of leaving workers' parts of the snapshot at `step` to workers that stay: each
-    ``(part, holder, receiver)`` of `moves` (a collective: every worker calls it)."""
+def adopt_parts(step: int, moves: Sequence[PartMove]) -> None:
+    """Move copies of leaving workers' parts of the snapshot at `step` to workers that stay
+    (a collective: every worker calls it)."""
     state = worker_state()
     assert isinstance(state, ShardedState)
     state.adopt_parts(step, moves)

@@ -23,6 +23,7 @@ from raysgd._internal.protocol import (
     LoadSource,
     RestorePlan,
     RunnerArgs,
+    StateCopy,
     TrainAnswer,
     WatchSpec,
 )
@@ -152,13 +153,12 @@ def finish_uploads() -> Optional[str]:
     return periodic.error
 
 
-def state_copy(limit_bytes: int) -> tuple[Optional[bytes], int, int, float]:
-    """For the driver's bounded copy: ``(bytes or None, state size, step, seconds spent)``; the
-    bytes only when the state is at most `limit_bytes`."""
+def state_copy(limit_bytes: int) -> StateCopy:
+    """For the driver's bounded copy: the state's bytes only when it is at most `limit_bytes`."""
     runner = current_runner()
     started = time.perf_counter()
     data, size = state_within(runner, limit_bytes)
-    return data, size, runner.position.step, time.perf_counter() - started
+    return StateCopy(data, size, runner.position.step, time.perf_counter() - started)
 
 
 def epoch() -> int:

@@ -49,6 +49,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from raysgd._internal.protocol import SlotCopy
 from raysgd_core import get_context
 from raysgd_operator import OperatorRunner
 
@@ -390,8 +391,8 @@ class RankReplicas:
             )
 
     # -------------------------------------------------------------------------- what is held
-    def held(self) -> tuple[tuple[int, int, int], ...]:
-        """(its rank, its group, the step) of every slot this worker offers besides its own of
+    def held(self) -> tuple[SlotCopy, ...]:
+        """Every slot this worker offers besides its own of
         the window start it went back to: copies of other ranks' (one sent before a step, when
         its confirmation has arrived or its sender never changed its slot after a step) and its
         own of the window start before (asked after a failure, once the runner went back)."""
@@ -400,7 +401,7 @@ class RankReplicas:
         if before is not None:
             self.keep_own(*before)
         return tuple(
-            (copy.rank, copy.group, copy.step)
+            SlotCopy(copy.rank, copy.group, copy.step)
             for copy in self.copies.values()
             if copy.confirmed or copy.rank not in self._peers_changing
         )
