@@ -24,13 +24,14 @@ from raysgd._internal.driver.arguments import (
 )
 from raysgd._internal.driver.checkpoint_schedule import Checkpoints, checkpoint_root
 from raysgd._internal.driver.cluster import available_memory_bytes, driver_has_cuda
-from raysgd._internal.driver.controller import CallSpec, RunController, in_one_form
+from raysgd._internal.driver.controller import CallSpec, RunController
 from raysgd._internal.driver.datasets import (
     DatasetSplitter,
     check_datasets,
     warn_if_no_room_for_data,
 )
 from raysgd._internal.driver.goodput import GoodputMeter
+from raysgd._internal.driver.guard import in_one_form
 from raysgd._internal.driver.keywords import route_keywords
 from raysgd._internal.driver.run_loggers import RunLoggers, trainer_options
 from raysgd._internal.driver.state_copy import DEFAULT_LIMIT_MB, DriverCopy
@@ -408,8 +409,8 @@ class TorchTrainer:
         if num_steps is not None:
             check_int("num_steps", num_steps)
         with self._goodput.call():
-            results = self._controller.again_once(
-                self._controller.call, worker.validate, num_steps, profile, info
+            results = self._controller.guard.again_once(
+                self._controller.guard.call, worker.validate, num_steps, profile, info
             )
         self._goodput.end_call(0.0)
         return self._results("validate", results, None, reduce_results)
@@ -418,7 +419,7 @@ class TorchTrainer:
         """The full training state (`epoch`, `operator`, `models`, `optimizers`, `schedulers`,
         `precision`, position), on the CPU."""
         self._check_alive()
-        return self._controller.again_once(self._state.state_dict)
+        return self._controller.guard.again_once(self._state.state_dict)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load `state` (from `state_dict()` or a checkpoint) into every worker."""
@@ -427,20 +428,20 @@ class TorchTrainer:
             raise TypeError(
                 f"state must be a dict from TorchTrainer.state_dict(), got {type(state)}"
             )
-        with self._controller.guarded():
+        with self._controller.guard.guarded():
             self._checkpoints.load_state_dict(state)
 
     def save(self, path: Union[str, os.PathLike]) -> str:
         """Write the state to `path` atomically; returns the absolute path. A worker on this
         machine writes it, so the state does not pass through the driver."""
         self._check_alive()
-        return self._controller.again_once(self._checkpoints.save, path)
+        return self._controller.guard.again_once(self._checkpoints.save, path)
 
     def load(self, path: Union[str, os.PathLike]) -> None:
         """Load a checkpoint written by `save` into every worker. Never runs code from the file; a
         file that is not a checkpoint raises ValueError and leaves the trainer as it was."""
         self._check_alive()
-        with self._controller.guarded():
+        with self._controller.guard.guarded():
             self._checkpoints.load(path)
 
     def get_model(self, to_cpu: bool = False) -> Any:
@@ -454,9 +455,9 @@ class TorchTrainer:
         """
         self._check_alive()
         if not self._kind.gathers_models:
-            models = self._controller.read(worker.get_models, to_cpu, not driver_has_cuda())
+            models = self._controller.guard.read(worker.get_models, to_cpu, not driver_has_cuda())
         else:
-            needed = self._controller.read(worker.models_nbytes)
+            needed = self._controller.guard.read(worker.models_nbytes)
             available = available_memory_bytes()
             if available is not None and needed > available:
                 raise MemoryError(
@@ -464,7 +465,7 @@ class TorchTrainer:
                     f"process, which has {available / 2**30:.2f} GiB available: save() a "
                     "checkpoint instead and load it where it fits"
                 )
-            models = self._controller.call(worker.get_models, True, True)[0]
+            models = self._controller.guard.call(worker.get_models, True, True)[0]
         if isinstance(models, (list, tuple)) and len(models) == 1:
             return models[0]
         return list(models) if isinstance(models, tuple) else models
@@ -477,26 +478,26 @@ class TorchTrainer:
                 "get_local_operator() needs TorchTrainer(use_local=True): without it every operator "
                 "lives in a remote worker (use apply_all_operators instead)"
             )
-        return self._controller.call(worker.get_operator, rank=0)
+        return self._controller.guard.call(worker.get_operator, rank=0)
 
     def update_scheduler(self, metric: Any) -> None:
         """Step every registered scheduler with `metric` on every worker (`scheduler_step_freq="manual"`)."""
         self._check_alive()
-        self._controller.call(worker.update_scheduler, metric)
+        self._controller.guard.call(worker.update_scheduler, metric)
 
     def apply_all_workers(self, fn: Callable[[], Any]) -> list[Any]:
         """`fn()` on every worker; the results in rank order."""
         self._check_alive()
         if not callable(fn):
             raise TypeError("apply_all_workers needs a zero-argument callable")
-        return self._controller.call(worker.apply_fn, fn)
+        return self._controller.guard.call(worker.apply_fn, fn)
 
     def apply_all_operators(self, fn: Callable[[Any], Any]) -> list[Any]:
         """`fn(operator)` on every worker; the results in rank order."""
         self._check_alive()
         if not callable(fn):
             raise TypeError("apply_all_operators needs a callable taking the operator")
-        return self._controller.call(worker.apply_operator, fn)
+        return self._controller.guard.call(worker.apply_operator, fn)
 
     def shutdown(self, force: bool = False) -> None:
         """Stop the workers and release their resources (unless the driver keeps them for its next

@@ -32,10 +32,10 @@ is up) at once and starts the replacements as spares beside it: the call goes on
 size while they start, its workers watch their readiness between steps, stop at the same step
 boundary once one is up, and it joins (JOINING) before the call goes on.
 
-Calls other than `train()` run inside `guarded()`: a group found broken is repaired first, and a
-failure inside is repaired (REPAIRING: a user error logged and not counted, a lost worker counted,
-the group re-formed at its size) before it is raised, a user error in its one form (`in_one_form`).
-Errors raised by user code are never retried.
+Calls other than `train()` run inside its `guard` (`guard.CallGuard`): a group found broken is
+repaired first, and a failure inside is repaired (REPAIRING: a user error logged and not counted, a
+lost worker counted, the group re-formed at its size) before it is raised, a user error in its one
+form. Errors raised by user code are never retried.
 
 Observers: every transition goes to the loss ledger (`Losses`, which counts and logs the losses it
 carries) and then to whoever subscribed (goodput). The decisions, resizes, moves and user errors
@@ -44,13 +44,12 @@ are recorded in the event log (`log`) by the controller, which the loggers and g
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar, Union
 
@@ -77,6 +76,7 @@ from raysgd._internal.driver.group_view import (
     RayCluster,
     RestorableState,
 )
+from raysgd._internal.driver.guard import CallGuard, in_one_form
 from raysgd._internal.driver.losses import Losses
 from raysgd._internal.driver.phases import NEXT_PHASE, Phase, Transition, TransitionObserver
 from raysgd._internal.driver.preemption import DrainNotice, Drains
@@ -103,18 +103,11 @@ from raysgd_fault import (
     ScalingStatus,
 )
 
-__all__ = ["CallSpec", "RunController", "in_one_form"]
+__all__ = ["CallSpec", "RunController"]
 
 logger = logging.getLogger("raysgd.recovery")
 
 T = TypeVar("T")
-
-
-def in_one_form(error: WorkerError) -> WorkerError:
-    """The form every user exception takes when it leaves the trainer: `error` as an instance of
-    both `WorkerError` and its cause's class (`WorkerError.as_instance_of_cause`), keeping the
-    traceback of where the group raised it."""
-    return error.as_instance_of_cause().with_traceback(error.__traceback__)
 
 
 @dataclass(frozen=True)
@@ -188,7 +181,9 @@ class RunController:
         self._grow_backoff_s = 0.0
         self._next_grow_at = 0.0
         self._join_declined = False  # the scaling policy kept the size at a join: until next call
-        self._guarding = False
+        #: Guards the calls other than `train()` (a group found broken or left broken by a
+        #: failure inside one is repaired: `repair`).
+        self.guard = CallGuard(group, self.repair)
         self._in_call = False  # inside a train() call: its losses count against one budget
 
     # ---------------------------------------------------------------------------- observation
@@ -255,7 +250,7 @@ class RunController:
             self._enter(Phase.CHECKPOINTING)
             started = time.perf_counter()
             assert self._checkpoints is not None
-            self.again_once(self._checkpoints.before_call, call.checkpoint)
+            self.guard.again_once(self._checkpoints.before_call, call.checkpoint)
             self._note(checkpoint_s=time.perf_counter() - started)
         self._call_id += 1
         answers = self._attempts(
@@ -476,7 +471,7 @@ class RunController:
     def _move(self, notice: DrainNotice) -> None:
         """Move every worker and spare off the draining nodes of `notice`."""
         if notice.local_node is not None:
-            self.again_once(self._drains.rank0_cannot_move, notice.local_node)
+            self.guard.again_once(self._drains.rank0_cannot_move, notice.local_node)
         if not notice.leaving:
             self._group.replace_spares_on(notice.nodes)
             logger.info("replaced the spare worker(s) on draining node(s) %s", list(notice.nodes))
@@ -575,52 +570,7 @@ class RunController:
         )
         return False
 
-    # ------------------------------------------------------------------------- guarded calls
-    @contextlib.contextmanager
-    def guarded(self) -> Iterator[None]:
-        """Worker calls inside are made on a usable group and fail in one form: a group left
-        broken is repaired first; a user error or a lost worker inside goes to `repair` and is
-        then raised, a user error in its one form (`in_one_form`). Nested blocks are part of the
-        outermost one."""
-        if self._guarding:
-            yield
-            return
-        self._guarding = True
-        try:
-            if self._group.needs_recovery:
-                self.repair()
-            try:
-                yield
-            except (WorkerError, WorkerDiedError) as exc:
-                self.repair(exc)
-                if isinstance(exc, WorkerError):
-                    raise in_one_form(exc)  # noqa: B904 (its cause is the user's exception)
-                raise
-        finally:
-            self._guarding = False
-
-    def call(self, fn: Callable[..., Any], *args: Any, rank: Optional[int] = None) -> Any:
-        """`fn(*args)` on every worker (or on `rank`), guarded."""
-        with self.guarded():
-            if rank is None:
-                return self._group.execute(fn, *args)
-            return self._group.execute_single(rank, fn, *args)
-
-    def read(self, fn: Callable[..., T], *args: Any, rank: int = 0) -> T:
-        """`fn(*args)` on `rank` for something the user asked to read (the state, the model): a
-        worker lost meanwhile is replaced and the read done again once."""
-        return self.again_once(functools.partial(self.call, fn, rank=rank), *args)
-
-    def again_once(self, action: Callable[..., T], *args: Any) -> T:
-        """`action(*args)` (driver code that calls the workers: a checkpoint written, a state
-        read), guarded; when a worker is lost in it, done once more on the repaired group."""
-        try:
-            with self.guarded():
-                return action(*args)
-        except WorkerDiedError:
-            with self.guarded():
-                return action(*args)
-
+    # ------------------------------------------------------------------------------ repairing
     def repair(self, error: Optional[BaseException] = None) -> bool:
         """REPAIRING, after a call other than a train attempt failed with `error`, or found the
         group broken (`error` None): put the group back in shape for the next call.

@@ -12,7 +12,7 @@ read by the kind whose format it is (`state.pick`). All that differs between the
 the kind's (`state.kind.StateKind`); nothing here asks which it is.
 
 Nothing here repairs or retries: the run controller calls `restore` inside a resize, and the
-trainer guards every other call (see `controller.RunController.guarded`).
+trainer guards every other call (see `guard.CallGuard.guarded`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 (the operator class, shipped once; the options; the user's config and the datasets split over the
 live size), and stops them. It makes plain calls:
 repairing the group after a failed call and giving user errors their one form is the recovery
-loop's (`controller.RunController.guarded`), which wraps the trainer's calls from above.
+loop's (`guard.CallGuard.guarded`), which wraps the trainer's calls from above.
 """
 
 from __future__ import annotations
