@@ -65,10 +65,7 @@ from raysgd._internal.driver.events import (
     EventKind,
     RecoveryEvent,
     RecoveryLog,
-    describe_report,
-    short_error,
     short_node,
-    where_lost,
 )
 from raysgd._internal.driver.group_view import (
     ClusterView,
@@ -535,18 +532,15 @@ class RunController:
                 f"moving rank(s) {leaving} off draining node(s) {where} "
                 f"({left}) failed: a worker was lost, or none could start",
             )
-        took = time.monotonic() - started
         redone = sum(r.steps_redone for r in resizes)
-        self.log.record(
-            EventKind.PREEMPTION,
-            f"moved rank(s) {leaving} off draining node(s) {where} ({left}) in {took:.2f} s: "
-            f"{before} -> {self._world_size()} worker(s), {redone} step(s) redone",
-            ranks=tuple(leaving),
-            nodes=tuple(nodes),
-            duration_s=took,
-            num_workers_before=before,
-            num_workers_after=self._world_size(),
-            steps_redone=redone,
+        self.log.record_move(
+            leaving,
+            nodes,
+            left,
+            took_s=time.monotonic() - started,
+            before=before,
+            after=self._world_size(),
+            redone=redone,
         )
         return True
 
@@ -554,19 +548,13 @@ class RunController:
         self, leaving: Sequence[int], nodes: dict[str, Optional[float]], before: int, what: str
     ) -> bool:
         """Record a move that did not happen (a warning event of the preemption kind)."""
-        recovered = (
-            "the next call recovers the group"
-            if self._group.needs_recovery
-            else "their loss will be recovered from a checkpoint"
-        )
-        self.log.record(
-            EventKind.PREEMPTION,
-            f"{what}; {recovered}",
-            level=logging.WARNING,
-            nodes=tuple(nodes),
-            ranks=tuple(leaving),
-            num_workers_before=before,
-            num_workers_after=self._world_size(),
+        self.log.record_not_moved(
+            what,
+            leaving,
+            nodes,
+            before=before,
+            after=self._world_size(),
+            recovering=self._group.needs_recovery,
         )
         return False
 
@@ -603,16 +591,7 @@ class RunController:
 
     def _after_user_error(self, err: WorkerError) -> None:
         """Log a user error and repair the group (same size, last good state) without counting it."""
-        ranks, nodes = where_lost(err)
-        self.log.record(
-            EventKind.USER_ERROR,
-            f"user code raised on rank(s) {list(ranks)} (node "
-            f"{short_node(nodes[0] if nodes else '')}); not retried: {short_error(err)}",
-            level=logging.ERROR,
-            ranks=ranks,
-            nodes=nodes,
-            error=short_error(err),
-        )
+        self.log.record_user_error(err)
         self._enter(Phase.REPAIRING)
         if not self._group.needs_recovery:
             return
@@ -692,49 +671,10 @@ class RunController:
         result = ResizeResult(
             reason, target, before, report, restored, lost, done - started, formed - started
         )
-        self._record(result)
+        self.log.record_resize(result)
         if lost is not None:
             self._note(lost=lost, during_restart=True, counted=counted)
         return result
-
-    def _record(self, result: ResizeResult) -> None:
-        """The event of a resize: what it did, or that it started nobody (a loss during it is
-        recorded by the ledger, which counts it)."""
-        report = result.report
-        if result.lost is not None or report is None:
-            return
-        if report.world_size < 1:
-            self.log.record(
-                EventKind.RESTART_FAILED,
-                f"restart ({result.reason}) asked for {result.num_workers} worker(s) but none "
-                f"started ({result.formed_s:.2f} s)",
-                level=logging.WARNING,
-                duration_s=result.formed_s,
-                num_workers_before=result.before,
-                num_workers_after=0,
-            )
-            return
-        restored = result.restored
-        source = ""
-        if restored is not None:
-            source = f"; state from {restored.source}, {restored.steps_redone} step(s) redone"
-        self.log.record(
-            EventKind.RESIZE,
-            f"resized ({result.reason}) {result.before} -> {report.world_size} worker(s) via "
-            f"{report.path} in {result.duration_s:.2f} s (re-form group {result.formed_s:.2f} s, "
-            f"restore state {result.duration_s - result.formed_s:.2f} s); "
-            f"{describe_report(report)}{source}",
-            duration_s=result.duration_s,
-            num_workers_before=result.before,
-            num_workers_after=report.world_size,
-            path=report.path,
-            phases={**report.timings, "restore_s": result.duration_s - result.formed_s},
-            source=restored.source if restored is not None else None,
-            steps_redone=report.steps_redone,
-            inexact=restored.inexact if restored is not None else (),
-            report=report,
-            state_at=restored.finished_at if restored is not None else None,
-        )
 
     # ----------------------------------------------------------------------------- deciding
     def _size(self, moment: str, *, running: int, fitting: int) -> ScalingDecision:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
+from raysgd._internal.driver.resize import ResizeResult
 from raysgd_core import WorkerDiedError, WorkerError
 
 if TYPE_CHECKING:
@@ -173,6 +174,111 @@ class RecoveryLog:
         logger.log(level, "%s", message)
         self._tell(self._observers, event)
         return event
+
+    def record_resize(self, result: ResizeResult) -> None:
+        """The event of a resize: what it did, or that it started nobody (a loss during it is
+        recorded by the loss ledger, which counts it)."""
+        report = result.report
+        if result.lost is not None or report is None:
+            return
+        if report.world_size < 1:
+            self.record(
+                EventKind.RESTART_FAILED,
+                f"restart ({result.reason}) asked for {result.num_workers} worker(s) but none "
+                f"started ({result.formed_s:.2f} s)",
+                level=logging.WARNING,
+                duration_s=result.formed_s,
+                num_workers_before=result.before,
+                num_workers_after=0,
+            )
+            return
+        restored = result.restored
+        source = ""
+        if restored is not None:
+            source = f"; state from {restored.source}, {restored.steps_redone} step(s) redone"
+        self.record(
+            EventKind.RESIZE,
+            f"resized ({result.reason}) {result.before} -> {report.world_size} worker(s) via "
+            f"{report.path} in {result.duration_s:.2f} s (re-form group {result.formed_s:.2f} s, "
+            f"restore state {result.duration_s - result.formed_s:.2f} s); "
+            f"{describe_report(report)}{source}",
+            duration_s=result.duration_s,
+            num_workers_before=result.before,
+            num_workers_after=report.world_size,
+            path=report.path,
+            phases={**report.timings, "restore_s": result.duration_s - result.formed_s},
+            source=restored.source if restored is not None else None,
+            steps_redone=report.steps_redone,
+            inexact=restored.inexact if restored is not None else (),
+            report=report,
+            state_at=restored.finished_at if restored is not None else None,
+        )
+
+    def record_user_error(self, err: WorkerError) -> None:
+        """The event of user code raising on a worker (not retried, not counted)."""
+        ranks, nodes = where_lost(err)
+        self.record(
+            EventKind.USER_ERROR,
+            f"user code raised on rank(s) {list(ranks)} (node "
+            f"{short_node(nodes[0] if nodes else '')}); not retried: {short_error(err)}",
+            level=logging.ERROR,
+            ranks=ranks,
+            nodes=nodes,
+            error=short_error(err),
+        )
+
+    def record_move(
+        self,
+        leaving: Sequence[int],
+        nodes: Mapping[str, Optional[float]],
+        left: str,
+        *,
+        took_s: float,
+        before: int,
+        after: int,
+        redone: int,
+    ) -> None:
+        """The event of workers moved off draining `nodes` (`left`: the time the notice left,
+        in words)."""
+        where = ", ".join(short_node(n) for n in nodes)
+        self.record(
+            EventKind.PREEMPTION,
+            f"moved rank(s) {list(leaving)} off draining node(s) {where} ({left}) in "
+            f"{took_s:.2f} s: {before} -> {after} worker(s), {redone} step(s) redone",
+            ranks=tuple(leaving),
+            nodes=tuple(nodes),
+            duration_s=took_s,
+            num_workers_before=before,
+            num_workers_after=after,
+            steps_redone=redone,
+        )
+
+    def record_not_moved(
+        self,
+        what: str,
+        leaving: Sequence[int],
+        nodes: Mapping[str, Optional[float]],
+        *,
+        before: int,
+        after: int,
+        recovering: bool,
+    ) -> None:
+        """The warning event of a move that did not happen (`what`: why), and what comes of the
+        workers it left (`recovering`: the group needs the next call's recovery)."""
+        recovered = (
+            "the next call recovers the group"
+            if recovering
+            else "their loss will be recovered from a checkpoint"
+        )
+        self.record(
+            EventKind.PREEMPTION,
+            f"{what}; {recovered}",
+            level=logging.WARNING,
+            nodes=tuple(nodes),
+            ranks=tuple(leaving),
+            num_workers_before=before,
+            num_workers_after=after,
+        )
 
     def mark_preempted(self, nodes: set[str]) -> None:
         """Mark the failures on `nodes` as preemptions (Ray reported the nodes reclaimed after a
