@@ -304,10 +304,10 @@ def test_only_the_kinds_of_state_ask_which_kind_or_format() -> None:
 
 def test_every_checkpoint_the_run_writes_or_loads_goes_through_checkpoints() -> None:
     """`save()`, `load()`, `load_state_dict()`, "auto", a notice's checkpoint and `resume=True`
-    all go through `Checkpoints` (`driver/checkpoint_schedule.py`), which finishes the periodic
+    all go through `Checkpoints` (`driver/checkpoints.py`), which finishes the periodic
     upload in flight first: nothing else asks the training state to write or load one."""
     root = PACKAGES / "raysgd" / "src" / "raysgd"
-    schedule = root / "_internal" / "driver" / "checkpoint_schedule.py"
+    schedule = root / "_internal" / "driver" / "checkpoints.py"
     calls = {"save", "load", "load_state_dict"}
     elsewhere, seen = {}, 0
     for source in [root / "trainer.py", *(root / "_internal" / "driver").glob("*.py")]:

@@ -22,7 +22,7 @@ from raysgd._internal.driver.arguments import (
     resolve_operator_cls,
     start_timeout,
 )
-from raysgd._internal.driver.checkpoint_schedule import Checkpoints, checkpoint_root
+from raysgd._internal.driver.checkpoints import Checkpoints, checkpoint_root
 from raysgd._internal.driver.cluster import available_memory_bytes, driver_has_cuda
 from raysgd._internal.driver.controller import CallSpec, RunController
 from raysgd._internal.driver.datasets import (

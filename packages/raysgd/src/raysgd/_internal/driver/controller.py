@@ -53,7 +53,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar, Union
 
-from raysgd._internal.driver.checkpoint_schedule import Checkpoints
+from raysgd._internal.driver.checkpoints import Checkpoints
 from raysgd._internal.driver.decide import (
     decide_failure,
     decide_size,
@@ -61,6 +61,7 @@ from raysgd._internal.driver.decide import (
     split_background,
     watch_spec,
 )
+from raysgd._internal.driver.drains import DrainNotice, Drains
 from raysgd._internal.driver.events import (
     EventKind,
     RecoveryEvent,
@@ -76,7 +77,6 @@ from raysgd._internal.driver.group_view import (
 from raysgd._internal.driver.guard import CallGuard, in_one_form
 from raysgd._internal.driver.losses import Losses
 from raysgd._internal.driver.phases import NEXT_PHASE, Phase, Transition, TransitionObserver
-from raysgd._internal.driver.preemption import DrainNotice, Drains
 from raysgd._internal.driver.resize import (
     DEFAULT_RESTART_TIMEOUT_S,
     GROW_BACKOFF_S,

@@ -55,16 +55,16 @@ from raysgd._internal.storage.format import (
     write_state,
 )
 from raysgd._internal.storage.location import Storage
+from raysgd._internal.worker.build import (
+    build_runner,
+    current_runner,
+    my_dataset_splits,
+)
 from raysgd._internal.worker.part_exchange import exchange
 from raysgd._internal.worker.rank_replicas import (
     PeerSlot,
     decode_slot,
     encode_slot,
-)
-from raysgd._internal.worker.runner import (
-    build_runner,
-    current_runner,
-    my_dataset_splits,
 )
 from raysgd._internal.worker.slot import keep, replicas_for, this_worker
 from raysgd._internal.worker.state import (

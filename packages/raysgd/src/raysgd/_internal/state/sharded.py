@@ -62,11 +62,11 @@ from raysgd._internal.storage.format import (
 )
 from raysgd._internal.storage.location import Storage, as_storage
 from raysgd._internal.worker import calls as worker
-from raysgd._internal.worker.part_exchange import exchange
-from raysgd._internal.worker.runner import (
+from raysgd._internal.worker.build import (
     build_runner,
     my_dataset_splits,
 )
+from raysgd._internal.worker.part_exchange import exchange
 from raysgd._internal.worker.slot import keep, this_worker, worker_state
 from raysgd._internal.worker.snapshots import Snapshots, Taken
 from raysgd._internal.worker.state import (

@@ -27,7 +27,7 @@ from raysgd._internal.protocol import (
     TrainAnswer,
     WatchSpec,
 )
-from raysgd._internal.worker.runner import (
+from raysgd._internal.worker.build import (
     build_runner,
     current_runner,
 )

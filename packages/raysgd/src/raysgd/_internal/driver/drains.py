@@ -24,7 +24,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
-from raysgd._internal.driver.checkpoint_schedule import Checkpoints
+from raysgd._internal.driver.checkpoints import Checkpoints
 from raysgd._internal.driver.group_view import ClusterView, ElasticGroup
 
 __all__ = ["DrainNotice", "Drains"]
