@@ -103,7 +103,7 @@ class TrainingState:
         if self._copy_wanted and first is not None:
             data, size = first
             self._copy.offer(data, size, step=0)
-        self._kind.settle(self._workers.group)
+        self._kind.settle(self._workers)
 
     def after_train(self, step: int, epochs: int) -> None:
         """A `train()` call finished with the workers at `step`, `epochs` finished: refresh the
@@ -144,7 +144,7 @@ class TrainingState:
                 "; ".join(plan.inexact),
             )
         group.execute(worker.restore, *self._workers.runner_args(), plan)
-        self._kind.settle(group)
+        self._kind.settle(self._workers)
         self.step = plan.step
         return RestoreOutcome(
             plan.description, plan.step, plan.steps_redone, plan.finished_at, plan.inexact
@@ -264,7 +264,7 @@ class TrainingState:
             # the timeline the load replaced: no fall-back, `resume=True` or pruning may take
             # them for this run's.
             abandon(self._checkpoint_root, self.step, also=(self.checkpoint_name,))
-        self._kind.settle(group)
+        self._kind.settle(self._workers)
 
     def _source(self, location: Storage) -> LoadSource:
         """What the workers load `location` from: the location itself when every worker can
@@ -292,7 +292,7 @@ class TrainingState:
         state of this boundary restorable without the leaving workers. A whole state already is
         (the workers that stay hold it); a sharded one is snapshotted now and each leaving
         worker's part given to a worker that stays (`StateKind.hand_over`)."""
-        self._kind.hand_over(self._workers.group, leaving)
+        self._kind.hand_over(self._workers, leaving)
 
 
 def _resplit(report: Optional[RecoveryReport], world_size: int) -> str:

@@ -26,8 +26,8 @@ __all__ = ["StateKind", "Workers"]
 
 
 class Workers(Protocol):
-    """What a kind needs of the driver's workers to write a checkpoint or gather the state
-    (the driver's `worker_calls.WorkerCalls`)."""
+    """What a kind needs of the driver's workers (the driver's `worker_calls.WorkerCalls`): the
+    group, and where a file can be written."""
 
     group: WorkerGroup
 
@@ -60,7 +60,7 @@ class StateKind(abc.ABC):
         each rank takes (`RestorePlan.rank_sources`)."""
 
     @abc.abstractmethod
-    def settle(self, group: WorkerGroup) -> None:
+    def settle(self, workers: Workers) -> None:
         """The workers' state just changed as a whole (they started, restored or loaded)."""
 
     @abc.abstractmethod
@@ -73,7 +73,7 @@ class StateKind(abc.ABC):
         """The whole state in the driver's process (`TorchTrainer.state_dict`)."""
 
     @abc.abstractmethod
-    def hand_over(self, group: WorkerGroup, leaving: Sequence[int]) -> None:
+    def hand_over(self, workers: Workers, leaving: Sequence[int]) -> None:
         """With every worker at the same step boundary, make this boundary's state restorable
         without the workers of `leaving` (empty: spares are about to join)."""
 

@@ -76,7 +76,7 @@ from raysgd._internal.worker.state import (
     state_within,
 )
 from raysgd._internal.worker.transfer import broadcast_state
-from raysgd_core import WorkerGroup, get_context
+from raysgd_core import get_context
 from raysgd_operator import OperatorRunner, Progress, StateIO
 
 __all__ = [
@@ -293,10 +293,10 @@ class Replicated(StateKind):
     ) -> RestorePlan:
         return plan_from_peers(holdings, rank_sources)
 
-    def settle(self, group: WorkerGroup) -> None:
+    def settle(self, workers: Workers) -> None:
         # Every worker holds the models and optimizers whole; what differs from rank to rank is
         # given to the ring peer now, so that a loss before the next window start finds it.
-        group.execute(replicate_slots)
+        workers.group.execute(replicate_slots)
 
     def save(self, workers: Workers, location: Storage, step: int) -> str:
         """One file, written by a worker that can reach it (an object store; the local disk of
@@ -320,11 +320,11 @@ class Replicated(StateKind):
     def gather(self, workers: Workers, step: int) -> dict[str, Any]:
         return state_from_bytes(workers.group.execute(state_bytes)[0])
 
-    def hand_over(self, group: WorkerGroup, leaving: Sequence[int]) -> None:
+    def hand_over(self, workers: Workers, leaving: Sequence[int]) -> None:
         # The workers that stay hold the models and optimizers of this boundary already; each
         # leaving worker gives its slot (generators, per-rank state) to one that stays.
         if leaving:
-            group.execute(hand_over_slots, list(leaving))
+            workers.group.execute(hand_over_slots, list(leaving))
 
     def fallback_warning(self, what: str, redone: int, holdings: Sequence[Holding]) -> str:
         return (

@@ -76,7 +76,7 @@ from raysgd._internal.worker.state import (
     apply_rank_slot,
     gather_rank_slots,
 )
-from raysgd_core import WorkerGroup, get_context, scratch_dir
+from raysgd_core import get_context, scratch_dir
 from raysgd_operator import SHARDED_STATE_IMPORTS, AverageMeterCollection, OperatorRunner
 
 if TYPE_CHECKING:  # the module imports DCP: imported at run time on first use only
@@ -392,9 +392,9 @@ class Sharded(StateKind):
             inexact += interleaved_validation(progress) + validation_skipped(progress, plan.step)
         return replace(plan, rank_sources=tuple(rank_sources), inexact=inexact)
 
-    def settle(self, group: WorkerGroup) -> None:
+    def settle(self, workers: Workers) -> None:
         # A new snapshot in the new layout: every part has a copy on a peer again.
-        group.execute(capture)
+        workers.group.execute(capture)
 
     def save(self, workers: Workers, location: Storage, step: int) -> str:
         """A folder: on the local disk written beside it and renamed into place (an older
@@ -433,10 +433,11 @@ class Sharded(StateKind):
             shutil.rmtree(tmp, ignore_errors=True)
         return gathered(files)
 
-    def hand_over(self, group: WorkerGroup, leaving: Sequence[int]) -> None:
+    def hand_over(self, workers: Workers, leaving: Sequence[int]) -> None:
         """A snapshot now, and each leaving worker's part given to a worker that stays. When
         every worker leaves, the snapshot is all: the replacements that join first restore
         from it."""
+        group = workers.group
         step = group.execute(capture)[0]
         staying = [r for r in range(group.world_size) if r not in set(leaving)]
         if not staying or not leaving:
