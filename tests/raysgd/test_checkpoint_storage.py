@@ -25,7 +25,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from raysgd import TorchTrainer, TrainingOperator
-from raysgd._internal.storage.format import MANIFEST_NAME, complete_checkpoints, newest_complete
+from raysgd._internal.storage.catalog import complete_checkpoints, newest_complete
+from raysgd._internal.storage.format import MANIFEST_NAME
 from raysgd._internal.storage.location import Storage, StorageError
 from raysgd.utils import BATCH_SIZE
 

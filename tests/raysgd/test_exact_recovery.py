@@ -48,7 +48,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from raysgd import TorchTrainer, TrainingOperator
-from raysgd._internal.storage.format import newest_complete
+from raysgd._internal.storage.catalog import newest_complete
 from raysgd.utils import BATCH_SIZE
 from raysgd_fault import DefaultPolicy
 from raysgd_operator.parallel_strategies import per_parameter_mean

@@ -22,13 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from raysgd import StateLostError, TorchTrainer, TrainingOperator
-from raysgd._internal.storage.format import (
-    AUTO_NAMES,
-    WHOLE,
-    abandoned,
-    complete_checkpoints,
-    newest_complete,
-)
+from raysgd._internal.storage.catalog import abandoned, complete_checkpoints, newest_complete
+from raysgd._internal.storage.format import AUTO_NAMES, WHOLE
 from raysgd._internal.storage.location import Storage
 from raysgd.utils import BATCH_SIZE
 from raysgd_core import WorkerDiedError, WorkerError, get_context

@@ -14,23 +14,25 @@ import uuid
 
 import pytest
 
-from raysgd._internal.storage.errors import redact
-from raysgd._internal.storage.format import (
+from raysgd._internal.storage.catalog import (
     ABANDONED_NAME,
-    MANIFEST_NAME,
-    Manifest,
     abandon,
     abandoned,
     checkpoint_name,
-    checkpoint_position,
     complete_checkpoints,
-    gathered,
-    gathered_files,
     newest_complete,
     prune,
-    read_manifest,
     reclaim,
     resolve_checkpoint,
+)
+from raysgd._internal.storage.errors import redact
+from raysgd._internal.storage.format import (
+    MANIFEST_NAME,
+    Manifest,
+    checkpoint_position,
+    gathered,
+    gathered_files,
+    read_manifest,
     write_manifest,
     write_state,
 )

@@ -23,8 +23,8 @@ says when, where, and how a run goes on from them.
 The writing itself is the workers', in the format of their kind of state: at once, with the
 driver waiting (`TrainingState.save`: `save`, "auto", a notice), or in the background
 (`worker.periodic_checkpoints`: `checkpoint_every`); the state does not pass through the driver.
-Either way the names, the manifest written last and the pruning are the format's
-(`storage.format`). `checkpoint_dir` may be a path or any fsspec URL (with `storage_options`); it
+Either way the manifest written last is the format's (`storage.format`), the names, the newest
+and the pruning the catalog's (`storage.catalog`). `checkpoint_dir` may be a path or any fsspec URL (with `storage_options`); it
 is checked before any worker starts.
 """
 
@@ -39,12 +39,8 @@ from typing import Any, Optional, Union
 
 from raysgd._internal.driver.training_state import TrainingState
 from raysgd._internal.protocol import CheckpointPlan
-from raysgd._internal.storage.format import (
-    abandoned,
-    checkpoint_position,
-    newest_complete,
-    reclaim,
-)
+from raysgd._internal.storage.catalog import abandoned, newest_complete, reclaim
+from raysgd._internal.storage.format import checkpoint_position
 from raysgd._internal.storage.location import Storage, as_storage
 from raysgd_base import check_int
 

@@ -30,7 +30,7 @@ from raysgd._internal.protocol import LoadSource, RestorePlan, call_from_meta
 from raysgd._internal.state.kind import StateKind
 from raysgd._internal.state.pick import reader_at, reader_of_state
 from raysgd._internal.state.plan import RestoreOutcome, StateLostError
-from raysgd._internal.storage.format import abandon, newest_complete, state_to_load
+from raysgd._internal.storage.catalog import abandon, newest_complete, state_to_load
 from raysgd._internal.storage.location import Storage, as_storage
 from raysgd._internal.worker import calls as worker
 from raysgd_core import RecoveryReport, WorkerError

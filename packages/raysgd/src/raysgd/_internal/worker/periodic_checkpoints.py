@@ -5,7 +5,7 @@ accumulation a checkpoint is taken only where no partial gradient would be lost:
 accumulation window; without, at every N-th step) every worker stages its part of the training state
 in host memory (`WorkerState.copy_to_host`: the loop waits only for this copy) and hands it to its writer
 thread (one per worker, kept between checkpoints), which writes it into a new checkpoint folder
-under `checkpoint_dir` (`storage.format.checkpoint_name`: a folder per attempt). Rank 0 then waits, in
+under `checkpoint_dir` (`storage.catalog.checkpoint_name`: a folder per attempt). Rank 0 then waits, in
 its thread, until every part is there and writes the manifest last, so an upload cut short (a
 worker lost, storage unreachable) leaves the previous checkpoint the newest complete one; it then
 removes the checkpoints past `keep_checkpoints`. Before the first checkpoint falls due the same
@@ -36,7 +36,8 @@ from typing import Callable, Optional
 
 from raysgd._internal.protocol import CheckpointPlan, call_meta
 from raysgd._internal.storage.atomic_files import SCRATCH_PREFIX
-from raysgd._internal.storage.format import checkpoint_name, prune, write_manifest
+from raysgd._internal.storage.catalog import checkpoint_name, prune
+from raysgd._internal.storage.format import write_manifest
 from raysgd._internal.storage.location import Storage
 from raysgd._internal.worker.state import WorkerState
 from raysgd_core import get_context
