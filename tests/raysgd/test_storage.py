@@ -216,6 +216,23 @@ def test_local_write_is_atomic(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["state.pt"]  # no temp file left
 
 
+def test_a_local_folder_is_replaced_whole_or_not_at_all(tmp_path):
+    folder = Storage(tmp_path / "ckpt")
+    with folder.replaced_folder() as new:
+        new.write_bytes("a", b"first")
+    assert folder.listdir() == ["a"]
+
+    with pytest.raises(RuntimeError, match="cut short"):
+        with folder.replaced_folder() as new:
+            new.write_bytes("b", b"second")
+            raise RuntimeError("cut short")
+    assert folder.listdir() == ["a"] and folder.read_bytes("a") == b"first"
+    with folder.replaced_folder() as new:
+        new.write_bytes("b", b"second")
+    assert folder.listdir() == ["b"]  # the older folder went whole, once the new one was there
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no scratch folder left
+
+
 def test_a_streamed_write_is_whole_or_keeps_the_old_file(root):
     chunk = os.urandom(1 << 20)
 

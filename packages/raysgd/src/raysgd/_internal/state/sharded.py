@@ -406,19 +406,10 @@ class Sharded(StateKind):
             _write_parts(workers, location)
             write_manifest(location, SHARDED, epoch, step)
             return location.url
-        path = location.path
-        parent = os.path.dirname(path)
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".raysgd-ckpt-", dir=parent)
-        try:
-            folder = as_storage(tmp)
+        with location.replaced_folder() as folder:
             _write_parts(workers, folder)
             write_manifest(folder, SHARDED, epoch, step)
-            _replace_dir(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return path
+        return location.path
 
     def gather(self, workers: Workers, step: int) -> dict[str, Any]:
         """The checkpoint folder's files as bytes (`storage.format.gathered`)."""
@@ -502,22 +493,6 @@ def _write_parts(workers: Workers, folder: Storage) -> None:
             for name, ref in shipped.items():
                 data = bundles.setdefault(id(ref), ray.get(ref))[name]
                 folder.write_bytes(name, data)
-
-
-def _replace_dir(tmp: str, path: str) -> None:
-    """Move the finished folder `tmp` to `path`; an older checkpoint there is replaced only now."""
-    if not os.path.exists(path):
-        os.replace(tmp, path)
-        return
-    old = tempfile.mkdtemp(prefix=".raysgd-old-", dir=os.path.dirname(path))
-    os.rmdir(old)
-    os.replace(path, old)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        os.replace(old, path)  # put the previous checkpoint back
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------ the plan

@@ -1,10 +1,12 @@
-"""Local files replaced atomically: a reader sees the old file or the new one, never a part, and
-the new one survives a crash once written (fsync of the file, then of its folder)."""
+"""Local files and folders replaced atomically: a reader sees the old one or the new one, never a
+part, and a new file survives a crash once written (fsync of the file, then of its folder)."""
 
 from __future__ import annotations
 
 import errno
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,7 +14,7 @@ from typing import IO, Union
 
 from raysgd._internal.storage.direct_writes import DirectFile, open_flags
 
-__all__ = ["SCRATCH_PREFIX", "atomic_local_file", "write_file"]
+__all__ = ["SCRATCH_PREFIX", "atomic_local_file", "atomic_local_folder", "write_file"]
 
 #: The start of the names of files raysgd writes that are never a checkpoint's parts: the atomic
 #: writes' temp files and `Storage.check_access`'s probe.
@@ -88,3 +90,31 @@ def _fsync_folder(folder: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+@contextmanager
+def atomic_local_folder(path: str) -> Iterator[str]:
+    """A folder (its path) that becomes the local `path` only when the block ends without an
+    error: written beside it under a scratch name and renamed into place, an older folder at
+    `path` moved aside first and removed only once the new one is there (put back if the rename
+    fails). Removed when the block raises."""
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}folder-", dir=parent)
+    try:
+        yield tmp
+        if not os.path.exists(path):
+            os.replace(tmp, path)
+            return
+        old = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}old-", dir=parent)
+        os.rmdir(old)
+        os.replace(path, old)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            os.replace(old, path)  # the older folder back
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -27,7 +27,12 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from typing import IO, TYPE_CHECKING, Any, NoReturn, Optional, Union
 
-from raysgd._internal.storage.atomic_files import SCRATCH_PREFIX, atomic_local_file, write_file
+from raysgd._internal.storage.atomic_files import (
+    SCRATCH_PREFIX,
+    atomic_local_file,
+    atomic_local_folder,
+    write_file,
+)
 from raysgd._internal.storage.errors import StorageError, failure_message
 
 if TYPE_CHECKING:
@@ -250,6 +255,17 @@ class Storage:
                 _discard(handle)
                 raise
             handle.close()
+
+    @contextmanager
+    def replaced_folder(self) -> Iterator[Storage]:
+        """A local folder to write into that replaces this one whole when the block ends without
+        an error (`atomic_files.atomic_local_folder`); nothing changes here when it raises. An
+        object store has no rename: there, a folder's writer makes it visible last instead (a
+        checkpoint's manifest)."""
+        if not self.is_local:
+            raise ValueError(f"{self.url}: only a local folder is replaced whole")
+        with atomic_local_folder(self.path) as tmp:
+            yield as_storage(tmp)
 
     def read_bytes(self, relpath: str) -> bytes:
         """The whole content of the file at `relpath`."""
