@@ -324,3 +324,26 @@ def test_the_losses_of_a_call_count_against_one_budget_across_its_joins_and_move
     group.script = [lambda: died(group, [1]), None]
     run.run(call(max_retries=1))
     assert run.failures == 3 and run.failures_this_call == 1
+
+
+def test_the_phase_graph_allows_the_paths_a_run_takes_and_no_other() -> None:
+    from raysgd._internal.driver.phases import legal
+
+    runs = [
+        [Phase.IDLE, Phase.GROWING, Phase.RUNNING, Phase.SUCCEEDED, Phase.IDLE],
+        [Phase.IDLE, Phase.RUNNING, Phase.FAILED, Phase.WAITING, Phase.FAILED, Phase.RESTARTING],
+        [Phase.RESTARTING, Phase.RUNNING, Phase.JOINING, Phase.RUNNING, Phase.MOVING],
+        [Phase.MOVING, Phase.RUNNING, Phase.REPAIRING, Phase.FAILED, Phase.GAVE_UP],
+        [Phase.GAVE_UP, Phase.GROWING, Phase.CHECKPOINTING, Phase.RUNNING],
+        [Phase.SUCCEEDED, Phase.REPAIRING, Phase.SUCCEEDED],
+    ]
+    for run in runs:
+        assert all(legal(a, b) for a, b in zip(run, run[1:])), run
+    for before, after in [
+        (Phase.IDLE, Phase.RESTARTING),  # a restart follows a decision, never a rest
+        (Phase.WAITING, Phase.RUNNING),  # a backoff goes back to the policy first
+        (Phase.RUNNING, Phase.IDLE),  # a call ends in SUCCEEDED or a failure
+        (Phase.JOINING, Phase.SUCCEEDED),
+        (Phase.RESTARTING, Phase.SUCCEEDED),
+    ]:
+        assert not legal(before, after), (before, after)

@@ -20,6 +20,9 @@ resize (`_resize`), every spare started or replaced. Its phases (`phases.Phase`)
     JOINING, MOVING -> RUNNING (or FAILED)   the rest of the call, at the new size
     GAVE_UP                  the call raises a RuntimeError naming every loss
 
+The graph is `phases.LEGAL_NEXT` (with `phases.AT_REST`, where calls start): a transition
+outside it is logged as an error.
+
 A lost actor or node surfaces at once as `WorkerDiedError` (the group sees the dead actor, or a
 peer's bounded collective names a silent one). The failure policy is told how many workers are
 wanted, alive and could start now, how many losses the call saw and how many restart attempts came
@@ -37,8 +40,8 @@ repaired first, and a failure inside is repaired (REPAIRING: a user error logged
 lost worker counted, the group re-formed at its size) before it is raised, a user error in its one
 form. Errors raised by user code are never retried.
 
-Observers: every transition goes to the loss ledger (`Losses`, which counts and logs the losses it
-carries) and then to whoever subscribed (goodput). The decisions, resizes, moves and user errors
+Every transition goes to the loss ledger (`Losses`, which counts and logs the losses it carries),
+then to whoever subscribed (goodput), who only read. The decisions, resizes, moves and user errors
 are recorded in the event log (`log`) by the controller, which the loggers and goodput read.
 """
 
@@ -76,7 +79,13 @@ from raysgd._internal.driver.group_view import (
 )
 from raysgd._internal.driver.guard import CallGuard, in_one_form
 from raysgd._internal.driver.losses import Losses
-from raysgd._internal.driver.phases import NEXT_PHASE, Phase, Transition, TransitionObserver
+from raysgd._internal.driver.phases import (
+    NEXT_PHASE,
+    Phase,
+    Transition,
+    TransitionObserver,
+    legal,
+)
 from raysgd._internal.driver.resize import (
     DEFAULT_RESTART_TIMEOUT_S,
     GROW_BACKOFF_S,
@@ -165,9 +174,9 @@ class RunController:
         self._drains = Drains(group=group, cluster=self._cluster, checkpoints=checkpoints)
         #: Every event so far (`events`).
         self.log = RecoveryLog()
-        #: Every loss so far (`failures`): it observes the transitions first.
+        #: Every loss so far (`failures`): called with every transition, before the observers.
         self.losses = Losses(self.log, self._cluster)
-        self._observers: list[TransitionObserver] = [self.losses.on_transition]
+        self._observers: list[TransitionObserver] = []
         self.phase = Phase.IDLE
         self._moving_off: frozenset[str] = frozenset()  # the MOVING phase's draining nodes
         # Names each train() call, so that a call a failure interrupted is continued, not
@@ -211,10 +220,16 @@ class RunController:
     def _enter(self, phase: Phase, **what: Any) -> None:
         """Go to `phase` (the one writer of `self.phase`), telling every observer; `what`: the
         `Transition`'s other fields."""
+        if not legal(self.phase, phase):
+            # A bug of the controller's, never the user's: said, not raised (the run goes on).
+            logger.error(
+                "the run went from phase %s to %s, which no path allows", self.phase, phase
+            )
         transition = Transition(
             self.phase, phase, self._world_size(), nodes=self._moving_off, **what
         )
         self.phase = phase
+        self.losses.account(transition)  # counted before anyone reads the count
         for observer in self._observers:
             observer(transition)
 

@@ -7,9 +7,9 @@ a user error is logged but not counted: that repair is housekeeping, not a loss 
 A loss is a preemption when Ray says the node was reclaimed after a drain, or when the node is one
 the workers are being moved off (`draining`).
 
-The ledger observes the run controller's transitions (`on_transition`): a loss is counted when a
-transition carries one, the count starts afresh when one says so, and the draining nodes are those
-of the MOVING phase.
+The run controller calls the ledger with each of its transitions (`account`), before any observer
+sees it: a loss is counted when a transition carries one, the count starts afresh when one says so,
+and the draining nodes are those of the MOVING phase. It gives up for the controller (`give_up`).
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ class Losses:
         self._last_at: Optional[float] = None
         self._last_error: Optional[BaseException] = None  # chained to the give-up RuntimeError
 
-    def on_transition(self, t: Transition) -> None:
-        """Observe one transition of the run (see the module docstring)."""
+    def account(self, t: Transition) -> None:
+        """Account for one transition of the run (see the module docstring)."""
         if t.new_count:
             self.this_call, self._last_error = [], None
         if t.after is Phase.MOVING:

@@ -14,7 +14,15 @@ from typing import Callable, Optional
 
 from raysgd_fault import Action
 
-__all__ = ["NEXT_PHASE", "Phase", "Transition", "TransitionObserver"]
+__all__ = [
+    "AT_REST",
+    "LEGAL_NEXT",
+    "NEXT_PHASE",
+    "Phase",
+    "Transition",
+    "TransitionObserver",
+    "legal",
+]
 
 
 class Phase(str, enum.Enum):
@@ -45,6 +53,48 @@ class Phase(str, enum.Enum):
     SUCCEEDED = "succeeded"
     #: The failure policy gave up: the call raises.
     GAVE_UP = "gave_up"
+
+
+#: The phases between calls: a `train()` call, or a repair before or after another call, starts
+#: from any of them (a call that ended in a repair that failed leaves the run FAILED, and the
+#: next call starts by recovering).
+AT_REST = frozenset({Phase.IDLE, Phase.SUCCEEDED, Phase.GAVE_UP, Phase.FAILED})
+
+#: Where each phase may lead (besides itself: something that happened inside a phase).
+LEGAL_NEXT: dict[Phase, frozenset[Phase]] = {
+    Phase.GROWING: frozenset({Phase.MOVING, Phase.CHECKPOINTING, Phase.RUNNING, Phase.FAILED}),
+    Phase.MOVING: frozenset({Phase.CHECKPOINTING, Phase.RUNNING, Phase.FAILED}),
+    Phase.CHECKPOINTING: frozenset({Phase.RUNNING, Phase.FAILED, Phase.REPAIRING}),
+    Phase.RUNNING: frozenset(
+        {Phase.SUCCEEDED, Phase.FAILED, Phase.JOINING, Phase.MOVING, Phase.REPAIRING}
+    ),
+    Phase.JOINING: frozenset({Phase.RUNNING, Phase.FAILED}),
+    Phase.FAILED: frozenset({Phase.RESTARTING, Phase.WAITING, Phase.GAVE_UP}),
+    Phase.WAITING: frozenset({Phase.FAILED}),
+    Phase.RESTARTING: frozenset({Phase.RUNNING, Phase.FAILED}),
+    Phase.REPAIRING: frozenset({Phase.SUCCEEDED, Phase.FAILED}),
+    Phase.SUCCEEDED: frozenset({Phase.IDLE}),
+}
+
+#: Where a call (or a repair) starts from a phase at rest.
+_STARTS = frozenset(
+    {
+        Phase.IDLE,
+        Phase.GROWING,
+        Phase.MOVING,
+        Phase.CHECKPOINTING,
+        Phase.RUNNING,
+        Phase.FAILED,
+        Phase.REPAIRING,
+    }
+)
+
+
+def legal(before: Phase, after: Phase) -> bool:
+    """Whether the run may go from `before` to `after` (see `LEGAL_NEXT` and `AT_REST`)."""
+    if before is after or after in LEGAL_NEXT.get(before, frozenset()):
+        return True
+    return before in AT_REST and after in _STARTS
 
 
 #: The phase each failure-policy action leads to.
