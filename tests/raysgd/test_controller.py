@@ -347,3 +347,13 @@ def test_the_phase_graph_allows_the_paths_a_run_takes_and_no_other() -> None:
         (Phase.RESTARTING, Phase.SUCCEEDED),
     ]:
         assert not legal(before, after), (before, after)
+
+
+def test_a_grow_that_started_nobody_is_put_off_for_longer_each_time_up_to_a_bound() -> None:
+    from raysgd._internal.driver.decide import grow_backoff
+
+    waits, wait = [], 0.0
+    for _ in range(7):
+        wait = grow_backoff(wait)
+        waits.append(wait)
+    assert waits == [30.0, 60.0, 120.0, 240.0, 480.0, 600.0, 600.0]

@@ -60,6 +60,7 @@ from raysgd._internal.driver.checkpoints import Checkpoints
 from raysgd._internal.driver.decide import (
     decide_failure,
     decide_size,
+    grow_backoff,
     move_timeout,
     split_background,
     watch_spec,
@@ -88,8 +89,6 @@ from raysgd._internal.driver.phases import (
 )
 from raysgd._internal.driver.resize import (
     DEFAULT_RESTART_TIMEOUT_S,
-    GROW_BACKOFF_S,
-    MAX_GROW_BACKOFF_S,
     SPARE_WAIT_S,
     ResizeResult,
     found_lost_error,
@@ -424,8 +423,8 @@ class RunController:
         Returns True if the group grew (the new workers took the state of the others). A grow that
         fails is logged and the group is put back to its old size; one that starts no new worker
         (the room the cluster reported was not real) makes later calls skip growing for a while
-        (doubling, `GROW_BACKOFF_S` up to `MAX_GROW_BACKOFF_S`), so that a lasting shortage does
-        not slow down every `train()`. Neither fails the call.
+        (`decide.grow_backoff`), so that a lasting shortage does not slow down every `train()`.
+        Neither fails the call.
         """
         self._enter(Phase.GROWING, new_count=True)  # a new train() call starts here
         self._join_declined = False
@@ -448,9 +447,7 @@ class RunController:
         if self._world_size() > current:
             self._grow_backoff_s = 0.0
             return True
-        self._grow_backoff_s = min(
-            MAX_GROW_BACKOFF_S, max(GROW_BACKOFF_S, 2 * self._grow_backoff_s)
-        )
+        self._grow_backoff_s = grow_backoff(self._grow_backoff_s)
         self._next_grow_at = time.monotonic() + self._grow_backoff_s
         self.log.record(
             EventKind.DECISION,

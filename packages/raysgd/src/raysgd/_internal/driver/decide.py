@@ -25,8 +25,11 @@ from raysgd_fault import (
 )
 
 __all__ = [
+    "GROW_BACKOFF_S",
+    "MAX_GROW_BACKOFF_S",
     "decide_failure",
     "decide_size",
+    "grow_backoff",
     "move_timeout",
     "split_background",
     "watch_spec",
@@ -87,3 +90,16 @@ def move_timeout(deadline: Optional[float], default_s: float, now: float) -> flo
     if deadline is None:
         return default_s
     return max(1.0, min(default_s, deadline - now - 2.0))
+
+
+#: After a grow that started no new worker, skip growing for this long, doubling up to the maximum.
+GROW_BACKOFF_S = 30.0
+MAX_GROW_BACKOFF_S = 600.0
+
+
+def grow_backoff(previous_s: float) -> float:
+    """How long to skip growing after a grow that started no new worker (the room the cluster
+    reported was not real), `previous_s` the backoff before it (0 after a grow that worked):
+    doubling from `GROW_BACKOFF_S` up to `MAX_GROW_BACKOFF_S`, so that a lasting shortage does
+    not slow down every `train()`."""
+    return min(MAX_GROW_BACKOFF_S, max(GROW_BACKOFF_S, 2 * previous_s))

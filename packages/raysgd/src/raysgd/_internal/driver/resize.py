@@ -16,8 +16,6 @@ from raysgd_core import RecoveryReport, WorkerDiedError
 
 __all__ = [
     "DEFAULT_RESTART_TIMEOUT_S",
-    "GROW_BACKOFF_S",
-    "MAX_GROW_BACKOFF_S",
     "SPARE_WAIT_S",
     "ResizeResult",
     "found_lost_error",
@@ -26,10 +24,6 @@ __all__ = [
 #: Bound on one ``group.recover`` call: how long new workers may take to start (those that do not
 #: are dropped and the group goes on smaller). Dead workers are reported long before this.
 DEFAULT_RESTART_TIMEOUT_S = 30.0
-
-#: After a grow that started no new worker, skip growing for this long, doubling up to the maximum.
-GROW_BACKOFF_S = 30.0
-MAX_GROW_BACKOFF_S = 600.0
 
 #: The longest a move off draining nodes waits for spare workers still starting before it sizes
 #: the group.
