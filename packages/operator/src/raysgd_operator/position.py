@@ -134,6 +134,12 @@ class RunPosition:
         return self.window.step
 
     @property
+    def validated_at(self) -> Optional[int]:
+        """The step of the last window start a validation ran at since the last load (None:
+        none did)."""
+        return self._validated_at
+
+    @property
     def in_batch(self) -> bool:
         """Whether the loop is inside a training batch (drawn, not finished)."""
         return bool(self._train.in_flight)

@@ -3,8 +3,8 @@ in host memory, each part also on the ring peer, so that a lost worker's part co
 a disk.
 
 Every `snapshot_every` steps, or as often as their measured cost allows (`snapshot_schedule`), when
-a call ends or a validation runs at a step no snapshot was taken at (what they draw belongs to the
-state from there on), and when the trainer asks (at start-up, after a restore or a load, before
+a validation runs at a step no snapshot was taken at (what it draws belongs to the state from
+there on), and when the trainer asks (at start-up, after a restore or a load, before
 workers leave) every worker, at the same step boundary:
 
 1. copies its part of the models and optimizers to host memory (`sharded_memory.Stager`, into the
@@ -125,22 +125,27 @@ class Snapshots:
 
     def _on_window_start(self) -> None:
         """The window start in progress was marked again at its step: a call ended there or a
-        validation ran, and what they changed (the generators' draws, an epoch's scheduler step)
-        belongs to it, as it does to the run never interrupted. A restore must find it: the
-        snapshot of that step gets it (only its small rest changed: no optimizer stepped), or,
-        when none was taken at that step, one is taken now. Either is held here and on the peer
-        before the call returns: a restore from an older snapshot would redo the steps before
-        without what the validation drew."""
+        validation ran, and what they changed (an epoch's scheduler step, the validation's
+        draws) belongs to it, as it does to the run never interrupted. The snapshot of that
+        step, when one was taken, gets it (only its small rest changed: no optimizer stepped).
+        After a validation a restore must not go back past it (the steps redone would draw
+        without it): a snapshot is taken at that step when none was, and either is held here
+        and on the peer before the call returns. A call's end alone waits for nothing: going
+        back past it redoes the same draws."""
         runner, taking = self.runner, self.taking
-        if taking is None or taking.step != runner.position.window_step:
-            self.take(wait=False)
-        else:
+        position = runner.position
+        at_step = taking is not None and taking.step == position.window_step
+        if at_step:
             state = runner.state.small_state()
             rank_slots = gather_rank_slots(runner, None)  # every worker is here (see the hook)
             if rank_slots is not None:
                 state[RANK_SLOTS] = rank_slots
             # The same dictionary the snapshot holds (`Generation.state`).
             taking.state.update(state)
+        if position.validated_at != position.window_step:
+            return
+        if not at_step:
+            self.take(wait=False)
         self.join()
 
     def group(self) -> Any:
