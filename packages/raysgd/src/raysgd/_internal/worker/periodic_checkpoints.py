@@ -21,6 +21,13 @@ leaves a marker in the folder, so that rank 0 gives the checkpoint up at once in
 for it. `finish` waits for the upload in flight: the trainer calls it before `save()`, `load()`,
 `load_state_dict()` and `shutdown()`, so a clean exit never loses the last checkpoint and no
 upload of a replaced state lands after a load.
+
+A checkpoint taken by a process group that has since been re-formed (a worker lost, stopped,
+moved or joined) is given up by `finish` if rank 0 still waits for a part of it: the part's
+writer may be gone with its process, and a stopped one never answers, so waiting for it would
+hold the training loop (the next checkpoint waits for this one) or the trainer's call for as long
+as the parts' own timeout. The newest complete checkpoint stays the one before; the group has
+gone on from its own copies, and the next checkpoint falls due as planned.
 """
 
 from __future__ import annotations
@@ -81,6 +88,10 @@ class PeriodicCheckpoints:
         )
         self._writer: Optional[threading.Thread] = None
         self._pending: Optional[threading.Event] = None  # set once the job in flight is done
+        #: The process group (its generation) the upload in flight was taken in, and the event
+        #: that makes rank 0 stop waiting for its parts (see the module docstring).
+        self._pending_group: Optional[int] = None
+        self._give_up_parts = threading.Event()
         #: The state whose `prepare_host_copy` work was started (once per state: a restore makes one).
         self._ahead: Optional[WorkerState] = None
         state.runner.add_step_hook(self._on_step)
@@ -138,6 +149,8 @@ class PeriodicCheckpoints:
         started = time.perf_counter()
         self.finish()  # the one before, if storage has not kept up
         ctx = get_context()
+        given_up = self._give_up_parts = threading.Event()
+        self._pending_group = ctx.generation
         position = runner.position.position_state()
         epoch, step = int(position["epoch"]), int(position["step"])
         # Every worker finds the same folder on its own: the name derives from the attempt.
@@ -156,7 +169,7 @@ class PeriodicCheckpoints:
                 if host_copy is not None:
                     host_copy.write(folder)
                 if rank == 0:
-                    _wait_for(folder, expected)
+                    _wait_for(folder, expected, given_up)
                     write_manifest(
                         folder,
                         self.state.kind,
@@ -200,9 +213,13 @@ class PeriodicCheckpoints:
         return blocked
 
     def finish(self, timeout_s: Optional[float] = None) -> Optional[Written]:
-        """Wait for the upload in flight; the last checkpoint this worker finished."""
+        """Wait for the upload in flight; the last checkpoint this worker finished. One taken by
+        an earlier process group stops waiting for the other workers' parts (see the module
+        docstring)."""
         pending = self._pending
         if pending is not None:
+            if self._pending_group != get_context().generation:
+                self._give_up_parts.set()
             pending.wait(timeout_s)
         return self.last
 
@@ -247,8 +264,9 @@ def _give_up(folder: Storage, rank: int) -> None:
         logger.debug("could not mark checkpoint %s as given up", folder.url, exc_info=True)
 
 
-def _wait_for(folder: Storage, parts: list[str]) -> None:
-    """Wait until every part is in `folder` (written by the other workers' threads)."""
+def _wait_for(folder: Storage, parts: list[str], given_up: threading.Event) -> None:
+    """Wait until every part is in `folder` (written by the other workers' threads), or until
+    `given_up` is set."""
     deadline = time.monotonic() + PARTS_TIMEOUT_S
     delay = 0.02
     while True:
@@ -262,7 +280,12 @@ def _wait_for(folder: Storage, parts: list[str]) -> None:
         failed = sorted(p for p in present if p.startswith(_FAILED))
         if failed:
             raise RuntimeError(f"a worker could not write its part ({failed[0]})")
+        if given_up.is_set():
+            raise RuntimeError(
+                f"parts {missing} were still missing when the group was re-formed (their "
+                "writers may be gone)"
+            )
         if time.monotonic() > deadline:
             raise TimeoutError(f"parts {missing} never arrived")
-        time.sleep(delay)
+        given_up.wait(delay)
         delay = min(1.0, delay * 2)
