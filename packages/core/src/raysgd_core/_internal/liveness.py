@@ -8,14 +8,18 @@ peer from a slow phase (a restore, a checkpoint, compiling), which is why theirs
 
 So whenever the driver waits for remote workers, it also probes each of them on a thread of the
 actor's own (`actor.LIVENESS`), beside whatever call the worker is running: a live process
-answers within milliseconds whatever its call is doing, a stopped one never does. A worker whose
-probe has gone unanswered for its patience (`bound_s` less the pause between probes) is silent:
-the caller aborts its peers' collectives and kills it. A probe goes out `every_s` after the last
-answer, so a wait shorter than that sends none, and a long one sends one per worker and
-`every_s`. The probes of a group are one `Liveness`, kept from wait to wait: a worker stopped
-during a series of short calls is found as soon as one probe of it has gone unanswered that
-long, at most `bound_s` after it stopped (or after the first wait that needs it, when it had
-stopped while nothing waited for it).
+answers within milliseconds whatever its call is doing, a stopped one never does. Each worker gets
+one probe every `every_s` (a tenth of the bound, at most `PROBE_EVERY_S`), the next one once the
+last has been answered; the wait polls twice a cadence. A worker whose probe has gone unanswered
+for its patience is silent: the caller aborts its peers' collectives and kills it.
+
+The patience is the bound less three cadences, so that a stopped worker is found and killed
+within `bound_s` of stopping: it answered its last probe after that probe was sent, so the next
+one leaves at most a cadence and a poll later; it is seen unanswered at most a poll after the
+patience; and one cadence is left for the kill to take the process. The probes of a group are one
+`Liveness`, kept from wait to wait: a worker stopped during a series of short calls is found as
+soon as one probe of it has gone unanswered that long (or within the bound of the first wait that
+needs it, when it had stopped while nothing waited for it).
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from typing import Any, Optional
 
 __all__ = ["PROBE_EVERY_S", "Liveness", "Wait", "watch_while"]
 
-#: The longest pause between a worker's answer and its next probe.
-PROBE_EVERY_S = 2.0
+#: The longest time between two probes of a worker.
+PROBE_EVERY_S = 1.0
 #: What is known of a worker no wait asked about for this long is dropped.
 _FORGET_AFTER_S = 600.0
 
@@ -41,9 +45,9 @@ class _Probed:
 
     actor: Any
     answered: float = float("-inf")
-    #: The probe in flight, and when it was sent.
+    #: The probe in flight (None once answered), and when the last probe was sent.
     ref: Any = None
-    sent: float = 0.0
+    sent: float = float("-inf")
 
 
 class Liveness:
@@ -52,11 +56,11 @@ class Liveness:
 
     def __init__(self, bound_s: float) -> None:
         self.bound_s = float(bound_s)
-        #: The pause between an answer and the next probe: a fifth of the bound, at most
-        #: `PROBE_EVERY_S`.
-        self.every_s = max(0.05, min(PROBE_EVERY_S, self.bound_s / 5))
-        #: How long a probe may go unanswered: the rest of the bound.
-        self.patience_s = self.bound_s - self.every_s
+        #: The cadence of a worker's probes: a tenth of the bound, at most `PROBE_EVERY_S`.
+        self.every_s = max(0.05, min(PROBE_EVERY_S, self.bound_s / 10))
+        #: How long a probe may go unanswered (see the module docstring): 70% of the bound up to
+        #: 10 s, the bound less 3 s beyond.
+        self.patience_s = self.bound_s - 3 * self.every_s
         self._probed: dict[int, _Probed] = {}  # id(actor handle) -> what is known
         self._lock = threading.Lock()
 
@@ -89,7 +93,7 @@ class Liveness:
                 if probed.ref is not None:
                     if now - probed.sent > self.patience_s:
                         silent.append(rank)
-                elif now - probed.answered >= self.every_s:
+                elif now - probed.sent >= self.every_s:
                     probed.ref, probed.sent = actor.alive.remote(), now
             # Workers no wait asked about for a long while are gone (dropped elsewhere).
             asked = {id(actor) for actor in actors.values()}

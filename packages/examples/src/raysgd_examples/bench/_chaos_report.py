@@ -270,6 +270,9 @@ def print_report(result: dict[str, Any]) -> None:
         f"{g['driver_restart_s']} s); "
         f"wall {g['wall']} (reference {g['reference_s']} s / chaos {g['chaos_s']} s)"
     )
+    found = [o["gone_after_s"] for o in result["sigstop_outcomes"] if "gone_after_s" in o]
+    if found:
+        print(f"  stopped workers found and killed after (s): {', '.join(map(str, found))}")
     print(f"  inexact recoveries: {len(result['inexact'])} of {result['resizes']} resizes")
     for item in result["inexact"]:
         print(f"    at {item['t']} s, after {item['after_fault']}: {'; '.join(item['reasons'])}")
