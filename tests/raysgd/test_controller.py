@@ -357,3 +357,15 @@ def test_a_grow_that_started_nobody_is_put_off_for_longer_each_time_up_to_a_boun
         wait = grow_backoff(wait)
         waits.append(wait)
     assert waits == [30.0, 60.0, 120.0, 240.0, 480.0, 600.0, 600.0]
+
+
+def test_room_and_fruitless_attempts_as_the_failure_policy_is_told_them() -> None:
+    from raysgd._internal.driver.decide import count_fruitless, fitting
+
+    # No estimate (the cluster did not answer): the workers wanted, so that a recovery is tried.
+    assert fitting(None, 4) == 4 and fitting(2, 4) == 2 and fitting(-1, 4) == 0
+    # A wait, or a restart that started and lost nobody, came to nothing; one that lost a
+    # worker is that loss (counted as one), one that started workers is progress.
+    assert count_fruitless(1, started=False, lost=False) == 2
+    assert count_fruitless(1, started=False, lost=True) == 1
+    assert count_fruitless(1, started=True, lost=False) == 1

@@ -164,7 +164,7 @@ def test_restart_that_starts_nobody_counts_as_a_fruitless_attempt() -> None:
     # The estimate says one fits, but the start fails for want of room: RETRY finds nobody.
     group.estimate_fitting = lambda: 1  # type: ignore[method-assign]
     seen: list[int] = []
-    policy = loop.policy
+    policy = loop.policies.failure
 
     class Recording(FailurePolicy):
         def decide(self, status: FailureStatus) -> Decision:
@@ -173,7 +173,7 @@ def test_restart_that_starts_nobody_counts_as_a_fruitless_attempt() -> None:
                 group.room = 1
             return policy.decide(status)
 
-    loop.policy = Recording()
+    loop.policies.failure = Recording()
     assert loop.run_attempts(Script(lambda: died(group, [0])), max_retries=3) == "done"
     assert seen == [0, 1, 2] and group.recover_calls == [1, 1, 1]
 
@@ -294,11 +294,11 @@ def test_grow_back_is_sized_by_the_scaling_policy_not_the_failure_policy() -> No
             return super().decide(status)
 
     loop, restored, _ = make_loop(group, 3, Recording())
-    loop.scaling = RecordingScaling()
-    assert loop.maybe_grow() is True
+    loop.policies.scaling = RecordingScaling()
+    assert loop.growth.maybe_grow() is True
     assert group.recover_calls == [3] and group.world_size == 3 and len(restored) == 1
     assert seen == [ScalingStatus("grow", workers_wanted=3, workers_running=1, workers_fitting=2)]
-    assert loop.maybe_grow() is False  # at the requested size: nothing asked
+    assert loop.growth.maybe_grow() is False  # at the requested size: nothing asked
     assert len(seen) == 1 and loop.failures == 0
     assert "scaling 'grow' (grow: wanted 3, running 1, fitting 2)" in loop.events[-2].message
 
@@ -314,32 +314,33 @@ def test_survivors_train_on_while_their_replacement_starts_then_it_joins() -> No
     assert loop.run_attempts(attempt, max_retries=3) == "done"
     # The survivor went on alone at once; its replacement starts as a spare beside it.
     assert group.recover_calls == [1] and group.world_size == 1 and attempt.calls == 2
-    assert group.spares_starting == 1 and loop.joining() == [("ref",)]
+    assert group.spares_starting == 1 and loop.growth.joining() == [("ref",)]
     assert "1 more starting in the background" in loop.events[1].message
-    assert loop.join_spares() is False  # still starting: nothing joins, nothing is asked
-    assert loop.maybe_grow() is False and group.recover_calls == [1]  # nor started twice
+    assert loop.growth.join_spares() is False  # still starting: nothing joins, nothing is asked
+    assert loop.growth.maybe_grow() is False and group.recover_calls == [1]  # nor started twice
     group.spares_starting, group.spares_up = 0, 1
     # A worker lost while the boundary's state is made restorable: counted, nothing joins (the
     # next run() recovers the group first).
     loop.fake_state._hand_over = lambda leaving: raise_(died(group, [0]))
-    assert loop.join_spares() is False
+    assert loop.growth.join_spares() is False
     assert loop.failures == 2 and group.recover_calls == [1] and group.needs_recovery
     group.needs_recovery, group.dead = False, 0
     prepared: list[int] = []
     loop.fake_state._hand_over = lambda leaving: prepared.append(group.world_size)
     # Up: it joins at this step boundary, the state of the boundary made restorable first.
-    assert loop.join_spares() is True
+    assert loop.growth.join_spares() is True
     assert prepared == [1]
     assert group.recover_calls == [1, 2] and group.world_size == 2 and len(restored) == 2
-    assert loop.joining() == [] and loop.failures == 2
+    assert loop.growth.joining() == [] and loop.failures == 2
     assert [e.kind for e in loop.events][-2:] == ["decision", "resize"]
     assert "resized (grow) 1 -> 2" in loop.events[-1].message
     # A scaling policy that keeps the size is asked once per call: the workers stop looking.
     group.world_size, group.spares_up = 1, 1
-    loop.scaling = FixedSize()
-    assert loop.join_spares() is False and loop.joining() == []
-    assert loop.maybe_grow() is False and loop.joining() == [("ref",)]  # a new call looks again
-    loop.scaling, group.world_size, group.spares_up = GrowWhenRoom(), 2, 0
+    loop.policies.scaling = FixedSize()
+    assert loop.growth.join_spares() is False and loop.growth.joining() == []
+    # A new call looks again.
+    assert loop.growth.maybe_grow() is False and loop.growth.joining() == [("ref",)]
+    loop.policies.scaling, group.world_size, group.spares_up = GrowWhenRoom(), 2, 0
     # A spare that is up when a worker is lost joins at once; nothing more is started.
     attempt = Script(lambda: died(group, [0]))
     group.spares_up = 1
@@ -351,9 +352,9 @@ def test_grow_that_starts_nobody_backs_off() -> None:
     group = FakeGroup(size=1, room=1)
     group.estimate_fitting = lambda: 1  # type: ignore[method-assign]  # a promise not kept
     loop, _, _ = make_loop(group, 2)
-    assert loop.maybe_grow() is False
+    assert loop.growth.maybe_grow() is False
     assert group.recover_calls == [2]
-    assert loop.maybe_grow() is False  # within the backoff: not even tried
+    assert loop.growth.maybe_grow() is False  # within the backoff: not even tried
     assert group.recover_calls == [2]
     assert "not trying again" in loop.events[-1].message
 
@@ -374,7 +375,7 @@ def test_a_move_off_a_draining_node_is_no_failure_and_reports_what_was_redone() 
         sleep=lambda s: None,
         cluster=FakeCluster(nodes_alive=False),
     )
-    assert loop.move_off([1], {"drained": None})
+    assert loop.moves.move_off([1], {"drained": None})
     assert handed == ["x"] and group.recover_calls == [2] and group.world_size == 2
     assert loop.failures == 0
     assert group.spare_waits == [10.0]  # spares still starting are waited for, within bounds
@@ -386,7 +387,7 @@ def test_a_move_off_a_draining_node_is_no_failure_and_reports_what_was_redone() 
     # Every worker on the draining node: replacements join first, and the state is made
     # restorable before they do (and again before the leaving workers go).
     handed.clear()
-    assert loop.move_off([0, 1], {"drained": None})
+    assert loop.moves.move_off([0, 1], {"drained": None})
     assert handed == ["x", "x"] and group.recover_calls == [2, 4, 2]
     move = [e for e in loop.events if e.kind == "preemption"][-1]
     assert move.steps_redone == 2 and "2 step(s) redone" in move.message
@@ -401,7 +402,7 @@ def test_a_node_lost_during_a_move_is_a_preemption_recovered_by_the_next_run() -
         raise died(group, [1])
 
     state._hand_over = hand_over
-    moved = loop.move_off([1], {"node": 1e12})
+    moved = loop.moves.move_off([1], {"node": 1e12})
     assert moved is False and group.needs_recovery
     assert loop.failures == 1
     (lost,) = [e for e in loop.events if e.kind == "restart_failed"]

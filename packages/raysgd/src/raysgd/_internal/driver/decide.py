@@ -27,8 +27,10 @@ from raysgd_fault import (
 __all__ = [
     "GROW_BACKOFF_S",
     "MAX_GROW_BACKOFF_S",
+    "count_fruitless",
     "decide_failure",
     "decide_size",
+    "fitting",
     "grow_backoff",
     "move_timeout",
     "split_background",
@@ -103,3 +105,17 @@ def grow_backoff(previous_s: float) -> float:
     doubling from `GROW_BACKOFF_S` up to `MAX_GROW_BACKOFF_S`, so that a lasting shortage does
     not slow down every `train()`."""
     return min(MAX_GROW_BACKOFF_S, max(GROW_BACKOFF_S, 2 * previous_s))
+
+
+def fitting(estimate: Optional[int], wanted: int) -> int:
+    """The room the policies are told of: the group's estimate, or, when it could not make one
+    (None), the workers `wanted`: an estimate must never stop a recovery, and the starts decide."""
+    return wanted if estimate is None else max(0, estimate)
+
+
+def count_fruitless(fruitless: int, *, started: bool, lost: bool) -> int:
+    """Restarts that came to nothing since the last loss, after one more try: a wait for room
+    (`started` False, `lost` False) or a restart that started nobody and lost nobody (room is
+    still missing) counts; a restart that started workers or lost one does not (the loss is
+    counted as one)."""
+    return fruitless if started or lost else fruitless + 1

@@ -14,10 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
-from raysgd._internal.driver.resize import ResizeResult
 from raysgd_core import WorkerDiedError, WorkerError
 
 if TYPE_CHECKING:
+    from raysgd._internal.driver.resize import ResizeResult
     from raysgd_core import RecoveryReport
 
 __all__ = [

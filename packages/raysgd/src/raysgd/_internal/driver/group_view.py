@@ -10,7 +10,7 @@ from typing import Any, Optional, Protocol
 
 from raysgd_core import RecoveryReport, draining_nodes, preempted_nodes
 
-__all__ = ["ClusterView", "ElasticGroup", "RayCluster", "RestorableState"]
+__all__ = ["ClusterView", "ElasticGroup", "RayCluster", "RestorableState", "fitting_now"]
 
 logger = logging.getLogger("raysgd.recovery")
 
@@ -126,3 +126,13 @@ class RayCluster:
         except Exception:  # no answer: no node counted on (a lookup must never break a call)
             logger.debug("ray.nodes() failed", exc_info=True)
             return []
+
+
+def fitting_now(group: ElasticGroup) -> Optional[int]:
+    """How many more workers the cluster has room for, by the group's cheap estimate (None when
+    it could not make one: `decide.fitting` says what that means)."""
+    try:
+        return int(group.estimate_fitting())
+    except Exception:
+        logger.debug("estimate_fitting failed", exc_info=True)
+        return None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from raysgd_fault import Action
 
@@ -19,6 +19,7 @@ __all__ = [
     "LEGAL_NEXT",
     "NEXT_PHASE",
     "Phase",
+    "PhaseWriter",
     "Transition",
     "TransitionObserver",
     "legal",
@@ -145,3 +146,18 @@ class Transition:
 
 #: Called with every transition, in order.
 TransitionObserver = Callable[[Transition], None]
+
+
+class PhaseWriter(Protocol):
+    """The run's phase as the controller's parts (its growth, its moves, its resizes) see it:
+    they enter phases through it, never set one."""
+
+    @property
+    def phase(self) -> Phase:
+        """The phase the run is in."""
+
+    def enter(self, phase: Phase, **what: Any) -> None:
+        """Go to `phase`; `what`: the `Transition`'s other fields."""
+
+    def note(self, **what: Any) -> None:
+        """Something happened inside the current phase (a worker lost during a resize, say)."""

@@ -1,25 +1,37 @@
-"""One resize of the trainer's group, as the run controller does it: what it did (`ResizeResult`)
-and how long it may take.
+"""Resizing the trainer's group (`Resizer`), what one resize did (`ResizeResult`) and how long it
+may take.
 
 A resize is one transaction: workers leaving on purpose hand their state over and go, the group
 keeps its healthy workers and starts the rest (`WorkerGroup.recover`), and the training state is
-restored on the new group. Only the run controller resizes; its events are derived from the result.
+restored on the new group. The controller's `Resizer` is the only code that resizes (after a
+loss, a grow, a move, a repair); its events are derived from the result.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from raysgd._internal.state.plan import RestoreOutcome
+from raysgd._internal.driver.events import RecoveryLog
+from raysgd._internal.driver.group_view import ElasticGroup, RestorableState
+from raysgd._internal.driver.phases import PhaseWriter
+from raysgd._internal.driver.policies import Policies
+from raysgd._internal.state.plan import RestoreOutcome, StateLostError
 from raysgd_core import RecoveryReport, WorkerDiedError
 
 __all__ = [
     "DEFAULT_RESTART_TIMEOUT_S",
     "SPARE_WAIT_S",
     "ResizeResult",
+    "Resizer",
     "found_lost_error",
 ]
+
+logger = logging.getLogger("raysgd.recovery")
 
 #: Bound on one ``group.recover`` call: how long new workers may take to start (those that do not
 #: are dropped and the group goes on smaller). Dead workers are reported long before this.
@@ -77,3 +89,96 @@ def found_lost_error(report: RecoveryReport) -> WorkerDiedError:
         ranks,
         [report.found_lost[r] for r in ranks],
     )
+
+
+class Resizer:
+    """Resizes `group` with its `state`, each resize one transaction recorded in `log`; a worker
+    lost on the way is noted in the run's phase (`run.note`). `restart_timeout_s` bounds one
+    ``group.recover``; `policies` size a move once its leaving workers are gone."""
+
+    def __init__(
+        self,
+        *,
+        group: ElasticGroup,
+        state: RestorableState,
+        policies: Policies,
+        log: RecoveryLog,
+        run: PhaseWriter,
+        restart_timeout_s: float,
+    ) -> None:
+        self._group = group
+        self._state = state
+        self._policies = policies
+        self._log = log
+        self._run = run
+        self.restart_timeout_s = float(restart_timeout_s)
+
+    def resize(
+        self,
+        num_workers: Optional[int],
+        reason: str,
+        *,
+        timeout_s: Optional[float] = None,
+        leaving: Sequence[int] = (),
+        counted: bool = True,
+    ) -> ResizeResult:
+        """Resize the group to `num_workers`: the state handed over (made restorable without the
+        workers of `leaving`) and those workers retired, then `group.recover` (healthy workers
+        kept, the rest started, within `timeout_s`), then the state restored on the new group.
+        `num_workers` None: as the scaling policy sizes a move, asked once the leaving workers
+        are gone (their room then counts).
+
+        A worker lost meanwhile is a loss during the restart, counted here (`counted` False:
+        logged only, for a repair after a user error): one the group found gone while it
+        re-formed (`RecoveryReport.found_lost`: the resize replaced it and went on), or one whose
+        loss made the resize fail (`ResizeResult.lost`).
+
+        Raises:
+            StateLostError: no worker, copy or checkpoint holds the state (retrying cannot help).
+        """
+        before = int(self._group.world_size)
+        started = time.monotonic()
+        report: Optional[RecoveryReport] = None
+        restored: Optional[RestoreOutcome] = None
+        lost: Optional[BaseException] = None
+        formed = started
+        target = num_workers or 0
+        try:
+            if leaving:
+                self._state.hand_over(leaving)
+                self._group.retire(leaving)
+            if num_workers is None:
+                alive = before - len(leaving)
+                fitting = self._policies.room(self._group)
+                sized = self._policies.size("preemption", running=alive, fitting=fitting)
+                target = max(1, sized.num_workers)
+            report = self._group.recover(
+                target,
+                timeout_s=timeout_s if timeout_s is not None else self.restart_timeout_s,
+            )
+            formed = time.monotonic()
+            if report.found_lost:
+                self._run.note(
+                    lost=found_lost_error(report),
+                    during_restart=True,
+                    counted=counted,
+                    alive=len(report.kept) if counted else None,
+                )
+            if report.world_size >= 1:
+                outcome = self._state.restore(report)
+                if isinstance(outcome, RestoreOutcome):
+                    restored = outcome
+                    report = dataclasses.replace(report, steps_redone=outcome.steps_redone)
+        except StateLostError:
+            raise
+        except Exception as err:  # any error while resizing is one more loss
+            logger.debug("resize (%s) failed", reason, exc_info=True)
+            lost = err
+        done = time.monotonic()
+        result = ResizeResult(
+            reason, target, before, report, restored, lost, done - started, formed - started
+        )
+        self._log.record_resize(result)
+        if lost is not None:
+            self._run.note(lost=lost, during_restart=True, counted=counted)
+        return result
