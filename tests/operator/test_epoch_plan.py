@@ -4,6 +4,7 @@ failure interrupted goes on from its last finished step (the worker side of reco
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
 from typing import Any
 
@@ -320,3 +321,54 @@ def test_a_new_runner_restored_from_a_snapshot_in_the_call_counts_its_rows_once(
     assert restored.position.step == 6 and restored.position.call is not None
     # The epoch's rows for the whole group (6 steps of 2 x 4), none counted twice or missed.
     assert restored.position.call.rows == 48
+
+
+class _RandomShift(torch.utils.data.Dataset):
+    """Rows with a random shift drawn in the loader's worker process (a random transform)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[index] + torch.rand(3), self.y[index]
+
+
+class _Augmented(_Regression):
+    """`_Regression` read through two loader worker processes that each draw a random shift."""
+
+    def setup(self, config: dict[str, Any]) -> None:
+        super().setup(config)
+        x, y = self.train_loader.dataset.tensors
+        self.register_data(
+            train_loader=DataLoader(_RandomShift(x, y), batch_size=4, shuffle=True, num_workers=2)
+        )
+
+
+def test_a_pass_resumed_mid_epoch_draws_what_its_loader_processes_drew() -> None:
+    # Two loader processes draw a random shift per row, batch after batch. The resumed pass
+    # draws the batches before its place again in those processes (not trained on), so that
+    # the batches after it are shifted as in the pass never interrupted.
+    torch.manual_seed(7)
+    straight = OperatorRunner(_Augmented, {}, world_size=2, distributed=True)
+    straight.train_epoch(num_steps=2, call_id=1)
+    whole = straight.train_epoch(call_id=2)
+    torch.manual_seed(7)
+    runner = OperatorRunner(_Augmented, {}, world_size=2, distributed=True)
+    runner.train_epoch(num_steps=2, call_id=1)
+    runner.train_epoch(num_steps=1, call_id=2)  # one batch past the window start of step 2...
+    # Through a checkpoint's bytes: what a new worker reads.
+    buffer = io.BytesIO()
+    torch.save((runner.state.state_dict(), runner.state.rank_slot()), buffer)
+    buffer.seek(0)
+    state, slot = torch.load(buffer, weights_only=True)
+    assert state["step"] == 3
+    resumed = OperatorRunner(_Augmented, {}, world_size=2, distributed=True)
+    resumed.state.load_state_dict(state)  # ... a new worker goes on from step 3
+    resumed.state.load_rank_slot(slot)
+    rest = resumed.train_epoch(call_id=3)
+    assert rest["batch_count"] == whole["batch_count"] - 1 == 3
+    for a, b in zip(_weights(straight), _weights(resumed)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

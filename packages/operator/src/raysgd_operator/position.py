@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 from raysgd_operator._internal.rng import rng_state
 from raysgd_operator._internal.step_journal import StepJournal
-from raysgd_operator._internal.stream import BatchStream
+from raysgd_operator._internal.stream import BatchStream, PassSeed
 from raysgd_operator._internal.tensors import same_device_copy
 from raysgd_operator._internal.window import RankSlot, WindowStart
 from raysgd_operator.components import Components
@@ -273,7 +273,7 @@ class RunPosition:
             "epoch_ended": self.epoch_ended,
         }
 
-    def set_position(self, state: Mapping[str, Any], pass_seed: Optional[bytes] = None) -> None:
+    def set_position(self, state: Mapping[str, Any], pass_seed: Optional[PassSeed] = None) -> None:
         """Counters and the place in the epoch from a state dict (the next pass goes on there,
         its loader iterator seeded from `pass_seed`)."""
         op = self._operator
@@ -292,7 +292,7 @@ class RunPosition:
         else:
             self._train.reset(resume=position, epoch_steps=done, pass_seed=pass_seed)
 
-    def restore(self, state: Mapping[str, Any], pass_seed: Optional[bytes] = None) -> None:
+    def restore(self, state: Mapping[str, Any], pass_seed: Optional[PassSeed] = None) -> None:
         """Go to the position a state dict (or a `position_state`) describes, as the start of
         a window: the next pass goes on from its place, seeded from `pass_seed`."""
         self.set_position(state, pass_seed=pass_seed)
@@ -302,7 +302,7 @@ class RunPosition:
         self._val.reset()
         self.window = self.mark_window_start()
 
-    def take_pass_seed(self, pass_seed: Optional[bytes]) -> None:
+    def take_pass_seed(self, pass_seed: Optional[PassSeed]) -> None:
         """Seed the next pass's loader iterator from `pass_seed` (a rank slot's), unless it is
         None or a pass is being drawn already."""
         if pass_seed is not None and self._train.iterator is None:

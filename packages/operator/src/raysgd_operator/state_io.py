@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from raysgd_operator._internal.rng import set_rng_state
+from raysgd_operator._internal.stream import PassSeed
 from raysgd_operator._internal.tensors import cpu_copy, host_like
 from raysgd_operator.components import Components
 from raysgd_operator.operator import TrainingOperator
@@ -201,7 +202,7 @@ class StateIO:
             self._operator.load_rank_state_dict(slot.get("state"))
         if slot.get("rng") is not None:
             set_rng_state(slot["rng"])
-        position.take_pass_seed(slot.get("pass_seed"))
+        position.take_pass_seed(PassSeed.from_plain(slot.get("pass_seed")))
         position.slot_counted = slot.get("counted")
         position.count_on()
         position.window = position.mark_window_start()

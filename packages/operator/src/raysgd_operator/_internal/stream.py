@@ -9,16 +9,22 @@ which a group of another size can resume from.
 A pass resumed in the middle of its epoch (after a load, or a recovery) reads the rows it would
 have read, and draws what it would have drawn: a `DataLoader`'s iterator takes a seed for its
 worker processes from the loader's generator (torch's global one by default) when it is made, so
-the stream keeps that generator's state from the start of the pass (`pass_seed`) and makes the
-resumed iterator draw from a copy of it. The global generator is then left alone, and the worker
-processes get the seeds they had.
+the stream keeps that generator's state from the start of the pass, with the row the iterator
+began at (`PassSeed`), and makes the resumed iterator draw from a copy of it. The global
+generator is then left alone, and the worker processes get the seeds they had. Worker processes
+also draw inside the pass (a random crop, a random mask), each from its own generator, batch after
+batch: a resumed pass of a loader with worker processes therefore begins where the seeded
+iterator began and draws the batches before its place again, discarding them (they cost their
+loading, not a step), so that every worker process has drawn what it had. Only a pass resumed by
+a group of another size (its steps no longer fall on the same rows) skips to its row instead, and
+says once that the draws inside the worker processes differ.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any, Optional, Protocol
+from typing import Any, NamedTuple, Optional, Protocol
 
 import torch
 from torch.utils.data import DataLoader
@@ -30,7 +36,37 @@ from raysgd_operator._internal.rng import generator_state, set_generator_state
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BatchStream", "CallBatches", "LoaderSource", "PassListener", "missing_loader_error"]
+__all__ = [
+    "BatchStream",
+    "CallBatches",
+    "LoaderSource",
+    "PassListener",
+    "PassSeed",
+    "missing_loader_error",
+]
+
+
+class PassSeed(NamedTuple):
+    """How a pass's loader iterator was made: the state of the generator it drew its worker seed
+    from (`seed_state`), and, for a planned loader, the epoch's row it began at (None: unknown)."""
+
+    generator: bytes
+    first_row: Optional[int] = None
+
+    def to_plain(self) -> tuple[bytes, Optional[int]]:
+        """As a plain tuple (what checkpoints keep and `torch.load(weights_only=True)` reads)."""
+        return (self.generator, self.first_row)
+
+    @classmethod
+    def from_plain(cls, value: Any) -> Optional[PassSeed]:
+        """From `to_plain` (or a generator state alone, as states written before the row was
+        kept); None stays None."""
+        if value is None:
+            return None
+        if isinstance(value, (bytes, bytearray)):
+            return cls(bytes(value))
+        generator, first_row = value
+        return cls(bytes(generator), None if first_row is None else int(first_row))
 
 
 class LoaderSource(Protocol):
@@ -96,22 +132,38 @@ def _iterate_seeded(loader: Any, state: Optional[bytes]) -> Iterator[Any]:
         loader.generator = own
 
 
+def _worker_processes(loader: Any) -> int:
+    return int(getattr(loader, "num_workers", 0) or 0)
+
+
 def _warn_worker_draws(loader: Any) -> bool:
     """Say that a pass resumed mid-epoch from its row (not by drawing the batches before it) is
     not exact for random draws inside the loader's worker processes: each worker's generator
     starts again with the pass, and the rows it skipped drew nothing. Whether it said so."""
-    workers = getattr(loader, "num_workers", 0)
+    workers = _worker_processes(loader)
     if not workers:
         return False
     logger.warning(
         "a pass of a DataLoader with worker processes (num_workers=%d) goes on in the middle of "
-        "its epoch (after a load, a resume or a lost worker): random draws inside the worker "
-        "processes (random transforms) now differ from those of the run never interrupted. "
-        "Draw them in the training process, or seed them from the sample's index and the "
-        "epoch, for an exact result",
+        "its epoch at another group size (or from a state that did not keep where its pass "
+        "began): random draws inside the worker processes (random transforms) now differ from "
+        "those of the run never interrupted. Draw them in the training process, or seed them "
+        "from the sample's index and the epoch, for an exact result",
         workers,
     )
     return True
+
+
+def _replayed_steps(sampler: EpochSampler, first_row: int, start: int) -> Optional[int]:
+    """The steps from `first_row` whose rows end exactly at `start` (the sampler begun at
+    `first_row`), or None when no number of steps does (the group's size changed)."""
+    sampler.set_start(first_row)
+    rows, steps = first_row, 0
+    for size in sampler.step_sizes():
+        if rows >= start:
+            break
+        rows, steps = rows + size, steps + 1
+    return steps if rows == start else None
 
 
 def _known_len(loader: Any) -> int | None:
@@ -197,9 +249,9 @@ class BatchStream:
         self.rows = 0
         #: Steps of the current epoch finished (over every pass of it: a resumed one goes on).
         self.epoch_steps = 0
-        #: The state of the generator the epoch's first iterator drew its worker seed from
-        #: (`seed_state`); a pass that resumes the epoch draws from a copy of it.
-        self.pass_seed: Optional[bytes] = None
+        #: How the epoch's iterator was made (`PassSeed`); a pass that resumes the epoch draws
+        #: its worker seed from a copy of the same generator.
+        self.pass_seed: Optional[PassSeed] = None
         #: A batch was handed to the loop and the loop has not finished with it yet.
         self.in_flight = False
         #: Rows the whole group reads in the in-flight batch's step, for a loader that can tell
@@ -255,7 +307,7 @@ class BatchStream:
         resume_rows: int | None = None,
         *,
         epoch_steps: int = 0,
-        pass_seed: Optional[bytes] = None,
+        pass_seed: Optional[PassSeed] = None,
     ) -> None:
         """Drop the current pass. With `resume` (batches to skip) or `resume_rows` (the epoch's
         first unread row, for a planned loader) the next pass goes on with the same epoch from
@@ -331,25 +383,39 @@ class BatchStream:
         target = sampler if sampler is not None else getattr(loader, "sampler", None)
         if epoch is not None and hasattr(target, "set_epoch"):
             target.set_epoch(epoch)
-        if sampler is not None:
-            sampler.set_start(min(start, sampler.num_rows))
-            if start > 0 and not self._warned_worker_draws:
-                self._warned_worker_draws = _warn_worker_draws(loader)
-        self.rows_start = self.rows = start if sampler is not None else 0
         if not resuming:
             self.epoch_steps, self.pass_seed = 0, None
+        first_row: Optional[int] = None
+        if sampler is not None:
+            start = first_row = min(start, sampler.num_rows)
+            known = self.pass_seed.first_row if self.pass_seed is not None else None
+            replayed = None
+            inside = known is not None and known < start < sampler.num_rows
+            if inside and _worker_processes(loader):
+                # Begin where the seeded iterator began and draw the batches up to `start` again.
+                replayed = _replayed_steps(sampler, known, start)
+            if replayed is not None:
+                assert known is not None
+                first_row, skip = known, replayed
+            elif 0 < start < sampler.num_rows and known != start and not self._warned_worker_draws:
+                self._warned_worker_draws = _warn_worker_draws(loader)
+            sampler.set_start(first_row)
+        self.rows_start = self.rows = first_row or 0
         if self.pass_seed is None:
             # A new epoch (or one resumed from a state that did not keep it): its iterator draws
             # as usual, from the generator's state now.
-            self.pass_seed = seed_state(loader)
+            seed = seed_state(loader)
+            self.pass_seed = None if seed is None else PassSeed(seed, first_row)
             self.iterator = iter(loader)
         else:
-            self.iterator = _iterate_seeded(loader, self.pass_seed)
+            self.iterator = _iterate_seeded(loader, self.pass_seed.generator)
         self._peeked = _END
         self.position = 0
         for _ in range(skip):
             if next(self.iterator, _END) is _END:
                 break
+            if sampler is not None:
+                self.rows += sampler.step_rows(self.position)
             self.position += 1
         done = resuming and (
             (sampler is not None and sampler.num_batches() == 0)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from raysgd_operator._internal.rng import set_rng_state
+from raysgd_operator._internal.stream import PassSeed
 from raysgd_operator._internal.tensors import cpu_copy
 from raysgd_operator.metrics import AverageMeterCollection, MetersMark
 from raysgd_operator.progress import CallRecord
@@ -48,8 +49,8 @@ class RankSlot:
         state: The operator's per-rank state (`TrainingOperator.rank_state_dict`), a copy on its
             device (None: the operator keeps none).
         rng: The process's random generators (`rng_state`).
-        pass_seed: The state of the generator the epoch's loader iterator drew its worker seed
-            from (`stream.seed_state`), None outside an epoch or for another kind of loader.
+        pass_seed: How the epoch's loader iterator was made (`stream.PassSeed`), None outside an
+            epoch or for another kind of loader.
         counted: What this rank had counted in the `train()` call in progress: (the call's id,
             its batches, the sum of their `num_samples`, batches in flight not counted yet);
             None outside a call. A worker that takes the rank's place goes on counting from
@@ -61,7 +62,7 @@ class RankSlot:
 
     state: Any
     rng: dict[str, Any]
-    pass_seed: Optional[bytes]
+    pass_seed: Optional[PassSeed]
     counted: Optional[tuple[Any, int, float, int]] = None
 
     def to_plain(self) -> dict[str, Any]:
@@ -70,7 +71,7 @@ class RankSlot:
         return {
             "state": cpu_copy(self.state),
             "rng": self.rng,
-            "pass_seed": self.pass_seed,
+            "pass_seed": None if self.pass_seed is None else self.pass_seed.to_plain(),
             "counted": self.counted,
         }
 
