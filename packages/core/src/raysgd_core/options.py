@@ -26,6 +26,7 @@ __all__ = [
     "PLACEMENT_STRATEGIES",
     "TIMEOUT_ENV_VAR",
     "GroupOptions",
+    "check_gpus_per_worker",
     "resolve_backend",
     "resolve_timeout",
 ]
@@ -38,6 +39,21 @@ BACKENDS = ("auto", "gloo", "nccl")
 DEFAULT_TIMEOUT_S = 1800.0
 #: The environment variable RaySGD read the process group's timeout from; its users already set it.
 TIMEOUT_ENV_VAR = "NCCL_TIMEOUT_S"
+
+
+def check_gpus_per_worker(value: Any) -> None:
+    """Ray's rule for the GPUs a worker reserves: a number, 0 for none, a share below one (Ray
+    then puts several workers on one GPU), or a whole number above one.
+
+    Raises:
+        TypeError: not a number.
+        ValueError: negative, or a fraction above one.
+    """
+    check_number("num_gpus_per_worker", value)
+    if value > 1 and value != int(value):
+        raise ValueError(
+            f"num_gpus_per_worker must be at most 1 or a whole number of GPUs, got {value!r}"
+        )
 
 
 def resolve_backend(backend: str, uses_gpu: bool) -> str:
@@ -158,7 +174,7 @@ class GroupOptions:
 
     def __post_init__(self) -> None:
         check_number("num_cpus_per_worker", self.num_cpus_per_worker, above=0)
-        check_number("num_gpus_per_worker", self.num_gpus_per_worker)
+        check_gpus_per_worker(self.num_gpus_per_worker)
         if self.resources_per_worker is not None and not isinstance(
             self.resources_per_worker, Mapping
         ):

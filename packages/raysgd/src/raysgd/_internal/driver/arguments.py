@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from raysgd_base import check_int, check_number
 from raysgd_core import GroupOptions
+from raysgd_core.options import check_gpus_per_worker
 from raysgd_fault import check_max_retries
 from raysgd_operator import TrainingOperator
 
@@ -59,8 +60,8 @@ def resolve_gpus_per_worker(num_gpus_per_worker: Any, use_gpu: bool) -> float:
     """The GPUs each worker reserves: `num_gpus_per_worker` when given, else one with `use_gpu`
     (already resolved) and none without.
 
-    A share below one lets Ray put several workers on one GPU (each then computes on the GPU Ray
-    assigned it); above one it must be whole, as Ray's own rule for GPUs is.
+    What a number of GPUs may be is core's rule (`raysgd_core.options.check_gpus_per_worker`);
+    given, it must be above 0 (0 GPUs is `use_gpu=False`).
 
     Raises:
         ValueError, TypeError: not a number > 0, a fraction above one, or GPUs asked for while
@@ -68,12 +69,8 @@ def resolve_gpus_per_worker(num_gpus_per_worker: Any, use_gpu: bool) -> float:
     """
     if num_gpus_per_worker is None:
         return 1 if use_gpu else 0
+    check_gpus_per_worker(num_gpus_per_worker)
     check_number("num_gpus_per_worker", num_gpus_per_worker, above=0)
-    if num_gpus_per_worker > 1 and num_gpus_per_worker != int(num_gpus_per_worker):
-        raise ValueError(
-            "num_gpus_per_worker must be at most 1 or a whole number of GPUs, "
-            f"got {num_gpus_per_worker!r}"
-        )
     if not use_gpu:
         raise ValueError(
             f"num_gpus_per_worker={num_gpus_per_worker!r} needs use_gpu=True (use_gpu is False, "
