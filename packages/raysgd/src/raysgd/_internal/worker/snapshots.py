@@ -8,18 +8,24 @@ there on), and when the trainer asks (at start-up, after a restore or a load, be
 workers leave) every worker, at the same step boundary:
 
 1. copies its part of the models and optimizers to host memory (`sharded_memory.Stager`, into the
-   memory of the snapshot three before: `SLOTS`), the one copy that training waits for;
+   memory of the snapshot two before: `SLOTS`), the one copy that training waits for;
 2. keeps the small rest of the state (epoch, position, schedulers, the call in progress with its
    metrics so far);
 3. in a background thread, on a gloo group of its own, saves the copy with
    `torch.distributed.checkpoint` into memory (`sharded_memory.keep`: the tensors stay as they
    are, with metadata that says where each chunk sits in the whole) and sends its part to its
-   ring peer (`part_exchange`): worker r keeps its own part and that of worker r - 1.
+   ring peer (`part_exchange`): worker r keeps its own part and that of worker r - 1;
+4. commits it: an all-reduce over the snapshot group that every worker enters once it holds the
+   snapshot (its own part and its peer's). A worker that comes out of it knows that every worker
+   holds the new snapshot, and drops the one before.
 
 So a snapshot is tensors in host memory from end to end: no file, no serialisation. A lost
-worker's part is gone only when its peer is lost too. The parts of the last two finished
-snapshots are kept, so a snapshot interrupted by a failure never leaves a worker without the one
-before it. How a snapshot restores the state, and becomes a checkpoint: `state.sharded`.
+worker's part is gone only when its peer is lost too. A snapshot interrupted by a failure leaves
+the one before it on every worker that did not come out of the commit, and the new one on every
+worker that did (and then on all of them): the newest step every survivor holds is whole either
+way. In steady state a worker keeps one snapshot (its own part and its peer's) and the memory its
+next copy goes into; while one is taken, the one before as well: four copies of its part at most.
+How a snapshot restores the state, and becomes a checkpoint: `state.sharded`.
 """
 
 from __future__ import annotations
@@ -78,9 +84,9 @@ class Taken:
     slot: int
 
 
-#: Host memory for this many snapshots' own parts, used in turn: the last two finished ones and
-#: the one being taken.
-SLOTS = 3
+#: Host memory for this many snapshots' own parts, used in turn: the last committed one and the
+#: one being taken.
+SLOTS = 2
 
 
 class Snapshots:
@@ -98,6 +104,8 @@ class Snapshots:
         self._thread: Optional[threading.Thread] = None
         #: The snapshot taken last (held once its thread has finished).
         self.taking: Optional[Taken] = None
+        #: The step of the last snapshot every worker was known to hold (the commit).
+        self.committed: Optional[int] = None
         #: One stager per slot (`SLOTS`), made on first use; the slot used last.
         self._stagers: list[Any] = []
         self._slot = -1
@@ -219,7 +227,11 @@ class Snapshots:
                         group, [((rank + 1) % size, chunks, meters)], [peer]
                     )
                 self.held[step] = generation
-                for old in sorted(set(self.held) - self.reported)[:-2]:
+                if size > 1:
+                    # The commit: out of it only once every worker holds this snapshot.
+                    dist.all_reduce(torch.ones(1), group=group)
+                self.committed = step
+                for old in set(self.held) - self.reported - {step}:
                     del self.held[old]
                 logger.debug(
                     "snapshot at step %d: %.3f s in the loop, %.3f s keeping, %.3f s swapping",
@@ -243,17 +255,22 @@ class Snapshots:
 
     def _next_slot(self) -> int:
         """The slot the next snapshot's own part is copied into. The snapshot that used it before
-        (three snapshots ago: older than the two kept) is dropped; a checkpoint still being
-        written from it keeps that memory, and the slot gets new memory."""
+        (two snapshots ago: dropped at the last commit) goes; a checkpoint still being written
+        from it keeps that memory, and so does the committed snapshot when the last commit
+        failed (it is then the newest whole one): the slot gets new memory."""
         from raysgd_operator import sharded_memory
 
         if not self._stagers:
             self._stagers = [sharded_memory.Stager() for _ in range(SLOTS)]
         self._slot = slot = (self._slot + 1) % SLOTS
+        kept = self.held.get(self.committed) if self.committed is not None else None
         for step in [step for step, g in self.held.items() if g.slot == slot]:
-            del self.held[step]
+            if self.held[step] is not kept:
+                del self.held[step]
         writing = self._writing.pop(slot, None)
-        if writing is not None and not writing.is_set():
+        if (writing is not None and not writing.is_set()) or (
+            kept is not None and kept.slot == slot
+        ):
             self._stagers[slot].close()
             self._stagers[slot] = sharded_memory.Stager()
         return slot
@@ -275,7 +292,7 @@ class Snapshots:
         self.join()
         self.held.clear()
         self.reported.clear()
-        self.taking, self._boundary = None, None
+        self.taking, self._boundary, self.committed = None, None, None
 
     def on_new_group(self) -> None:
         """The process group was re-formed: the snapshots held belong to the old one, and the
