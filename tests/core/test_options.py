@@ -43,7 +43,7 @@ def test_num_cpus_per_worker_has_one_rule_above_zero() -> None:
 def test_num_gpus_per_worker_is_a_share_or_a_whole_number() -> None:
     assert GroupOptions(num_gpus_per_worker=0.25).num_gpus_per_worker == 0.25
     assert GroupOptions(num_gpus_per_worker=2).num_gpus_per_worker == 2
-    with pytest.raises(ValueError, match="at most 1 or a whole number of GPUs, got 1.5"):
+    with pytest.raises(ValueError, match=r"at most 1 or a whole number of GPUs, got 1\.5"):
         GroupOptions(num_gpus_per_worker=1.5)
     with pytest.raises(ValueError, match="num_gpus_per_worker"):
         GroupOptions(num_gpus_per_worker=-1)

@@ -14,7 +14,7 @@ from raysgd_core._internal.liveness import Wait, watch_while
 from raysgd_core._internal.placement import estimate_fitting
 from raysgd_core._internal.recover import recover as _recover
 from raysgd_core._internal.running import GroupSpec, RunningGroup
-from raysgd_core._internal.workers import kill_worker, record_local
+from raysgd_core._internal.workers import record_local
 from raysgd_core.info import RecoveryReport, WorkerInfo
 from raysgd_core.options import GroupOptions
 from raysgd_core.ray_options import ensure_ray
@@ -333,7 +333,7 @@ class WorkerGroup:
         collect(
             pending,
             outcome,
-            kill=lambda r: kill_worker(by_rank[r], unresponsive=True),
+            kill=lambda r: self._running.drop(by_rank[r], unresponsive=True),
             grace_s=self._options.peer_grace_s,
             abort=self._running.abort,
             liveness=liveness,

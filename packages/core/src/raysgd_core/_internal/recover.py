@@ -23,7 +23,6 @@ from raysgd_core._internal.running import RunningGroup
 from raysgd_core._internal.workers import (
     Worker,
     await_started,
-    kill_worker,
     run_hooks,
     spawn,
 )
@@ -115,7 +114,7 @@ def _keep_healthy(
         collect(
             refs,
             outcome,
-            kill=lambda i: _drop_stuck(running, survivors[i]),
+            kill=lambda i: running.drop(survivors[i], unresponsive=True),
             liveness=running.liveness(dict(enumerate(survivors))),
         )
         raise_for(outcome, survivors.__getitem__)
@@ -159,12 +158,6 @@ def _form(running: RunningGroup, workers: list[Worker], timings: dict[str, float
     t0 = time.monotonic()
     running.form()
     timings["form_s"] = time.monotonic() - t0
-
-
-def _drop_stuck(running: RunningGroup, worker: Worker) -> None:
-    """Drop a survivor that did not leave the old group in time (its slot is not used again)."""
-    kill_worker(worker, unresponsive=True)
-    running.drop(worker)
 
 
 def _spawn(running: RunningGroup, count: int) -> list[Worker]:

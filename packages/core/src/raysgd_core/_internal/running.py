@@ -133,10 +133,13 @@ class RunningGroup:
             workers = {w.rank: w for w in self.workers}
         return self.probes.wait({key: w.actor for key, w in workers.items()})
 
-    def drop(self, worker: Worker) -> None:
+    def drop(self, worker: Worker, *, unresponsive: bool = False) -> None:
         """Kill a remote worker and give its slot back (the local rank is never killed); the
-        slot of a worker killed for not answering is not used again."""
-        kill_worker(worker)
+        slot of a worker killed for not answering (`unresponsive`: silent, or stuck past a
+        grace) is not used again but removed at once, which is what takes a stopped process:
+        Ray's kill asks the process to exit, which a stopped one never does, while the removal
+        of its placement group has the raylet kill whatever runs in it."""
+        kill_worker(worker, unresponsive=unresponsive)
         if self.probes is not None and worker.actor is not None:
             self.probes.forget([worker.actor])
         if worker.slot is not None and self.pool is not None:
