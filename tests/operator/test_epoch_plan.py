@@ -372,3 +372,32 @@ def test_a_pass_resumed_mid_epoch_draws_what_its_loader_processes_drew() -> None
     assert rest["batch_count"] == whole["batch_count"] - 1 == 3
     for a, b in zip(_weights(straight), _weights(resumed)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_pass_resumed_at_another_size_then_again_draws_as_the_first_resume_did() -> None:
+    # A state of 2 workers (8 rows a step) taken up by 3 (12 a step) skips to its row, 16: no
+    # number of steps of 12 ends there, so its loader processes start at 16. Saved again one step
+    # later and resumed at 3, the pass draws from 16 again, as one never saved again does.
+    def at_two() -> tuple[dict[str, Any], Any]:
+        torch.manual_seed(7)
+        runner = OperatorRunner(_Augmented, {}, world_size=2, distributed=True)
+        runner.train_epoch(num_steps=2, call_id=1)
+        return runner.state.state_dict(), runner.state.rank_slot()
+
+    def at_three(state: dict[str, Any], slot: Any) -> OperatorRunner:
+        runner = OperatorRunner(_Augmented, {}, world_size=3, distributed=True)
+        runner.state.load_state_dict(state)
+        runner.state.load_rank_slot(slot)
+        return runner
+
+    straight = at_three(*at_two())
+    straight.train_epoch(call_id=2)
+    saved_again = at_three(*at_two())
+    saved_again.train_epoch(num_steps=1, call_id=2)
+    buffer = io.BytesIO()
+    torch.save((saved_again.state.state_dict(), saved_again.state.rank_slot()), buffer)
+    buffer.seek(0)
+    resumed = at_three(*torch.load(buffer, weights_only=True))
+    resumed.train_epoch(call_id=2)
+    for a, b in zip(_weights(straight), _weights(resumed)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -409,6 +409,9 @@ class BatchStream:
             self.iterator = iter(loader)
         else:
             self.iterator = _iterate_seeded(loader, self.pass_seed.generator)
+            # The worker processes now draw from this row on (a resume at another size skips
+            # to its row): a later resume replays from here.
+            self.pass_seed = self.pass_seed._replace(first_row=first_row)
         self._peeked = _END
         self.position = 0
         for _ in range(skip):
