@@ -97,21 +97,34 @@ class _StopWatch:
             self._stopped[pid] = time.time()
 
     def gone(self) -> dict[int, float]:
-        """The stopped processes that ended since the last call, with their time to end."""
+        """The stopped processes that ended since the last call, with their time to end (no
+        longer watched from then on)."""
         with self._lock:
             gone, self._gone = self._gone, {}
+            for pid in gone:
+                self._stopped.pop(pid, None)
             return gone
+
+    def watching(self) -> dict[int, float]:
+        """The stopped processes whose end was not reported yet (`gone`), with when each was
+        stopped."""
+        with self._lock:
+            return dict(self._stopped)
+
+    def forget(self, pid: int) -> None:
+        """Stop watching `pid` (this benchmark killed it itself)."""
+        with self._lock:
+            self._stopped.pop(pid, None)
 
     def _run(self) -> None:
         while True:
             time.sleep(0.05)
             with self._lock:
-                watched = dict(self._stopped)
+                watched = {p: w for p, w in self._stopped.items() if p not in self._gone}
             for pid, when in watched.items():
                 if not _common.process_alive(pid):
                     with self._lock:
                         self._gone[pid] = time.time() - when
-                        del self._stopped[pid]
 
 
 class ProductProblem(RuntimeError):
@@ -129,7 +142,7 @@ class Chaos:
         self.log: list[str] = []
         self.faults: list[Fault] = []
         self.pending: list[tuple[float, str, Any]] = []  # (time, action, argument)
-        self.stopped: dict[int, float] = {}  # a stopped pid -> when
+        #: The processes stopped with SIGSTOP, until they end.
         self.stop_watch = _StopWatch()
         self.stop_outcomes: list[dict[str, Any]] = []
         self.drivers: list[dict[str, Any]] = []
@@ -159,7 +172,7 @@ class Chaos:
         """Rank -> the live worker that stamped it last (at the full size), stopped ones not."""
         newest: dict[int, dict[str, Any]] = {}
         for stamp in self._stamps():
-            if stamp["world"] != self.workers or stamp["pid"] in self.stopped:
+            if stamp["world"] != self.workers or stamp["pid"] in self.stop_watch.watching():
                 continue
             if not _common.process_alive(stamp["pid"]):
                 continue
@@ -173,7 +186,7 @@ class Chaos:
     def healthy(self) -> bool:
         if self.killed_driver or self.proc is None or self.proc.poll() is not None:
             return False
-        if self.status().get("phase") != "training" or self.pending or self.stopped:
+        if self.status().get("phase") != "training" or self.pending or self.stop_watch.watching():
             return False
         if len(self.cluster.worker_nodes) != self.nodes:
             return False
@@ -294,7 +307,7 @@ class Chaos:
     def _settle(self) -> None:
         """Every node back, every stopped process gone (before the reference run)."""
         until = time.time() + 300
-        while (self.pending or self.stopped) and time.time() < until:
+        while (self.pending or self.stop_watch.watching()) and time.time() < until:
             self._maintain(time.time(), hurry=True)
             time.sleep(0.2)
         while len(self.cluster.worker_nodes) < self.nodes:
@@ -328,7 +341,6 @@ class Chaos:
         bound = self.args.peer_timeout
         for pid, found_s in self.stop_watch.gone().items():
             found_s = round(found_s, 2)
-            self.stopped.pop(pid, None)
             self.stop_outcomes.append({"pid": pid, "gone_after_s": found_s})
             self.say(f"stopped pid {pid} gone after {found_s:.2f} s")
             if found_s > bound:
@@ -336,14 +348,14 @@ class Chaos:
                     f"a stopped worker (pid {pid}) was found and killed after {found_s:.2f} s, "
                     f"past its bound (peer_timeout_s={bound:g})"
                 )
-        for pid, when in list(self.stopped.items()):
+        for pid, when in self.stop_watch.watching().items():
             if now - when > _STOPPED_KILL_S:
                 _signal(pid, signal.SIGKILL)
                 self.stop_outcomes.append({"pid": pid, "killed_by_bench_after_s": now - when})
                 self.problems.append(
                     f"a stopped worker (pid {pid}) was still alive {now - when:.0f} s later"
                 )
-                del self.stopped[pid]
+                self.stop_watch.forget(pid)
 
     def _restart_driver(self) -> None:
         deadline = time.time() + 120
@@ -395,7 +407,6 @@ class Chaos:
         elif kind == "sigkill:checkpoint":
             self._kill_in_checkpoint(fault, group)
         elif kind == "sigstop":
-            self.stopped[victim["pid"]] = time.time()
             self.stop_watch.stopped(victim["pid"])
             fault.detail.update(pid=victim["pid"], rank=victim["rank"])
             self.say(f"sigstop: rank {victim['rank']} (pid {victim['pid']}) stopped")
