@@ -50,6 +50,32 @@ def _whole(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     }
 
 
+def _check_staged(tensors: dict, staged: dict) -> None:
+    """The copy keeps the structure and every DTensor's layout, and all of it is one buffer (what
+    gives its memory back at once; it also checks the one private use, DTensor's constructor)."""
+    from torch.distributed.tensor import DTensor
+
+    storages = set()
+
+    def walk(a: dict, b: dict) -> None:
+        assert a.keys() == b.keys()
+        for key, value in a.items():
+            if isinstance(value, dict):
+                walk(value, b[key])
+                continue
+            copy = b[key]
+            assert type(copy) is type(value), (key, type(copy))
+            if isinstance(value, DTensor):
+                assert copy.device_mesh == value.device_mesh
+                assert copy.placements == value.placements and copy.shape == value.shape
+                copy, value = copy.to_local(), value.to_local()
+            assert copy.device.type == "cpu" and torch.equal(copy, value)
+            storages.add(copy.untyped_storage().data_ptr())
+
+    walk(tensors, staged)
+    assert len(storages) == 1, storages
+
+
 def main() -> None:
     phase, rank, world_size, init_file, out = sys.argv[1:]
     rank, world_size, out_dir = int(rank), int(world_size), Path(out)
@@ -65,7 +91,8 @@ def main() -> None:
         if rank == 0:
             torch.save(whole, out_dir / "kept.pt")
         tensors, others = tensor_state([model], [optimizer])
-        staged = sharded_memory.Stager().stage(tensors)
+        staged = sharded_memory.stage(tensors)
+        _check_staged(tensors, staged)
         # Training goes on: what is kept is the copy.
         with torch.no_grad():
             for p in model.parameters():

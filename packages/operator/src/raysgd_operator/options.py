@@ -65,6 +65,10 @@ class TrainingOptions:
             lost worker costs the steps since the last snapshot. "auto" (the default): as often
             as keeps the measured cost of the snapshots under 3% of the training time. 0: only
             at start-up, after a recovery and before a checkpoint.
+        snapshot_memory_mb: with a sharded strategy, the host memory each worker's snapshots
+            may take: they hold two copies of its part, four while one is taken. When four of
+            the largest part do not fit, no snapshot is kept and a lost worker costs a return to
+            the newest checkpoint. None (the default): no bound.
         peer_timeout_s: the shortest time a worker waits for a peer in a training step's
             collectives before treating it as silent (a frozen node, a hung process): the bound
             is this or a multiple of the slowest recent step, whichever is longer (the trainer's
@@ -101,6 +105,7 @@ class TrainingOptions:
     compile_args: Optional[Mapping[str, Any]] = None
     dataset_options: Optional[DatasetOptions] = None
     snapshot_every: Union[int, str] = "auto"
+    snapshot_memory_mb: Optional[float] = None
     peer_timeout_s: float = 10.0
     flops_per_sample: Optional[float] = None
     peak_flops_per_s: Optional[float] = None
@@ -141,6 +146,8 @@ class TrainingOptions:
         if self.snapshot_every != "auto":
             check_int("snapshot_every", self.snapshot_every, minimum=0)
         check_number("peer_timeout_s", self.peer_timeout_s, above=0)
+        if self.snapshot_memory_mb is not None:
+            check_number("snapshot_memory_mb", self.snapshot_memory_mb)
         for name in ("flops_per_sample", "peak_flops_per_s"):
             if getattr(self, name) is not None:
                 check_number(name, getattr(self, name), above=0)

@@ -5,7 +5,7 @@ DCP plans a save as chunks (each rank's pieces of each tensor, with where they s
 and a load as reads of slices of those chunks into each rank's own pieces: that is how it reshards
 to another number of workers. `keep` saves through a writer that keeps every chunk as the tensor
 it is handed: no serialisation and no file. `reader` serves a load from chunks that any ranks
-kept. So an in-memory snapshot costs one copy into host memory (`Stager`), its chunks can be sent
+kept. So an in-memory snapshot costs one copy into host memory (`stage`), its chunks can be sent
 to a peer as they are, and a restore copies each slice it needs once, into the model.
 
 Imported on first use only: it imports DCP, which takes most of a second.
@@ -14,8 +14,9 @@ Imported on first use only: it imports DCP, which takes most of a second.
 from __future__ import annotations
 
 import io
+import math
 import pickle
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -29,43 +30,86 @@ from torch.distributed.checkpoint.planner import (
     SavePlan,
     SavePlanner,
 )
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from raysgd_operator._internal.sharded import read_metadata, save_files
 
-__all__ = ["Chunks", "Stager", "keep", "reader", "write_files"]
+__all__ = ["Chunks", "keep", "one_buffer", "reader", "stage", "write_files"]
 
 #: One rank's part of a state kept in memory: DCP's index of each chunk -> the chunk.
 Chunks = dict[MetadataIndex, torch.Tensor]
 
 
-class Stager:
-    """Host memory for copies of a worker's part, reused from one copy to the next: each `stage`
-    copies every tensor into the memory of its copy from the `stage` before (same tensor, same
-    size), so that only the first copy waits for the system to map fresh pages, and memory is
-    not allocated and freed in pieces at every snapshot (which fragments the heap and makes it
-    grow). A copy is overwritten by the next `stage`: a caller that keeps several at once keeps
-    a stager for each."""
+def stage(tensors: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `tensors` (nested dicts of tensors and DTensors) in host memory, in their
+    structure (DTensors stay DTensors, over the same mesh). Training may change the originals once
+    it returns.
 
-    def __init__(self) -> None:
-        # DCP's own staging (what its `async_save` stages with), whose cache of host storages,
-        # keyed by the tensors' storages, is the reuse.
-        self._stager = DefaultStager(StagingOptions(False, False, False, False))
+    Every tensor of the copy lives in one buffer (`one_buffer`), so that dropping the copy gives
+    its memory back to the system at once: copies made and dropped at every snapshot, tensor by
+    tensor, would leave the heap holding their high-water mark.
+    """
+    from torch.distributed.tensor import DTensor
 
-    def stage(self, tensors: dict[str, Any]) -> dict[str, Any]:
-        """A copy of `tensors` in host memory, in their structure (DTensors stay DTensors).
-        Training may change the originals once it returns."""
-        return self._stager.stage(tensors)  # type: ignore[return-value]  # a dict when not async
+    leaves: list[tuple[list[str], torch.Tensor]] = []
 
-    def close(self) -> None:
-        """Forget the memory of the copies (they live on while anything holds them)."""
-        self._stager.close()
+    def walk(tree: dict[str, Any], path: list[str]) -> None:
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                walk(value, [*path, key])
+            else:
+                leaves.append(([*path, key], value))
+
+    walk(tensors, [])
+    with torch.no_grad():
+        local = [t.to_local() if isinstance(t, DTensor) else t for _, t in leaves]
+        copies = one_buffer([(tuple(t.shape), t.dtype) for t in local])
+        for copy, source in zip(copies, local):
+            copy.copy_(source)
+    out: dict[str, Any] = {}
+    for (path, original), copy in zip(leaves, copies):
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = _host_dtensor(original, copy) if isinstance(original, DTensor) else copy
+    return out
+
+
+def one_buffer(layout: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Empty host tensors of these shapes and dtypes, all in one buffer: one large allocation,
+    which the allocator returns to the system whole once every tensor of it is dropped (many
+    tensor-sized ones, made and dropped in turn as snapshots come and go, leave its heap
+    fragmented and growing). Each starts at a multiple of 64 bytes."""
+    offsets, total = [], 0
+    for shape, dtype in layout:
+        offsets.append(total)
+        total += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+    buffer = torch.empty(total, dtype=torch.uint8)
+    return [
+        buffer[start : start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+        for (shape, dtype), start in zip(layout, offsets)
+    ]
+
+
+#: Where each tensor of `one_buffer` starts: a multiple of this (any dtype's size).
+_ALIGN = 64
+
+
+def _host_dtensor(like: Any, local: torch.Tensor) -> Any:
+    """A DTensor laid out as `like` (same mesh, placements, global shape and stride) whose local
+    part is `local`, a host tensor, whatever device `like`'s mesh is on.
+
+    The one private use of DTensor here: `DTensor.from_local`, the public way, moves the local
+    part onto the mesh's device (back onto the GPU), so the DTensor is made from `like`'s spec,
+    as DCP's own staging does (test_sharded_memory checks it)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, like._spec, requires_grad=False)
 
 
 def keep(staged: dict[str, Any], group: Any) -> tuple[Optional[bytes], Chunks]:
-    """Save `staged` (from `Stager.stage`) into memory: a collective over `group`, whose ranks number the
+    """Save `staged` (from `stage`) into memory: a collective over `group`, whose ranks number the
     parts. Returns (the metadata of every rank's chunks, pickled: on the group's rank 0 only, None
     elsewhere; this rank's chunks, sharing `staged`'s memory)."""
     writer = _MemoryWriter()
@@ -81,7 +125,7 @@ def reader(metadata: bytes, chunks: Mapping[MetadataIndex, torch.Tensor]) -> Sto
 
 
 def write_files(staged: dict[str, Any], directory: str, group: Any) -> None:
-    """Write `staged` (from `Stager.stage`) as a DCP folder: this rank's data file under `directory`,
+    """Write `staged` (from `stage`) as a DCP folder: this rank's data file under `directory`,
     and on rank 0 the metadata file (a collective over `group`)."""
     save_files(staged, directory, group)
 

@@ -132,6 +132,9 @@ class TorchTrainer:
         snapshot_every: with "fsdp", every how many steps each worker snapshots its part in
             memory, with a copy on a peer; "auto": as often as keeps their measured cost under
             3% of the training time.
+        snapshot_memory_mb: with "fsdp", the host memory each worker's snapshots may take (two
+            copies of its part, four while one is taken); when four do not fit, none is kept and
+            a lost worker costs a return to the newest checkpoint. None: no bound.
         peer_timeout_s: how long a worker may go without answering the driver's probes (a stopped
             process, a frozen or cut-off node) before it is killed and replaced, in any phase;
             also the shortest time a worker waits for a peer in a training step's collective
@@ -195,6 +198,7 @@ class TorchTrainer:
         spare_workers: int = 0,
         state_copy_limit_mb: float = DEFAULT_LIMIT_MB,
         snapshot_every: Union[int, str] = "auto",
+        snapshot_memory_mb: Optional[float] = None,
         peer_timeout_s: float = 10.0,
         flops_per_sample: Optional[float] = None,
         peak_flops_per_s: Optional[float] = None,

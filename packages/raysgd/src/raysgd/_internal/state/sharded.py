@@ -21,7 +21,6 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -68,7 +67,7 @@ from raysgd._internal.worker.build import (
 )
 from raysgd._internal.worker.part_exchange import exchange
 from raysgd._internal.worker.slot import keep, this_worker, worker_state
-from raysgd._internal.worker.snapshots import Snapshots, Taken
+from raysgd._internal.worker.snapshots import Snapshots, Taken, nbytes
 from raysgd._internal.worker.state import (
     RANK_SLOTS,
     HostCopy,
@@ -116,17 +115,6 @@ def _files_dir(expected_bytes: int) -> str:
     return scratch_dir()
 
 
-def _nbytes(tree: Any) -> int:
-    """The bytes of the tensors of a host copy (a DTensor's local part)."""
-    if isinstance(tree, torch.Tensor):
-        local = getattr(tree, "to_local", None)
-        tensor = local() if callable(local) else tree
-        return tensor.numel() * tensor.element_size()
-    if isinstance(tree, dict):
-        return sum(_nbytes(value) for value in tree.values())
-    return 0
-
-
 def gather_parts(
     snapshot: SnapshotPlan,
     held: dict[int, Chunks],
@@ -169,7 +157,8 @@ class ShardedState(WorkerState):
 
     def __init__(self, runner: OperatorRunner) -> None:
         super().__init__(runner)
-        self.snapshots = Snapshots(runner, runner.options.snapshot_every)
+        options = runner.options
+        self.snapshots = Snapshots(runner, options.snapshot_every, options.snapshot_memory_mb)
 
     def load(self, source: LoadSource) -> None:
         super().load(source)
@@ -254,12 +243,14 @@ class ShardedState(WorkerState):
         )
         return state
 
-    def capture(self) -> int:
+    def capture(self, even_over_budget: bool = False) -> tuple[Optional[int], Optional[str]]:
         """Snapshot every worker's part now, with its peer's copy (a collective), and wait for
-        it; the snapshot's step."""
-        generation = self.snapshots.take(wait=True)
-        assert generation is not None
-        return generation.step
+        it: the snapshot's step (None: the budget keeps none, see `Snapshots.take`), and what
+        the snapshot budget chose if it chose anew."""
+        snapshots = self.snapshots
+        generation = snapshots.take(wait=True, even_over_budget=even_over_budget)
+        choice, snapshots.choice = snapshots.choice, None
+        return (None if generation is None else generation.step), choice
 
     def save_parts(self, folder: Storage) -> Optional[dict[str, Any]]:
         """This worker's part, written with DCP straight into `folder` when this worker sees it
@@ -288,14 +279,17 @@ class ShardedState(WorkerState):
 
     def copy_to_host(self) -> Optional[HostCopy]:
         """The host copy of this step's snapshot (the one the step hook took, or one taken
-        now), written as files later in the checkpoint's writer thread."""
-        snapshots = self.snapshots
+        now; a copy of its own when the budget keeps none), written as files later in the
+        checkpoint's writer thread."""
+        snapshots, step = self.snapshots, self.runner.position.step
         taking = snapshots.taking
-        if taking is None or taking.step != self.runner.position.step:
+        if snapshots.keeping and (taking is None or taking.step != step):
             snapshots.take(wait=False)
             taking = snapshots.taking
-        assert taking is not None
-        return _FilesFromSnapshot(taking, snapshots.files_group(), snapshots.writing_from(taking))
+        if taking is None or taking.step != step:
+            # No snapshot is kept (the budget, see `Snapshots.keeping`): a copy for the files.
+            taking = snapshots.copy_only()
+        return _FilesFromSnapshot(taking, snapshots.files_group())
 
     @classmethod
     def parts(cls, world_size: int) -> list[str]:
@@ -322,25 +316,18 @@ class ShardedState(WorkerState):
         # A snapshot in flight is of no use once the state is dropped; its swap may wait for a
         # peer that is already gone, so it is not waited for long.
         self.snapshots.join(timeout_s=CLOSE_WAIT_S)
-        self.snapshots.release()
 
 
 class _FilesFromSnapshot(HostCopy):
     """A snapshot's host copy, to be written as this worker's files of a checkpoint folder."""
 
-    def __init__(self, taken: Taken, group: Any, done: threading.Event) -> None:
-        self.taken, self.group, self.done = taken, group, done
+    def __init__(self, taken: Taken, group: Any) -> None:
+        self.taken, self.group = taken, group
 
     def write(self, folder: Storage) -> None:
-        try:
-            self._write(folder)
-        finally:
-            self.done.set()
-
-    def _write(self, folder: Storage) -> None:
         from raysgd_operator import sharded_memory
 
-        directory = tempfile.mkdtemp(prefix="part-", dir=_files_dir(_nbytes(self.taken.staged)))
+        directory = tempfile.mkdtemp(prefix="part-", dir=_files_dir(nbytes(self.taken.staged)))
         try:
             sharded_memory.write_files(self.taken.staged, directory, self.group)
             _upload(directory, folder)
@@ -394,7 +381,10 @@ class Sharded(StateKind):
 
     def settle(self, workers: Workers) -> None:
         # A new snapshot in the new layout: every part has a copy on a peer again.
-        workers.group.execute(capture)
+        (step, choice), *_ = workers.group.execute(capture)
+        if choice is not None:
+            # What a loss costs is the user's to know at start-up and after every resize.
+            logger.log(logging.INFO if step is not None else logging.WARNING, "%s", choice)
 
     def save(self, workers: Workers, location: Storage, step: int) -> str:
         """A folder: on the local disk written beside it and renamed into place (an older
@@ -429,7 +419,10 @@ class Sharded(StateKind):
         every worker leaves, the snapshot is all: the replacements that join first restore
         from it."""
         group = workers.group
-        step = group.execute(capture)[0]
+        # A move needs the leaving workers' parts, whatever the snapshot budget, until it is
+        # done (the restore after it drops every snapshot of the old group).
+        step = group.execute(capture, True)[0][0]
+        assert step is not None
         staying = [r for r in range(group.world_size) if r not in set(leaving)]
         if not staying or not leaving:
             return
@@ -646,11 +639,11 @@ def _write(directory: str, name: str, data: Any) -> None:
 
 
 # ------------------------------------------------------------------------------ run on the workers
-def capture() -> int:
-    """Snapshot every worker's part now (a collective); the snapshot's step."""
+def capture(even_over_budget: bool = False) -> tuple[Optional[int], Optional[str]]:
+    """Snapshot every worker's part now (a collective); see `ShardedState.capture`."""
     state = worker_state()
     assert isinstance(state, ShardedState)
-    return state.capture()
+    return state.capture(even_over_budget)
 
 
 def adopt_parts(step: int, moves: Sequence[PartMove]) -> None:

@@ -14,7 +14,6 @@ same order on both sides.
 
 from __future__ import annotations
 
-import math
 import pickle
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -63,26 +62,15 @@ def exchange(
     return [(part, payload) for part, (_, payload) in zip(received, layouts)]
 
 
-#: Where each chunk of a received part starts in its buffer: a multiple of this (any dtype's size).
-_ALIGN = 64
-
-
 def _allocate(
     layout: Sequence[tuple[Any, tuple[int, ...], torch.dtype]],
 ) -> dict[Any, torch.Tensor]:
-    """Empty chunks for a part with `layout`, all in one buffer: one large allocation, which the
-    allocator returns to the system whole when the part is dropped (many chunk-sized ones, made
-    and dropped in turn as snapshots come and go, leave its heap fragmented and growing)."""
-    offsets, total = [], 0
-    for _, shape, dtype in layout:
-        offsets.append(total)
-        total += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
-    buffer = torch.empty(total, dtype=torch.uint8)
-    chunks = {}
-    for (key, shape, dtype), start in zip(layout, offsets):
-        size = math.prod(shape) * dtype.itemsize
-        chunks[key] = buffer[start : start + size].view(dtype).view(shape)
-    return chunks
+    """Empty chunks for a part with `layout`, all in one buffer (`one_buffer`), which is given
+    back to the system whole when the part is dropped."""
+    from raysgd_operator.sharded_memory import one_buffer  # it imports DCP: only once in use
+
+    tensors = one_buffer([(shape, dtype) for _, shape, dtype in layout])
+    return {key: tensor for (key, _, _), tensor in zip(layout, tensors)}
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,8 @@ a validation runs at a step no snapshot was taken at (what it draws belongs to t
 there on), and when the trainer asks (at start-up, after a restore or a load, before
 workers leave) every worker, at the same step boundary:
 
-1. copies its part of the models and optimizers to host memory (`sharded_memory.Stager`, into the
-   memory of the snapshot two before: `SLOTS`), the one copy that training waits for;
+1. copies its part of the models and optimizers to host memory (`sharded_memory.stage`, into one
+   new buffer), the one copy that training waits for;
 2. keeps the small rest of the state (epoch, position, schedulers, the call in progress with its
    metrics so far);
 3. in a background thread, on a gloo group of its own, saves the copy with
@@ -23,8 +23,10 @@ So a snapshot is tensors in host memory from end to end: no file, no serialisati
 worker's part is gone only when its peer is lost too. A snapshot interrupted by a failure leaves
 the one before it on every worker that did not come out of the commit, and the new one on every
 worker that did (and then on all of them): the newest step every survivor holds is whole either
-way. In steady state a worker keeps one snapshot (its own part and its peer's) and the memory its
-next copy goes into; while one is taken, the one before as well: four copies of its part at most.
+way. In steady state a worker keeps one snapshot: two copies of its part's size, its own and its
+peer's. While one is taken it keeps the one before as well: four at most. Each copy is one buffer,
+given back to the system when it is dropped (a checkpoint being written from a copy keeps it until
+written).
 How a snapshot restores the state, and becomes a checkpoint: `state.sharded`.
 """
 
@@ -47,7 +49,15 @@ from raysgd_operator import AverageMeterCollection, CallRecord, OperatorRunner
 if TYPE_CHECKING:  # the module imports DCP: imported at run time on first use only
     from raysgd_operator.sharded_memory import Chunks
 
-__all__ = ["SLOTS", "Generation", "Snapshots", "Taken"]
+__all__ = [
+    "PEAK_COPIES",
+    "STEADY_COPIES",
+    "Generation",
+    "Snapshots",
+    "Taken",
+    "budget_message",
+    "nbytes",
+]
 
 logger = logging.getLogger("raysgd")
 
@@ -68,33 +78,37 @@ class Generation:
     call: Optional[CallRecord]
     #: old rank -> (its chunks, its call metrics): this worker's own part and its peer's.
     parts: dict[int, tuple[Chunks, Optional[AverageMeterCollection]]] = field(default_factory=dict)
-    #: The host memory (`Snapshots` slot) its own part lives in.
-    slot: int = 0
 
 
 @dataclass(frozen=True)
 class Taken:
     """The snapshot taken last: its step, the thread that finishes it, and its host copy (which a
-    checkpoint at the same step writes as files) with the slot it lives in."""
+    checkpoint at the same step writes as files)."""
 
     step: int
-    thread: threading.Thread
+    #: None for a copy made only to be written (no snapshot is kept: `Snapshots.keeping`).
+    thread: Optional[threading.Thread]
     staged: dict[str, Any]
     state: dict[str, Any]
-    slot: int
-
-
-#: Host memory for this many snapshots' own parts, used in turn: the last committed one and the
-#: one being taken.
-SLOTS = 2
 
 
 class Snapshots:
     """This worker's snapshots and the step hook that takes them (see the module docstring)."""
 
-    def __init__(self, runner: OperatorRunner, every: Union[int, str]) -> None:
+    def __init__(
+        self, runner: OperatorRunner, every: Union[int, str], budget_mb: Optional[float] = None
+    ) -> None:
         self.runner = runner
         self.schedule = SnapshotSchedule(every)
+        #: `snapshot_memory_mb`: the host memory a worker's snapshots may take (None: no bound).
+        self.budget_mb = budget_mb
+        #: Whether snapshots are kept between steps: the budget holds `PEAK_COPIES` of the
+        #: largest worker's part (decided at every snapshot the trainer asks for).
+        self.keeping = True
+        #: The largest worker's part, in bytes, when last measured (None: not yet).
+        self.part_bytes: Optional[int] = None
+        #: What the budget chose, when it was last decided and not yet said (`budget_message`).
+        self.choice: Optional[str] = None
         self.held: dict[int, Generation] = {}
         #: Steps reported to the driver (`ShardedState.holding`): never dropped before the restore
         #: or the move that asked for them (until the next snapshot is taken).
@@ -106,11 +120,6 @@ class Snapshots:
         self.taking: Optional[Taken] = None
         #: The step of the last snapshot every worker was known to hold (the commit).
         self.committed: Optional[int] = None
-        #: One stager per slot (`SLOTS`), made on first use; the slot used last.
-        self._stagers: list[Any] = []
-        self._slot = -1
-        #: slot -> set once the checkpoint being written from that slot's copy is written.
-        self._writing: dict[int, threading.Event] = {}
         self._failed: Optional[BaseException] = None
         # The last step boundary (after its snapshot, if any), and the call it was in.
         self._boundary: Optional[tuple[float, Any]] = None
@@ -127,7 +136,8 @@ class Snapshots:
             self.schedule.finished()
         # At a window start only: a snapshot inside a window would have to hold the gradients
         # accumulated since its start.
-        if self.schedule.due(self.runner.position.step) and self.runner.position.at_window_start:
+        position = self.runner.position
+        if self.keeping and self.schedule.due(position.step) and position.at_window_start:
             self.take(wait=False)
         self._boundary = (time.perf_counter(), call)
 
@@ -150,7 +160,7 @@ class Snapshots:
                 state[RANK_SLOTS] = rank_slots
             # The same dictionary the snapshot holds (`Generation.state`).
             taking.state.update(state)
-        if position.validated_at != position.window_step:
+        if position.validated_at != position.window_step or not self.keeping:
             return
         if not at_step:
             self.take(wait=False)
@@ -179,9 +189,11 @@ class Snapshots:
             )
         return self._files_group
 
-    def take(self, *, wait: bool) -> Generation | None:
+    def take(self, *, wait: bool, even_over_budget: bool = False) -> Generation | None:
         """Snapshot this worker's part now (every worker calls it at the same step). With `wait`,
-        return once the snapshot is held here and on the peer."""
+        return once the snapshot is held here and on the peer. None when the budget does not
+        hold a snapshot (see `keeping`), unless `even_over_budget` (a move, which needs the
+        leaving workers' parts for as long as it takes)."""
         import torch.distributed as dist
 
         from raysgd_operator import sharded_memory
@@ -191,13 +203,11 @@ class Snapshots:
         group = self.group()
         runner, rank = self.runner, dist.get_rank()
         started = time.perf_counter()
-        if self.schedule.auto:
-            # Each worker measured its own cost, and a replacement starts the ramp again; the
-            # next snapshot must fall on the same step on all of them.
-            wanted = torch.tensor([self.schedule.wanted(), self.schedule.every], dtype=torch.int64)
-            dist.all_reduce(wanted, op=dist.ReduceOp.MAX, group=group)
-            self.schedule.agree(int(wanted[0]), int(wanted[1]))
         tensors, state = runner.state.sharded_parts()
+        self._agree(nbytes(tensors), group)
+        if not (self.keeping or even_over_budget):
+            self.forget()
+            return None
         # Every worker keeps every rank's per-rank state (small): whichever survives has the
         # lost ones' for their replacements.
         rank_slots = gather_rank_slots(runner, None)
@@ -205,8 +215,7 @@ class Snapshots:
             state[RANK_SLOTS] = rank_slots
         meters = runner.position.call_meters()
         call = runner.position.call
-        slot = self._next_slot()
-        staged = self._stagers[slot].stage(tensors)
+        staged = sharded_memory.stage(tensors)
         del tensors
         # The state taken is the window start's (`StateIO.state_dict`).
         step, size = runner.position.window_step, dist.get_world_size()
@@ -219,7 +228,7 @@ class Snapshots:
                 holder = [metadata]
                 dist.broadcast_object_list(holder, src=0, group=group)
                 kept = time.perf_counter()
-                generation = Generation(step, size, holder[0], state, call, slot=slot)
+                generation = Generation(step, size, holder[0], state, call)
                 generation.parts[rank] = (chunks, meters)
                 if size > 1:
                     peer = (rank - 1) % size
@@ -245,7 +254,7 @@ class Snapshots:
 
         self._thread = threading.Thread(target=finish, name="raysgd-snapshot", daemon=True)
         self._thread.start()
-        self.taking = Taken(step, self._thread, staged, state, slot)
+        self.taking = Taken(step, self._thread, staged, state)
         if wait:
             self.join()
             if self._failed is not None:
@@ -253,32 +262,38 @@ class Snapshots:
             return self.held[step]
         return None
 
-    def _next_slot(self) -> int:
-        """The slot the next snapshot's own part is copied into. The snapshot that used it before
-        (two snapshots ago: dropped at the last commit) goes; a checkpoint still being written
-        from it keeps that memory, and so does the committed snapshot when the last commit
-        failed (it is then the newest whole one): the slot gets new memory."""
+    def _agree(self, nbytes: int, group: Any) -> None:
+        """Agree with every worker on the next snapshot's step (with "auto", each worker measured
+        its own cost, and a replacement starts the ramp again) and, with a budget, on whether
+        snapshots are kept: the largest part decides, for all of them."""
+        import torch.distributed as dist
+
+        if not self.schedule.auto and self.budget_mb is None:
+            return
+        wanted = torch.tensor(
+            [self.schedule.wanted(), self.schedule.every, nbytes], dtype=torch.int64
+        )
+        dist.all_reduce(wanted, op=dist.ReduceOp.MAX, group=group)
+        if self.schedule.auto:
+            self.schedule.agree(int(wanted[0]), int(wanted[1]))
+        most = int(wanted[2])
+        if self.budget_mb is None or most == self.part_bytes:
+            return
+        self.part_bytes = most
+        self.keeping = PEAK_COPIES * most <= self.budget_mb * 2**20
+        self.choice = budget_message(most, self.budget_mb, self.keeping)
+
+    def copy_only(self) -> Taken:
+        """A host copy of this worker's part and the small rest, to be written as a checkpoint's
+        files, with no snapshot kept (every worker calls it at the same step)."""
         from raysgd_operator import sharded_memory
 
-        if not self._stagers:
-            self._stagers = [sharded_memory.Stager() for _ in range(SLOTS)]
-        self._slot = slot = (self._slot + 1) % SLOTS
-        kept = self.held.get(self.committed) if self.committed is not None else None
-        for step in [step for step, g in self.held.items() if g.slot == slot]:
-            if self.held[step] is not kept:
-                del self.held[step]
-        writing = self._writing.pop(slot, None)
-        if (writing is not None and not writing.is_set()) or (
-            kept is not None and kept.slot == slot
-        ):
-            self._stagers[slot].close()
-            self._stagers[slot] = sharded_memory.Stager()
-        return slot
-
-    def writing_from(self, taken: Taken) -> threading.Event:
-        """Note that a checkpoint is written from `taken`'s copy (until the event is set)."""
-        done = self._writing[taken.slot] = threading.Event()
-        return done
+        tensors, state = self.runner.state.sharded_parts()
+        rank_slots = gather_rank_slots(self.runner, None)
+        if rank_slots is not None:
+            state[RANK_SLOTS] = rank_slots
+        staged = sharded_memory.stage(tensors)
+        return Taken(self.runner.position.window_step, None, staged, state)
 
     def parts_at(self, step: int) -> dict[int, tuple[Chunks, Optional[AverageMeterCollection]]]:
         """The parts this worker holds of the snapshot at `step` (none when it holds none)."""
@@ -299,13 +314,6 @@ class Snapshots:
         snapshot groups are made again over the new one when next used."""
         self.forget()
         self._group, self._files_group = None, None
-        self.release()
-
-    def release(self) -> None:
-        """Forget the host memory of the copies (what still holds one keeps it)."""
-        for stager in self._stagers:
-            stager.close()
-        self._stagers, self._slot, self._writing = [], -1, {}
 
     def join(self, timeout_s: Optional[float] = None) -> None:
         """Wait for the snapshot in flight (if any) to be held."""
@@ -317,6 +325,41 @@ class Snapshots:
         if self._failed is not None:
             logger.warning("a sharded snapshot failed: %s", self._failed)
             self._failed = None
+
+
+def budget_message(part_bytes: int, budget_mb: float, keeping: bool) -> str:
+    """What the snapshots take of `snapshot_memory_mb` per worker, and what a loss costs."""
+    part = part_bytes / 2**20
+    held = f"{STEADY_COPIES} copies of a worker's part ({STEADY_COPIES * part:.0f} MB)"
+    peak = f"{PEAK_COPIES} ({PEAK_COPIES * part:.0f} MB) while one is taken"
+    if keeping:
+        return (
+            f"fsdp snapshots in host memory: {held}, {peak}, within snapshot_memory_mb="
+            f"{budget_mb:g}; a lost worker costs the steps since the last snapshot"
+        )
+    return (
+        f"no fsdp snapshots in host memory: they take {held}, {peak}, more than "
+        f"snapshot_memory_mb={budget_mb:g}. A lost worker costs a return to the newest "
+        "checkpoint (checkpoint_every), and without one it ends the run; more workers make "
+        "each part smaller"
+    )
+
+
+#: Copies of its part a worker holds between snapshots (its own, and its peer's) and, at most,
+#: while one is taken (the one before stays until every worker holds the new one).
+STEADY_COPIES, PEAK_COPIES = 2, 4
+
+
+def nbytes(tree: Any) -> int:
+    """The bytes of a worker's part or its host copy (nested dicts of tensors; of a DTensor, its
+    local part)."""
+    if isinstance(tree, dict):
+        return sum(nbytes(value) for value in tree.values())
+    if isinstance(tree, torch.Tensor):
+        local = getattr(tree, "to_local", None)
+        tensor = local() if callable(local) else tree
+        return tensor.numel() * tensor.element_size()
+    return 0
 
 
 def _same_call(a: Any, b: Any) -> bool:
