@@ -183,7 +183,7 @@ def test_checkpoints_inside_an_epoch_survive_a_worker_lost_during_an_upload(
 def _host_copy() -> Any:
     """On a worker, once its checkpoint thread is idle: where rank 0's host copy for periodic
     checkpoints lives and what it holds (None on the other ranks, which copy nothing)."""
-    from raysgd._internal.worker.slot import this_worker, worker_state
+    from raysgd._internal.worker.objects import this_worker, worker_state
 
     this_worker().uploads.finish()
     writers = sum(t.name == "raysgd-checkpoint" for t in threading.enumerate())

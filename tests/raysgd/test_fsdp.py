@@ -353,7 +353,7 @@ def test_fsdp_trains_like_ddp_with_a_shard_per_worker_and_recovers_lost_workers(
 
 def _snapshots_kept() -> list[tuple[int, list[int]]]:
     """On a worker: the snapshots it holds (step, the ranks whose parts it keeps)."""
-    from raysgd._internal.worker.slot import worker_state
+    from raysgd._internal.worker.objects import worker_state
 
     snapshots = worker_state().snapshots
     snapshots.join()

@@ -70,7 +70,7 @@ def _resident_bytes() -> int:
 def _memory() -> dict[str, Any]:
     """On a worker: its part's bytes, the snapshots it holds, and its resident memory with them
     and after dropping them."""
-    from raysgd._internal.worker.slot import worker_state
+    from raysgd._internal.worker.objects import worker_state
     from raysgd._internal.worker.snapshots import nbytes
 
     state = worker_state()

@@ -372,7 +372,7 @@ class WorkerGroup:
     def retire(self, ranks: Sequence[int]) -> None:
         """Stop healthy workers on purpose, e.g. because their node is about to be reclaimed.
 
-        The workers of `ranks` are killed and their slots are not reused while their node drains;
+        The workers of `ranks` are killed and their seats are not reused while their node drains;
         spares on the same nodes are dropped too. The group then needs `recover(n)`, which keeps
         the others and starts replacements elsewhere (spares first), as after a loss.
         """

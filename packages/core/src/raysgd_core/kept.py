@@ -95,7 +95,7 @@ def key_of(spec: GroupSpec) -> tuple:
 
 
 def keep(workers: list[Worker], key: tuple, seconds: float) -> None:
-    """Keep `workers` (stopped cleanly, out of any process group, each in a slot of its own) for
+    """Keep `workers` (stopped cleanly, out of any process group, each in a seat of its own) for
     `seconds`; they are released then unless a group took them."""
     until = time.monotonic() + seconds
     with _lock:
@@ -107,7 +107,7 @@ def keep(workers: list[Worker], key: tuple, seconds: float) -> None:
 
 def serves(running: RunningGroup) -> bool:
     """Whether kept workers can serve `running` (and its own be kept for a later group): its
-    slots are its own (not a borrowed group's), on a cluster of one node that fits a worker
+    seats are its own (not a borrowed group's), on a cluster of one node that fits a worker
     (on several, the placement strategy chooses the nodes)."""
     pool = running.pool
     return pool is not None and pool.borrowed is None and nodes_that_fit(running.spec.bundle) == 1
@@ -131,7 +131,7 @@ def room_for(running: RunningGroup) -> tuple[int, dict[str, float]]:
 
 
 def take_for(running: RunningGroup, count: int) -> list[Worker]:
-    """Up to `count` kept workers of `running`'s kind, given to its slot pool, each readied for
+    """Up to `count` kept workers of `running`'s kind, given to its seat pool, each readied for
     the group (asked to leave what it held, then queued like a newly spawned worker: its
     `describe_ref`, and the group's init hook). Kept workers of other kinds are released (their
     room is for this group); extra ones of this kind stay kept. Where kept workers cannot serve
@@ -152,15 +152,15 @@ def take_for(running: RunningGroup, count: int) -> list[Worker]:
     if not taken:
         return []
     for worker in taken:
-        assert worker.slot is not None
-        running.pool.owned_pgs.append(worker.slot.pg)
+        assert worker.seat is not None
+        running.pool.owned_pgs.append(worker.seat.pg)
         worker.info = {"describe_ref": worker.actor.reset.remote()}
     ready, gone = await_started(taken, RESET_WAIT_S)
     for worker in gone:  # died since it was kept (killed, its node lost): a new one instead
         kill_worker(worker)
         # Removed, not left free in the pool: a group starting now places its new workers in
         # groups of their own, and a free one would hold room they may need.
-        running.pool.release(worker.slot, reuse=False)
+        running.pool.release(worker.seat, reuse=False)
     hook = running.spec.actor.init_hook
     for worker in ready:
         worker.info = {"describe_ref": worker.actor.describe.remote()}
@@ -203,7 +203,7 @@ def _release(released: list[_Kept]) -> None:
         if k.key[0] != current:
             continue
         kill_worker(k.worker)
-        pg: Optional[Any] = k.worker.slot.pg if k.worker.slot is not None else None
+        pg: Optional[Any] = k.worker.seat.pg if k.worker.seat is not None else None
         if pg is not None:
             try:
                 remove_placement_group(pg)

@@ -47,8 +47,9 @@ def stage(tensors: dict[str, Any]) -> dict[str, Any]:
     it returns.
 
     Every tensor of the copy lives in one buffer (`one_buffer`), so that dropping the copy gives
-    its memory back to the system at once: copies made and dropped at every snapshot, tensor by
-    tensor, would leave the heap holding their high-water mark.
+    its memory back to the system at once (glibc maps a buffer above its mmap threshold on its
+    own): copies made and dropped at every snapshot, tensor by tensor, would leave the heap
+    holding their high-water mark.
     """
     from torch.distributed.tensor import DTensor
 

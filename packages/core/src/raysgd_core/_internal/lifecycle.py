@@ -10,7 +10,7 @@ from raysgd_core import kept
 from raysgd_core._internal import host_memory, spares
 from raysgd_core._internal.local import LocalWorker
 from raysgd_core._internal.placement import (
-    SlotPool,
+    SeatPool,
     describe_free_resources,
     describe_request,
     wait_removed,
@@ -39,7 +39,7 @@ def start(running: RunningGroup, num_workers: int, borrowed: Any) -> None:
     caller tears the running group down. `borrowed`: a placement group to place the workers in, or None."""
     spec = running.spec
     t0 = time.monotonic()
-    running.pool = pool = SlotPool(spec.bundle, spec.options.placement_strategy, borrowed)
+    running.pool = pool = SeatPool(spec.bundle, spec.options.placement_strategy, borrowed)
     n_remote = num_workers - (1 if spec.options.use_local else 0)
     waits = []
     if spec.options.use_local:
@@ -54,12 +54,12 @@ def start(running: RunningGroup, num_workers: int, borrowed: Any) -> None:
     request = describe_request(num_workers, spec.bundle, spec.options.placement_strategy)
     reused = kept.take_for(running, n_remote)
     n_new = n_remote - len(reused)
-    slots = pool.create_main(n_new, spec.options.start_timeout_s) if n_new else []
-    placed, slots = slots is not None, slots or []
-    waits += [slot.pg.ready() for slot in slots if slot.owned]
+    seats = pool.create_main(n_new, spec.options.start_timeout_s) if n_new else []
+    placed, seats = seats is not None, seats or []
+    waits += [seat.pg.ready() for seat in seats if seat.owned]
     # Actors are created before their groups are ready: Ray starts each one the moment its
     # bundle is reserved, with no round trip in between.
-    spawned = reused + spawn(slots, spec.actor)
+    spawned = reused + spawn(seats, spec.actor)
     running.workers += spawned
     if not placed or not wait_ready(waits, spec.options.start_timeout_s):
         raise ResourcesUnavailableError(
@@ -109,11 +109,11 @@ def _keep(running: RunningGroup, stopped: list[Worker]) -> list[Worker]:
     if not seconds or not kept.serves(running):
         return running.workers
     assert running.pool is not None
-    keepable = [w for w in stopped if w.slot is not None and w.slot.owned and not w.unresponsive]
+    keepable = [w for w in stopped if w.seat is not None and w.seat.owned and not w.unresponsive]
     for worker in keepable:
-        assert worker.slot is not None
-        if worker.slot.pg in running.pool.owned_pgs:
-            running.pool.owned_pgs.remove(worker.slot.pg)
+        assert worker.seat is not None
+        if worker.seat.pg in running.pool.owned_pgs:
+            running.pool.owned_pgs.remove(worker.seat.pg)
     kept.keep(keepable, kept.key_of(running.spec), seconds)
     return [w for w in running.workers if w not in keepable]
 

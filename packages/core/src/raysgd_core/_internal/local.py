@@ -26,7 +26,7 @@ class LocalWorker:
 
         if _active[0] is not None and _active[0].outlived_its_cluster():
             # Ray was shut down (or restarted) under it without `shutdown()`, e.g. after a test
-            # failed half-way: its workers are gone, so it holds nothing but this slot.
+            # failed half-way: its workers are gone, so it holds nothing but this seat.
             _active[0].close_quietly()
         if _active[0] is not None:
             raise RuntimeError(

@@ -1,6 +1,6 @@
 """Where workers go: a placement group of one bundle per worker, or a borrowed group (a Tune trial's).
 
-Every remote worker occupies a *slot*. Each slot owned here is a placement group of its own: Ray can
+Every remote worker occupies a *seat*. Each seat owned here is a placement group of its own: Ray can
 remove a whole group but not one bundle of it, and a group that lost a bundle with its node stays
 in Ray's hands until the bundle is placed again. While the cluster has no room for it Ray keeps
 trying, and on Ray 2.60 those attempts keep the GCS busy without pause (one core of the head
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 __all__ = [
-    "Slot",
-    "SlotPool",
+    "Seat",
+    "SeatPool",
     "describe_free_resources",
     "describe_request",
     "estimate_fitting",
@@ -85,7 +85,7 @@ def format_resources(res: dict) -> str:
 
 
 @dataclass(eq=False)
-class Slot:
+class Seat:
     """Room for one worker: bundle `bundle_index` of `pg` (-1: any bundle with room)."""
 
     pg: Any
@@ -101,8 +101,8 @@ class Slot:
         )
 
 
-class SlotPool:
-    """The slots of one WorkerGroup: its own one-bundle placement groups, or a borrowed group."""
+class SeatPool:
+    """The seats of one WorkerGroup: its own one-bundle placement groups, or a borrowed group."""
 
     def __init__(self, bundle: dict, strategy: str, borrowed: Any = None) -> None:
         self.bundle = bundle
@@ -110,21 +110,21 @@ class SlotPool:
         self.borrowed = borrowed  # a placement group we may use but never remove
         #: Groups of workers that are gone, on live nodes that are not draining: the next new
         #: workers take them.
-        self.free: list[Slot] = []
+        self.free: list[Seat] = []
         self.owned_pgs: list[Any] = []
 
-    def create_main(self, count: int, timeout_s: float) -> Optional[list[Slot]]:
-        """The slots for `start()`: `count` groups placed together by the strategy (None: the
+    def create_main(self, count: int, timeout_s: float) -> Optional[list[Seat]]:
+        """The seats for `start()`: `count` groups placed together by the strategy (None: the
         cluster could not place them within `timeout_s`), or borrowed ones."""
         if self.borrowed is not None:
-            return [Slot(self.borrowed, -1, owned=False) for _ in range(count)]
+            return [Seat(self.borrowed, -1, owned=False) for _ in range(count)]
         nodes: list[Optional[str]] = [None] * count
         if count > 1 and nodes_that_fit(self.bundle) != 1:
             placed = self._reserve(count, timeout_s)
             if placed is None:
                 return None
             nodes = placed
-        return [self._new_slot(node) for node in nodes]
+        return [self._new_seat(node) for node in nodes]
 
     def _reserve(self, count: int, timeout_s: float) -> Optional[list[Optional[str]]]:
         """Where Ray places `count` bundles by the strategy: a group made, read and removed."""
@@ -148,44 +148,44 @@ class SlotPool:
         _wait_free(freed, REFREE_WAIT_S)
         return [str(placed[i]) if placed.get(i) else None for i in range(count)]
 
-    def _new_slot(self, node: Optional[str] = None) -> Slot:
+    def _new_seat(self, node: Optional[str] = None) -> Seat:
         """A one-bundle group, on `node` when given."""
         from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group
 
         pin = {"bundle_label_selector": [{NODE_ID_LABEL_KEY: node}]} if node else {}
         pg = placement_group([self.bundle], strategy="PACK", **pin)
         self.owned_pgs.append(pg)
-        return Slot(pg, 0, owned=True)
+        return Seat(pg, 0, owned=True)
 
-    def acquire(self) -> Slot:
-        """A slot for one more worker: a free group on a live node that is not draining first,
+    def acquire(self) -> Seat:
+        """A seat for one more worker: a free group on a live node that is not draining first,
         else a new group (which Ray does not place on a draining node)."""
         if self.borrowed is not None:
-            return Slot(self.borrowed, -1, owned=False)
+            return Seat(self.borrowed, -1, owned=False)
         self.refresh()
         if self.free:
             return self.free.pop(0)
-        return self._new_slot()
+        return self._new_seat()
 
-    def release(self, slot: Slot, *, reuse: bool = True) -> None:
-        """Give a slot back: kept for the next worker while its node is live and not draining
+    def release(self, seat: Seat, *, reuse: bool = True) -> None:
+        """Give a seat back: kept for the next worker while its node is live and not draining
         (and `reuse`), else removed (its resources go back to the cluster)."""
-        if not slot.owned or slot in self.free:
+        if not seat.owned or seat in self.free:
             return
-        if reuse and _usable(slot, _nodes_to_avoid()):
-            self.free.append(slot)
+        if reuse and _usable(seat, _nodes_to_avoid()):
+            self.free.append(seat)
         else:
-            self._remove(slot.pg)
+            self._remove(seat.pg)
 
     def refresh(self) -> None:
         """Remove the free groups whose node has since gone or started draining."""
         if not self.free:
             return
         avoid = _nodes_to_avoid()
-        for slot in list(self.free):
-            if not _usable(slot, avoid):
-                self.free.remove(slot)
-                self._remove(slot.pg)
+        for seat in list(self.free):
+            if not _usable(seat, avoid):
+                self.free.remove(seat)
+                self._remove(seat.pg)
 
     def remove_all(self) -> list[Any]:
         """Remove every placement group this pool created (killing anything still in them).
@@ -242,20 +242,20 @@ def _nodes_to_avoid() -> set[str]:
     return set(draining_nodes()) | dead
 
 
-def _usable(slot: Slot, avoid: set[str]) -> bool:
-    node = _bundle_node(slot)
+def _usable(seat: Seat, avoid: set[str]) -> bool:
+    node = _bundle_node(seat)
     return node is not None and node not in avoid
 
 
-def _bundle_node(slot: Slot) -> Optional[str]:
-    """The node a slot's bundle is placed on now (None: not placed, or unknown)."""
+def _bundle_node(seat: Seat) -> Optional[str]:
+    """The node a seat's bundle is placed on now (None: not placed, or unknown)."""
     from ray.util import placement_group_table
 
     try:
-        nodes = placement_group_table(slot.pg).get("bundles_to_node_id", {})
+        nodes = placement_group_table(seat.pg).get("bundles_to_node_id", {})
     except Exception:  # the group is gone
         return None
-    node = nodes.get(slot.bundle_index)
+    node = nodes.get(seat.bundle_index)
     return str(node) if node else None
 
 
@@ -299,7 +299,7 @@ def _gone(table: Any, free: dict, pg: Any) -> bool:
 
 
 def estimate_fitting(
-    bundle: dict, pool: Optional[SlotPool], freeable: Optional[dict[str, float]] = None
+    bundle: dict, pool: Optional[SeatPool], freeable: Optional[dict[str, float]] = None
 ) -> int:
     """How many more `bundle`s fit: free cluster resources (or the borrowed group's) plus
     `freeable` (held by something the group releases when it needs room), plus the groups of our
@@ -320,5 +320,5 @@ def estimate_fitting(
     ]
     if pool is not None:
         pool.refresh()
-    free_slots = len(pool.free) if pool is not None else 0
-    return (min(room) if room else 0) + free_slots
+    free_seats = len(pool.free) if pool is not None else 0
+    return (min(room) if room else 0) + free_seats

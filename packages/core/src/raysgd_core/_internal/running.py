@@ -12,7 +12,7 @@ from typing import Optional
 
 from raysgd_core._internal.liveness import Liveness, Wait
 from raysgd_core._internal.local import LocalWorker
-from raysgd_core._internal.placement import SlotPool, make_bundle
+from raysgd_core._internal.placement import SeatPool, make_bundle
 from raysgd_core._internal.workers import (
     ActorSpec,
     Worker,
@@ -76,11 +76,11 @@ class GroupSpec:
 
 @dataclass(eq=False)
 class RunningGroup:
-    """The running part of a group: its workers in rank order, their slots and its health."""
+    """The running part of a group: its workers in rank order, their seats and its health."""
 
     spec: GroupSpec
     workers: list[Worker] = field(default_factory=list)
-    pool: Optional[SlotPool] = None
+    pool: Optional[SeatPool] = None
     local: Optional[LocalWorker] = None
     #: The process group is unusable (a worker raised or died) until it is re-formed.
     broken: bool = False
@@ -134,14 +134,14 @@ class RunningGroup:
         return self.probes.wait({key: w.actor for key, w in workers.items()})
 
     def drop(self, worker: Worker, *, unresponsive: bool = False) -> None:
-        """Kill a remote worker and give its slot back (the local rank is never killed); the
-        slot of a worker killed for not answering (`unresponsive`: silent, or stuck past a
+        """Kill a remote worker and give its seat back (the local rank is never killed); the
+        seat of a worker killed for not answering (`unresponsive`: silent, or stuck past a
         grace) is not used again but removed at once, which is what takes a stopped process:
         Ray's kill asks the process to exit, which a stopped one never does, while the removal
         of its placement group has the raylet kill whatever runs in it."""
         kill_worker(worker, unresponsive=unresponsive)
         if self.probes is not None and worker.actor is not None:
             self.probes.forget([worker.actor])
-        if worker.slot is not None and self.pool is not None:
-            self.pool.release(worker.slot, reuse=not worker.unresponsive)
-            worker.slot = None
+        if worker.seat is not None and self.pool is not None:
+            self.pool.release(worker.seat, reuse=not worker.unresponsive)
+            worker.seat = None

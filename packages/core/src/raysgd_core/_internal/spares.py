@@ -2,7 +2,7 @@
 
 A replacement started only once a worker is lost spends seconds in a fresh process (Ray's worker
 start, the torch import, the modules the first optimizer of a process imports) while the survivors
-wait for it. A spare has paid for all of that in advance, in a slot of its own: its resources are
+wait for it. A spare has paid for all of that in advance, in a seat of its own: its resources are
 reserved like any worker's, so it computes on its own CPUs or GPU once promoted. `recover` promotes
 the spares that are up before it starts new actors, and starts the next spares once the group is
 formed again.
@@ -120,7 +120,7 @@ def take(running: RunningGroup, up: list[Worker], alive: list[Worker], count: in
     """Promote up to `count` spares: those of `up` (from `ready`) that are in `alive` (answered a
     ping) and not on a node Ray is draining. They leave `running.spares` and are joined like newly
     spawned workers. Spares of `up` that did not answer or sit on a draining node are dropped
-    (their slot is freed; `replenish` starts others elsewhere); those still starting stay spares."""
+    (their seat is freed; `replenish` starts others elsewhere); those still starting stay spares."""
     from raysgd_core.drains import draining_nodes
 
     draining = draining_nodes() if up else {}
@@ -139,14 +139,14 @@ def take(running: RunningGroup, up: list[Worker], alive: list[Worker], count: in
 
 
 def discard(running: RunningGroup) -> None:
-    """Kill every spare and free its slot."""
+    """Kill every spare and free its seat."""
     for w in running.spares:
         running.drop(w)
     running.spares = []
 
 
 def discard_on(running: RunningGroup, nodes: set[str]) -> None:
-    """Kill the spares on `nodes` (about to go away) and free their slots; `replenish` starts new
+    """Kill the spares on `nodes` (about to go away) and free their seats; `replenish` starts new
     ones elsewhere."""
     leaving = [w for w in running.spares if w.node_id in nodes]
     for w in leaving:

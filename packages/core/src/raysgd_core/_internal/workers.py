@@ -12,7 +12,7 @@ from raysgd_core._internal.actor import remote_worker_class
 from raysgd_core._internal.failures import GRACE_S, Outcome, collect, raise_for
 from raysgd_core._internal.liveness import Liveness
 from raysgd_core._internal.local import LocalWorker
-from raysgd_core._internal.placement import Slot
+from raysgd_core._internal.placement import Seat
 
 __all__ = [
     "ActorSpec",
@@ -49,14 +49,14 @@ class Worker:
 
     actor: Any = None
     local: Optional[LocalWorker] = None
-    slot: Optional[Slot] = None
+    seat: Optional[Seat] = None
     info: dict[str, Any] = field(default_factory=dict)
     rank: int = -1
     local_rank: int = 0
     local_world_size: int = 1
     device: str = "cpu"
     alive: bool = True
-    #: Killed because it did not answer: its slot is not used again (its node may be frozen).
+    #: Killed because it did not answer: its seat is not used again (its node may be frozen).
     unresponsive: bool = False
 
     @property
@@ -64,21 +64,21 @@ class Worker:
         return self.info.get("node_id", "?")
 
 
-def spawn(slots: list[Slot], spec: ActorSpec) -> list[Worker]:
-    """Create one actor per slot without waiting; `await_started` collects them.
+def spawn(seats: list[Seat], spec: ActorSpec) -> list[Worker]:
+    """Create one actor per seat without waiting; `await_started` collects them.
 
     The init hook is queued right behind the start, so it runs with no extra round trip.
     """
     cls = remote_worker_class()
     workers = []
-    for slot in slots:
+    for seat in seats:
         actor = cls.options(
             num_cpus=spec.num_cpus,
             num_gpus=spec.num_gpus,
             resources=spec.resources or None,
-            scheduling_strategy=slot.strategy(),
+            scheduling_strategy=seat.strategy(),
         ).remote(spec.env_vars, spec.keep_freed_memory)
-        worker = Worker(actor=actor, slot=slot)
+        worker = Worker(actor=actor, seat=seat)
         worker.info["describe_ref"] = actor.describe.remote()
         if spec.init_hook is not None:
             worker.info["hook_ref"] = actor.run.remote(spec.init_hook)

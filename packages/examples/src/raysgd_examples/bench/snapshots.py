@@ -74,7 +74,7 @@ def _resident_bytes() -> int:
 
 def _measure_worker(kept: bool) -> dict[str, Any]:
     """On a worker, after training: its part, its memory, and one snapshot timed."""
-    from raysgd._internal.worker.slot import worker_state
+    from raysgd._internal.worker.objects import worker_state
     from raysgd._internal.worker.snapshots import nbytes
 
     state = worker_state()

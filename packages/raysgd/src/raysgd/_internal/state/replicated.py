@@ -60,13 +60,13 @@ from raysgd._internal.worker.build import (
     current_runner,
     my_dataset_splits,
 )
+from raysgd._internal.worker.objects import keep, replicas_for, this_worker
 from raysgd._internal.worker.part_exchange import exchange
 from raysgd._internal.worker.rank_replicas import (
     PeerSlot,
     decode_slot,
     encode_slot,
 )
-from raysgd._internal.worker.slot import keep, replicas_for, this_worker
 from raysgd._internal.worker.state import (
     RANK_SLOTS,
     HostCopy,
@@ -107,12 +107,12 @@ class ReplicatedState(WorkerState):
 
     def holding(self) -> Holding:
         progress = self.runner.position.progress()
-        slot = this_worker()
-        replicas = slot.replicas
+        objects = this_worker()
+        replicas = objects.replicas
         return Holding(
             progress,
             # The rank whose slot it holds (its rank until a restore that failed midway).
-            rank=slot.slot_of,
+            rank=objects.slot_of,
             peer_slots=replicas.held() if replicas is not None else (),
         )
 

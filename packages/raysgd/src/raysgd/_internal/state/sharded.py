@@ -65,8 +65,8 @@ from raysgd._internal.worker.build import (
     build_runner,
     my_dataset_splits,
 )
+from raysgd._internal.worker.objects import keep, this_worker, worker_state
 from raysgd._internal.worker.part_exchange import exchange
-from raysgd._internal.worker.slot import keep, this_worker, worker_state
 from raysgd._internal.worker.snapshots import Snapshots, Taken, nbytes
 from raysgd._internal.worker.state import (
     RANK_SLOTS,
@@ -191,8 +191,8 @@ class ShardedState(WorkerState):
         them, resharded, and go on with the plan's call from the snapshot's step (with this
         rank's share of the call's metrics up to there); or load the fallback."""
         ctx = get_context()
-        slot = this_worker()
-        runner, kept = slot.runner, slot.state
+        objects = this_worker()
+        runner, kept = objects.runner, objects.state
         # The parts this worker holds of the planned snapshot, taken before the snapshots of the
         # old group are dropped.
         held: dict[int, Chunks] = {}
@@ -217,7 +217,7 @@ class ShardedState(WorkerState):
             runner.shutdown()
             runner = None
         if runner is None:
-            slot.runner = None
+            objects.runner = None
             runner = build_runner(args, restoring=True)
             state = keep(cls(runner))
         rank = ctx.world_rank

@@ -1,6 +1,6 @@
 """The runner every worker keeps, and what it is built from.
 
-Each worker keeps one long-lived `OperatorRunner` in its `WorkerSlot` (the operator, its data
+Each worker keeps one long-lived `OperatorRunner` in its `WorkerObjects` (the operator, its data
 iterators, epoch and step counters) and, beside it, its `WorkerState` (what it holds of the
 training state: see `state`). Both are built from `RunnerArgs`, which the driver makes for the
 group's size (`driver.worker_calls.RunnerRecipe`).
@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 
 from raysgd._internal.protocol import RunnerArgs
-from raysgd._internal.worker.slot import this_worker
+from raysgd._internal.worker.objects import this_worker
 from raysgd_core import get_context
 from raysgd_operator import OperatorRunner
 

@@ -1,7 +1,7 @@
 """Functions the trainer runs on its workers through `WorkerGroup.execute`.
 
-Each worker keeps one long-lived `OperatorRunner` and its `WorkerState` in its `WorkerSlot`
-(`slot`), so every call after construction ships only its own arguments. The training state stays on the workers: it reaches the driver only when
+Each worker keeps one long-lived `OperatorRunner` and its `WorkerState` in its `WorkerObjects`
+(`objects`), so every call after construction ships only its own arguments. The training state stays on the workers: it reaches the driver only when
 the user asks for it (`get_models`) or for the bounded copy (`state_copy`).
 These functions are module-level and importable on the workers (raysgd is installed there), so
 Ray pickles them by reference. An operator class arrives as a top-level argument: Ray resolves
@@ -31,7 +31,7 @@ from raysgd._internal.worker.build import (
     build_runner,
     current_runner,
 )
-from raysgd._internal.worker.slot import (
+from raysgd._internal.worker.objects import (
     bound_for,
     keep,
     periodic_for,
@@ -98,10 +98,10 @@ def create_runner(
 def drop_runner(graceful: bool) -> None:
     """Forget this worker's runner and state; with `graceful`, let them release their resources
     first."""
-    slot = this_worker()
-    state, runner = slot.state, slot.runner
-    slot.state = slot.runner = None
-    slot.slot_of = None
+    objects = this_worker()
+    state, runner = objects.state, objects.runner
+    objects.state = objects.runner = None
+    objects.slot_of = None
     if graceful:
         if state is not None:
             state.close()

@@ -1,10 +1,10 @@
-"""What raysgd keeps in one worker process between the driver's calls: one `WorkerSlot`.
+"""What raysgd keeps in one worker process between the driver's calls: one `WorkerObjects`.
 
 It lives in the worker's `store` (`raysgd_core.WorkerContext.store`, which outlives a re-formed
-process group), under one key; `this_worker()` gives it. A new worker's slot is empty until the
-driver builds its runner; a kept worker keeps its slot through every resize. The functions
+process group), under one key; `this_worker()` gives it. A new worker's objects are empty until
+the driver builds its runner; a kept worker keeps them through every resize. The functions
 below make, arm and give its parts (a part made for one runner is made anew for the next): the
-parts themselves know nothing of the slot.
+parts themselves know nothing of them.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from raysgd_operator import OperatorRunner
 
 __all__ = [
-    "SLOT_KEY",
-    "WorkerSlot",
+    "STORE_KEY",
+    "WorkerObjects",
     "bound_for",
     "keep",
     "periodic_for",
@@ -36,12 +36,12 @@ __all__ = [
     "worker_state",
 ]
 
-#: The slot's key in the worker's store (shared with other libraries: namespaced).
-SLOT_KEY = "raysgd"
+#: The objects' key in the worker's store (shared with other libraries: namespaced).
+STORE_KEY = "raysgd"
 
 
 @dataclass(eq=False)
-class WorkerSlot:
+class WorkerObjects:
     """This worker's raysgd objects.
 
     Attributes:
@@ -68,7 +68,7 @@ class WorkerSlot:
     slot_of: Optional[tuple[int, int]] = None
 
     def close(self) -> None:
-        """End what the slot's parts keep running (the checkpoint writer's thread, the state's
+        """End what these parts keep running (the checkpoint writer's thread, the state's
         snapshots, the runner's data iterators): the process is kept for another group."""
         if self.uploads is not None:
             self.uploads.close()
@@ -78,13 +78,13 @@ class WorkerSlot:
             self.runner.shutdown()
 
 
-def this_worker() -> WorkerSlot:
-    """This worker's slot (made empty on first use)."""
+def this_worker() -> WorkerObjects:
+    """This worker's objects (made empty on first use)."""
     store = get_context().store
-    slot = store.get(SLOT_KEY)
-    if slot is None:
-        slot = store[SLOT_KEY] = WorkerSlot()
-    return slot
+    objects = store.get(STORE_KEY)
+    if objects is None:
+        objects = store[STORE_KEY] = WorkerObjects()
+    return objects
 
 
 def worker_state() -> WorkerState:
@@ -97,43 +97,43 @@ def worker_state() -> WorkerState:
 
 def keep(state: WorkerState) -> WorkerState:
     """Make `state` this worker's (closing the one it replaces)."""
-    slot = this_worker()
-    if slot.state is not None and slot.state is not state:
-        slot.state.close()
-    slot.state = state
+    objects = this_worker()
+    if objects.state is not None and objects.state is not state:
+        objects.state.close()
+    objects.state = state
     return state
 
 
 def watch_for(runner: OperatorRunner, spec: Optional[WatchSpec]) -> None:
     """Arm this worker's watch for the call about to run (made on first use, per runner)."""
-    slot = this_worker()
-    watch = slot.watch
+    objects = this_worker()
+    watch = objects.watch
     if watch is None or watch.runner is not runner:
         if spec is None:
             return
-        watch = slot.watch = BoundaryWatch(runner)
+        watch = objects.watch = BoundaryWatch(runner)
     watch.arm(spec)
 
 
 def bound_for(runner: OperatorRunner) -> CollectiveBound:
     """This worker's bound for `runner` (made on first use, per runner)."""
-    slot = this_worker()
-    if slot.bound is None or slot.bound.runner is not runner:
-        slot.bound = CollectiveBound(runner, runner.options)
-    return slot.bound
+    objects = this_worker()
+    if objects.bound is None or objects.bound.runner is not runner:
+        objects.bound = CollectiveBound(runner, runner.options)
+    return objects.bound
 
 
 def periodic_for(state: WorkerState, plan: Optional[CheckpointPlan]) -> None:
     """Arm this worker's periodic checkpoints for the call about to run (made on first use, one
     per runner: its step hook stays with the runner, and a kept runner keeps it)."""
-    slot = this_worker()
-    periodic = slot.uploads
+    objects = this_worker()
+    periodic = objects.uploads
     if periodic is None or periodic.state.runner is not state.runner:
         if plan is None:
             return
         if periodic is not None:
             periodic.close()  # its runner is gone; its last upload, if any, is left to finish
-        periodic = slot.uploads = PeriodicCheckpoints(state)
+        periodic = objects.uploads = PeriodicCheckpoints(state)
     periodic.state = state
     periodic.arm(plan)
 
@@ -146,8 +146,8 @@ def uploads() -> Optional[PeriodicCheckpoints]:
 def replicas_for(runner: OperatorRunner) -> RankReplicas:
     """This worker's replicas of its peer's slot (made on first use, per runner: its step hook
     stays with the runner)."""
-    slot = this_worker()
-    replicas = slot.replicas
+    objects = this_worker()
+    replicas = objects.replicas
     if replicas is None or replicas.runner is not runner:
-        replicas = slot.replicas = RankReplicas(runner)
+        replicas = objects.replicas = RankReplicas(runner)
     return replicas
