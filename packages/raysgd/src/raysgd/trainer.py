@@ -22,7 +22,7 @@ from raysgd._internal.driver.arguments import (
     resolve_operator_cls,
     start_timeout,
 )
-from raysgd._internal.driver.checkpoints import Checkpoints, checkpoint_root
+from raysgd._internal.driver.checkpoints import Checkpoints, KnownCheckpoints, checkpoint_root
 from raysgd._internal.driver.cluster import available_memory_bytes, driver_has_cuda
 from raysgd._internal.driver.controller import CallSpec, RunController
 from raysgd._internal.driver.datasets import (
@@ -317,15 +317,16 @@ class TorchTrainer:
             )
             # The parts, built top-down: each gets what it calls, nothing calls back up.
             self._workers = WorkerCalls(group, recipe)
+            known = KnownCheckpoints(checkpoint_location, self._kind.checkpoint_name)
             self._state = TrainingState(
                 self._workers,
                 kind=self._kind,
                 copy=DriverCopy(int(state_copy_limit_mb * 2**20)),
+                known=known,
                 storage_options=storage_options,
-                checkpoint_root=checkpoint_location,
             )
             self._checkpoints = Checkpoints(
-                self._state, checkpoint_location, every=checkpoint_every, keep=keep_checkpoints
+                self._state, known, every=checkpoint_every, keep=keep_checkpoints
             )
             self._controller = RunController(
                 group=group,

@@ -19,6 +19,9 @@ says when, where, and how a run goes on from them.
   number of workers.
 - A preemption notice that rank 0 cannot move from (it runs in the driver's process) writes one at
   once, when there is a `checkpoint_dir`.
+- Which checkpoint a run goes back to is chosen here alone (`KnownCheckpoints`, shared with the
+  training state): what a restore falls back on when no worker holds the state, the one it goes
+  back to for an exact result, what `resume=True` loads, and which a load going back abandons.
 
 The writing itself is the workers', in the format of their kind of state: at once, with the
 driver waiting (`TrainingState.save`: `save`, "auto", a notice), or in the background
@@ -35,16 +38,18 @@ import os
 import shutil
 import tempfile
 import uuid
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
-from raysgd._internal.driver.training_state import TrainingState
 from raysgd._internal.protocol import CheckpointPlan
-from raysgd._internal.storage.catalog import abandoned, newest_complete, reclaim
-from raysgd._internal.storage.format import checkpoint_position
+from raysgd._internal.storage.catalog import abandon, abandoned, newest_complete, reclaim
+from raysgd._internal.storage.format import Checkpoint, checkpoint_position
 from raysgd._internal.storage.location import Storage, as_storage
 from raysgd_base import check_int
 
-__all__ = ["Checkpoints", "checkpoint_root"]
+if TYPE_CHECKING:
+    from raysgd._internal.driver.training_state import TrainingState
+
+__all__ = ["Checkpoints", "KnownCheckpoints", "checkpoint_root"]
 
 logger = logging.getLogger("raysgd")
 
@@ -75,12 +80,78 @@ def checkpoint_root(
     return root
 
 
+class KnownCheckpoints:
+    """The checkpoints a run can go back to, and the one place that chooses among them: what a
+    restore falls back on when no worker holds the state, the checkpoint a restore goes back to
+    for an exact result, what `resume=True` loads, and which a load going back abandons.
+
+    Args:
+        root: `checkpoint_dir` as a location (the workers' periodic checkpoints and "auto"), or
+            None.
+        auto_name: The name of the "auto" checkpoint in it.
+
+    Attributes:
+        last: The last checkpoint written or loaded, and its step.
+    """
+
+    def __init__(self, root: Optional[Storage], auto_name: str) -> None:
+        self.root = root
+        self.auto_name = auto_name
+        self.last: Optional[tuple[Storage, int]] = None
+
+    def fallbacks(self) -> list[tuple[int, str, Storage]]:
+        """What a restore may fall back on, as (step, what it is, where): the last checkpoint
+        written or loaded when it is still there, and the newest complete one in `root`."""
+        options = []
+        if self.last is not None:
+            location, step = self.last
+            if location.parent().exists(location.name):
+                options.append((step, f"checkpoint {location.url} at step {step}", location))
+        newest = self._newest()
+        if newest is not None:
+            # The workers' own (`checkpoint_every`), written while the driver only waited.
+            what = f"checkpoint {newest.location.url} at step {newest.step}"
+            options.append((newest.step, what, newest.state_location))
+        return options
+
+    def exact_at(self, world_size: int) -> Optional[Checkpoint]:
+        """The newest complete checkpoint in `root` when a group of `world_size` wrote it (so it
+        holds every rank's slot of that size), else None."""
+        newest = self._newest()
+        if newest is None or newest.manifest.meta.get("world_size") != world_size:
+            return None
+        return newest
+
+    def to_resume(self) -> Optional[tuple[tuple[int, int], Storage]]:
+        """What `resume=True` loads: the newest of the newest complete checkpoint and the "auto"
+        one (never one abandoned), with its (epoch, step)."""
+        assert self.root is not None
+        candidates: list[tuple[tuple[int, int], Storage]] = []
+        newest = self._newest()
+        if newest is not None:
+            candidates.append(((newest.epoch, newest.step), newest.location))
+        auto = self.root.join(self.auto_name)
+        if auto.exists() and self.auto_name not in abandoned(self.root):
+            candidates.append((checkpoint_position(auto), auto))
+        return max(candidates, key=lambda c: c[0]) if candidates else None
+
+    def loaded(self, step: int) -> None:
+        """A load went to `step`: the checkpoints past it (the periodic ones, the "auto" one) are
+        of the timeline it replaced, and no fall-back, `resume=True` or pruning may take them for
+        this run's."""
+        if self.root is not None:
+            abandon(self.root, step, also=(self.auto_name,))
+
+    def _newest(self) -> Optional[Checkpoint]:
+        return newest_complete(self.root) if self.root is not None else None
+
+
 class Checkpoints:
     """Where and when the trainer writes checkpoints (see the module docstring).
 
     Args:
         state: The training state, which writes and loads them.
-        root: `checkpoint_dir` as a location (see `checkpoint_root`), or None.
+        known: The checkpoints the run can go back to (the training state's too).
         every: `checkpoint_every` (0: only the checkpoints asked for).
         keep: `keep_checkpoints` (None: keep them all).
     """
@@ -88,13 +159,15 @@ class Checkpoints:
     def __init__(
         self,
         state: TrainingState,
-        root: Optional[Storage],
+        known: KnownCheckpoints,
         *,
         every: int = 0,
         keep: Optional[int] = None,
     ) -> None:
         self._state = state
-        self.root = root
+        self._known = known
+        #: Where "auto" writes: `checkpoint_dir`, or a temporary folder made on first use.
+        self.root = known.root
         self.every = every
         self.keep = keep
         self._scratch: Optional[str] = None  # the temporary folder "auto" made, if it made one
@@ -149,20 +222,13 @@ class Checkpoints:
 
     def resume(self) -> Optional[str]:
         """Load the newest complete checkpoint of `checkpoint_dir` (the periodic ones and the
-        auto one); where it came from, or None (and a log line) when there is none."""
-        assert self.root is not None
-        candidates: list[tuple[tuple[int, int], Storage]] = []
-        newest = newest_complete(self.root)
-        if newest is not None:
-            candidates.append(((newest.epoch, newest.step), newest.location))
-        name = self._state.checkpoint_name
-        auto = self.root.join(name)
-        if auto.exists() and name not in abandoned(self.root):
-            candidates.append((checkpoint_position(auto), auto))
-        if not candidates:
+        auto one: `KnownCheckpoints.to_resume`); where it came from, or None (and a log line)
+        when there is none."""
+        found = self._known.to_resume()
+        if found is None:
             logger.info("resume: no complete checkpoint in %s: starting from scratch", self.root)
             return None
-        (epoch, step), location = max(candidates, key=lambda c: c[0])
+        (epoch, step), location = found
         self._state.load(location)
         logger.info(
             "resumed from %s (epoch %d, step %d): training goes on at the row after it",

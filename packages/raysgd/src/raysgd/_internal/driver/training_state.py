@@ -22,7 +22,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from raysgd._internal.driver.state_copy import DriverCopy
 from raysgd._internal.driver.worker_calls import WorkerCalls
@@ -30,10 +30,13 @@ from raysgd._internal.protocol import LoadSource, RestorePlan, call_from_meta
 from raysgd._internal.state.kind import StateKind
 from raysgd._internal.state.pick import reader_at, reader_of_state
 from raysgd._internal.state.plan import RestoreOutcome, StateLostError
-from raysgd._internal.storage.catalog import abandon, newest_complete, state_to_load
+from raysgd._internal.storage.catalog import state_to_load
 from raysgd._internal.storage.location import Storage, as_storage
 from raysgd._internal.worker import calls as worker
 from raysgd_core import RecoveryReport, WorkerError
+
+if TYPE_CHECKING:
+    from raysgd._internal.driver.checkpoints import KnownCheckpoints
 
 __all__ = ["TrainingState", "rank_sources"]
 
@@ -51,14 +54,12 @@ class TrainingState:
         copy: The driver's bounded copy of the state (a limit of 0: none is kept; never where
             the kind keeps none, nor with ``use_local``, where losing every worker loses the
             driver).
+        known: The checkpoints the run can go back to, which choose what a restore falls back
+            on or goes back to (`checkpoints.KnownCheckpoints`).
         storage_options: fsspec options of the URLs given to `save`, `load` and checkpoints.
-        checkpoint_root: `checkpoint_dir`, whose newest complete checkpoint (the workers' periodic
-            ones included) a restore falls back on too.
 
     Attributes:
         step: The step the workers finished last, as far as the driver knows.
-        last_checkpoint: The last checkpoint written or loaded, and its step: what a restore
-            falls back on when no worker holds a state.
     """
 
     def __init__(
@@ -67,11 +68,11 @@ class TrainingState:
         *,
         kind: StateKind,
         copy: DriverCopy,
+        known: KnownCheckpoints,
         storage_options: Optional[dict[str, Any]] = None,
-        checkpoint_root: Optional[Storage] = None,
     ) -> None:
         self._workers = workers
-        self._checkpoint_root = checkpoint_root
+        self._known = known
         self._kind = kind
         self._copy = copy
         self._copy_wanted = copy.enabled and kind.keeps_driver_copy and not workers.use_local
@@ -79,7 +80,6 @@ class TrainingState:
         self.step = 0
         #: Epochs the workers finished (the one in progress not counted).
         self.epochs = 0
-        self.last_checkpoint: Optional[tuple[Storage, int]] = None
 
     @property
     def checkpoint_name(self) -> str:
@@ -156,8 +156,8 @@ class TrainingState:
         size (it holds every rank's slot): going back further costs steps, never the result.
         The interrupted call goes on from the checkpoint, its count up to there kept when the
         checkpoint was taken inside it."""
-        newest = newest_complete(self._checkpoint_root) if self._checkpoint_root else None
-        if newest is None or newest.manifest.meta.get("world_size") != world_size:
+        newest = self._known.exact_at(world_size)
+        if newest is None:
             return plan
         call = plan.call
         saved = call_from_meta(newest.manifest.meta.get("call"))
@@ -185,15 +185,7 @@ class TrainingState:
         if copy is not None:
             data, step = copy
             options.append((step, f"the driver's copy at step {step}", data))
-        if self.last_checkpoint is not None:
-            location, step = self.last_checkpoint
-            if location.parent().exists(location.name):
-                options.append((step, f"checkpoint {location.url} at step {step}", location))
-        newest = newest_complete(self._checkpoint_root) if self._checkpoint_root else None
-        if newest is not None:
-            # The workers' own (`checkpoint_every`), written while the driver only waited.
-            what = f"checkpoint {newest.location.url} at step {newest.step}"
-            options.append((newest.step, what, newest.state_location))
+        options.extend(self._known.fallbacks())
         if not options:
             limit_mb = self._copy.limit_bytes / 2**20
             raise StateLostError(
@@ -218,7 +210,7 @@ class TrainingState:
         sharded one); returns where it is (an absolute path for a local one)."""
         location = self.location(path)
         written = self._kind.save(self._workers, location, self.step)
-        self.last_checkpoint = (location, self.step)
+        self._known.last = (location, self.step)
         return written
 
     def load(self, path: Union[PathLike, Storage]) -> None:
@@ -230,7 +222,7 @@ class TrainingState:
             raise FileNotFoundError(errno.ENOENT, "no checkpoint there", location.url)
         location, step = state_to_load(location)
         self._load(self._source(location))
-        self.last_checkpoint = (location, self.step if step is None else step)
+        self._known.last = (location, self.step if step is None else step)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what `state_dict()` returned (of either kind) into every worker."""
@@ -259,11 +251,7 @@ class TrainingState:
         # `load_state_dict` offers, or the next refresh, is of the loaded state).
         self._copy.forget()
         self.step, self.epochs = int(answers[0].step), int(answers[0].epochs)
-        if self._checkpoint_root is not None:
-            # The checkpoints past the loaded step (the periodic ones, the "auto" one) are of
-            # the timeline the load replaced: no fall-back, `resume=True` or pruning may take
-            # them for this run's.
-            abandon(self._checkpoint_root, self.step, also=(self.checkpoint_name,))
+        self._known.loaded(self.step)
         self._kind.settle(self._workers)
 
     def _source(self, location: Storage) -> LoadSource:
