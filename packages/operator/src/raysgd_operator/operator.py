@@ -316,8 +316,9 @@ class TrainingOperator(OperatorBase):
         Each batch's ``batch_info`` holds ``batch_idx`` (its place in this call: 0 for the call's
         first batch; a call that a recovery continues goes on counting), ``epoch_batch_idx`` (its
         place in its epoch: 0 for an epoch's first batch, however many calls, loads, resumes or
-        recoveries the epoch took), ``global_step`` (batches trained since training began, which
-        accumulation windows are aligned on) and the call's ``info``.
+        recoveries the epoch took), ``epoch_idx`` (its epoch, 0 for the first), ``global_step``
+        (batches trained since training began, which accumulation windows are aligned on) and the
+        call's ``info``.
 
         Calls ``train_batch`` per batch, steps "batch" schedulers after each optimizer step and
         "epoch" schedulers after an epoch's last batch (once per epoch, however many calls it
@@ -349,6 +350,11 @@ class TrainingOperator(OperatorBase):
                     "global_step": self.global_step,
                     **info,
                 }
+                # The batch's own epoch: a call that a recovery took back into the epoch before
+                # its own crosses into its own epoch on the way.
+                epoch_idx = getattr(iterator, "epoch_idx", None)
+                if epoch_idx is not None:
+                    batch_info["epoch_idx"] = epoch_idx
                 metrics = self.train_batch(batch, batch_info)
                 # With accumulation the optimizer steps every k batches, and so does the schedule.
                 stepped = (self.global_step + 1) % self.options.accumulate_grad_batches == 0

@@ -196,6 +196,10 @@ class CallBatches:
         #: before it (0: the epoch's first batch), however many calls, loads or recoveries
         #: those steps took.
         self.epoch_batch_idx = 0
+        #: The epoch of the batch handed out last (0: the first), which a call that goes back to
+        #: a window begun in an earlier epoch changes as it reaches the next one (None: the
+        #: batches are not a stream's).
+        self.epoch_idx: Optional[int] = None
         #: The call was asked to stop at a step boundary before its end (to move workers off a
         #: node about to be reclaimed); it goes on later. A loop should then skip what it does at
         #: the end of an epoch (the default loop skips its "epoch" scheduler step).
@@ -483,6 +487,8 @@ class BatchStream:
                 self._flight_rows = _group_rows(self._loader(), batch)
                 if self._current is not None:
                     self._current.epoch_batch_idx = self.epoch_steps
+                    if self.epoch_of_pass is not None:
+                        self._current.epoch_idx = self.epoch_of_pass - 1
                 yield batch
                 # The loop came back for more: it is done with the batch it had.
                 self._complete()
