@@ -154,10 +154,8 @@ class Snapshots:
         position = runner.position
         at_step = taking is not None and taking.step == position.window_step
         if at_step:
-            state = runner.state.small_state()
-            rank_slots = gather_rank_slots(runner, None)  # every worker is here (see the hook)
-            if rank_slots is not None:
-                state[RANK_SLOTS] = rank_slots
+            # Every worker is here (see the hook).
+            state = _with_rank_slots(runner, runner.state.small_state())
             # The same dictionary the snapshot holds (`Generation.state`).
             taking.state.update(state)
         if position.validated_at != position.window_step or not self.keeping:
@@ -208,11 +206,7 @@ class Snapshots:
         if not (self.keeping or even_over_budget):
             self.forget()
             return None
-        # Every worker keeps every rank's per-rank state (small): whichever survives has the
-        # lost ones' for their replacements.
-        rank_slots = gather_rank_slots(runner, None)
-        if rank_slots is not None:
-            state[RANK_SLOTS] = rank_slots
+        state = _with_rank_slots(runner, state)
         meters = runner.position.call_meters()
         call = runner.position.call
         staged = sharded_memory.stage(tensors)
@@ -289,9 +283,7 @@ class Snapshots:
         from raysgd_operator import sharded_memory
 
         tensors, state = self.runner.state.sharded_parts()
-        rank_slots = gather_rank_slots(self.runner, None)
-        if rank_slots is not None:
-            state[RANK_SLOTS] = rank_slots
+        state = _with_rank_slots(self.runner, state)
         staged = sharded_memory.stage(tensors)
         return Taken(self.runner.position.window_step, None, staged, state)
 
@@ -360,6 +352,16 @@ def nbytes(tree: Any) -> int:
         tensor = local() if callable(local) else tree
         return tensor.numel() * tensor.element_size()
     return 0
+
+
+def _with_rank_slots(runner: OperatorRunner, state: dict[str, Any]) -> dict[str, Any]:
+    """`state` with every rank's slot (a collective: every worker calls it at the same point).
+    Every worker keeps every rank's (small): whichever survives has the lost ones' for their
+    replacements."""
+    rank_slots = gather_rank_slots(runner, None)
+    if rank_slots is not None:
+        state[RANK_SLOTS] = rank_slots
+    return state
 
 
 def _same_call(a: Any, b: Any) -> bool:
